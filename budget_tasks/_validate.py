@@ -1,0 +1,43 @@
+"""Input checks for money and identifiers, shared by every public entry point."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The largest amount accepted in one call, in minor units (10**15 micro-USD is $1e9).
+MAX_MONEY = 10**15
+MAX_KEY_LENGTH = 255
+MAX_NAME_LENGTH = 200
+
+
+def money(value: Any, name: str = "amount", *, signed: bool = False) -> int:
+    """Return ``value`` if it is an int of minor units within range, else raise.
+
+    bool, float and Decimal are refused with TypeError: money is never fractional here.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{name} must be an int of minor units, not {type(value).__name__} ({value!r})"
+        )
+    if not signed and value < 0:
+        raise ValueError(f"{name} must not be negative, got {value}")
+    if abs(value) > MAX_MONEY:
+        raise ValueError(f"{name} {value} is out of range (|{name}| <= {MAX_MONEY})")
+    return value
+
+
+def text(value: Any, name: str, *, max_length: int = MAX_KEY_LENGTH) -> str:
+    """Return ``value`` if it is non-empty, bounded, printable text, else raise."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be str, not {type(value).__name__} ({value!r})")
+    if not value.strip():
+        raise ValueError(f"{name} must not be empty")
+    if len(value) > max_length:
+        raise ValueError(f"{name} is {len(value)} characters long (at most {max_length})")
+    if "\x00" in value:
+        raise ValueError(f"{name} must not contain NUL characters")
+    return value
+
+
+def optional_text(value: Any, name: str, *, max_length: int = MAX_KEY_LENGTH) -> str | None:
+    return None if value is None else text(value, name, max_length=max_length)

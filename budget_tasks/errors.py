@@ -1,0 +1,143 @@
+"""Typed errors raised by budget-tasks.
+
+Every error carries the facts a caller needs to act on it as attributes, and pickles
+with them intact (Celery ships exceptions between processes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class BudgetTasksError(Exception):
+    """Base class of every error budget-tasks raises on purpose."""
+
+    def __init__(self, message: str, **facts: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.facts = facts
+        for name, value in facts.items():
+            setattr(self, name, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.facts))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls: type[BudgetTasksError], message: str, facts: dict[str, Any]) -> BudgetTasksError:
+    err = cls.__new__(cls)
+    BudgetTasksError.__init__(err, message, **facts)
+    return err
+
+
+class LedgerError(BudgetTasksError):
+    """A ledger operation was refused; nothing was written."""
+
+
+class LedgerUnavailable(LedgerError):
+    """The ledger database could not be reached or failed mid-transaction.
+
+    Fail closed: without a committed reservation there is no permission to send.
+    """
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"ledger unavailable, nothing may be sent: {detail}", detail=detail)
+
+
+class UnknownBudget(LedgerError):
+    """No budget has this name."""
+
+    budget: str
+
+    def __init__(self, budget: str) -> None:
+        super().__init__(f"unknown budget {budget!r}", budget=budget)
+
+
+class BudgetExists(LedgerError):
+    """A budget with this name already exists."""
+
+    budget: str
+
+    def __init__(self, budget: str) -> None:
+        super().__init__(f"budget {budget!r} already exists", budget=budget)
+
+
+class BudgetExceeded(LedgerError):
+    """Admitting the amount would take a budget (or an ancestor) past its cap."""
+
+    budget: str
+    requested: int
+    available: int
+
+    def __init__(self, budget: str, requested: int, available: int) -> None:
+        super().__init__(
+            f"budget {budget!r} cannot admit {requested}: {available} available",
+            budget=budget,
+            requested=requested,
+            available=available,
+        )
+
+
+class BudgetFrozen(LedgerError):
+    """The budget (or an ancestor) is frozen and admits nothing."""
+
+    budget: str
+
+    def __init__(self, budget: str) -> None:
+        super().__init__(f"budget {budget!r} is frozen", budget=budget)
+
+
+class IdempotencyConflict(LedgerError):
+    """The key is already used for a different request (HTTP would say 422)."""
+
+    key: str
+    field: str
+
+    def __init__(self, key: str, field: str, recorded: Any, requested: Any) -> None:
+        super().__init__(
+            f"key {key!r} was used with {field}={recorded!r}, not {requested!r}",
+            key=key,
+            field=field,
+            recorded=recorded,
+            requested=requested,
+        )
+
+
+class UnknownAttempt(LedgerError):
+    """No attempt has this key."""
+
+    key: str
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"unknown attempt {key!r}", key=key)
+
+
+class SettlementConflict(LedgerError):
+    """The attempt is already settled or released with another actual amount."""
+
+    key: str
+    recorded: int
+    requested: int
+
+    def __init__(self, key: str, recorded: int, requested: int) -> None:
+        super().__init__(
+            f"attempt {key!r} already settled at {recorded}, not {requested}",
+            key=key,
+            recorded=recorded,
+            requested=requested,
+        )
+
+
+class InvalidTransition(LedgerError):
+    """The attempt's state does not allow this step (e.g. a second mark_sending)."""
+
+    key: str
+    state: str
+    action: str
+
+    def __init__(self, key: str, state: str, action: str) -> None:
+        super().__init__(
+            f"attempt {key!r} is {state}: cannot {action}", key=key, state=state, action=action
+        )

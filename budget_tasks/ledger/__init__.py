@@ -1,0 +1,21 @@
+"""The reservation ledger (SQL only; this package never imports Celery)."""
+
+from .core import Ledger, available
+from .periods import PERIODS, RENEWALS, Period, Renewal, period_start
+from .records import Attempt, AuditFinding, Balance, BudgetInfo, Hold, Reservation
+
+__all__ = [
+    "PERIODS",
+    "RENEWALS",
+    "Attempt",
+    "AuditFinding",
+    "Balance",
+    "BudgetInfo",
+    "Hold",
+    "Ledger",
+    "Period",
+    "Renewal",
+    "Reservation",
+    "available",
+    "period_start",
+]

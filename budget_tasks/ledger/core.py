@@ -1,0 +1,823 @@
+"""The reservation ledger: reserve before sending, settle with real usage.
+
+No Celery here. Every method runs in one short transaction; a failure to reach the
+database raises :class:`LedgerUnavailable` and writes nothing (fail closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Row,
+    and_,
+    case,
+    func,
+    insert,
+    literal,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
+
+from .. import _validate as check
+from ..errors import (
+    BudgetExceeded,
+    BudgetExists,
+    BudgetFrozen,
+    IdempotencyConflict,
+    InvalidTransition,
+    SettlementConflict,
+    UnknownAttempt,
+    UnknownBudget,
+)
+from .engine import build_engine, transaction
+from .periods import (
+    PERIODS,
+    RENEWALS,
+    Period,
+    Renewal,
+    opening_cap,
+    period_start,
+    previous_period_start,
+)
+from .records import Attempt, AuditFinding, Balance, BudgetInfo, Hold, Reservation
+from .schema import (
+    ATTEMPT_REASONS,
+    HOLDING_STATES,
+    attempts,
+    budget_periods,
+    budgets,
+    journal,
+    metadata,
+)
+
+log = logging.getLogger("budget_tasks.ledger")
+
+Clock = Callable[[], datetime]
+
+
+def available(periods: Any = budget_periods) -> ColumnElement[int]:
+    """The one expression for money still available in a period row.
+
+    Admission (``reserve``) and reporting (``balance``) both use it.
+    """
+    result: ColumnElement[int] = periods.c.cap - periods.c.spent - periods.c.held
+    return result
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Ledger:
+    """A budget ledger on PostgreSQL (``postgresql+psycopg://...``) or SQLite.
+
+    ``clock`` returns the current time as an aware datetime; tests pass their own to
+    move between periods.
+    """
+
+    def __init__(self, url: str, *, clock: Clock | None = None, **engine_options: Any) -> None:
+        self.engine = build_engine(url, **engine_options)
+        self.url = self.engine.url.render_as_string(hide_password=True)
+        self._clock = clock or _utcnow
+        self._lock = threading.Lock()
+        # Budgets are never deleted or re-parented, and period rows never move, so
+        # their ids are safe to cache for the life of the process.
+        self._chains: dict[str, tuple[tuple[int, str, str], ...]] = {}
+        self._period_ids: dict[tuple[int, datetime], int] = {}
+        self._dialect = self.engine.dialect.name
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.url!r})"
+
+    def dispose(self) -> None:
+        """Close pooled connections (call in a child process after fork)."""
+        self.engine.dispose()
+
+    def create_schema(self) -> None:
+        """Create the ledger tables if missing (tests, the embedded SQLite default).
+
+        Production PostgreSQL uses the migrations: ``budget-tasks db upgrade``.
+        """
+        with transaction(self.engine) as conn:
+            metadata.create_all(conn)
+
+    def now(self) -> datetime:
+        now = self._clock()
+        if now.tzinfo is None:
+            raise ValueError("the ledger clock must return timezone-aware datetimes")
+        return now.astimezone(UTC)
+
+    # -- budgets ---------------------------------------------------------------------
+
+    def create_budget(
+        self,
+        name: str,
+        cap: int,
+        *,
+        period: Period = "none",
+        parent: str | None = None,
+        tenant: str | None = None,
+        renewal: Renewal = "reset",
+        rollover_ceiling: int | None = None,
+    ) -> BudgetInfo:
+        """Create a budget with ``cap`` minor units per period.
+
+        ``renewal`` is the written policy for what is left when a period ends:
+        ``reset`` or ``rollover`` (carry the unused amount, the cap never above
+        ``rollover_ceiling``, default 3x ``cap``).
+        """
+        check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+        check.money(cap, "cap")
+        if period not in PERIODS:
+            raise ValueError(f"period must be one of {PERIODS}, not {period!r}")
+        if renewal not in RENEWALS:
+            raise ValueError(f"renewal must be one of {RENEWALS}, not {renewal!r}")
+        check.optional_text(tenant, "tenant", max_length=check.MAX_NAME_LENGTH)
+        if rollover_ceiling is not None:
+            check.money(rollover_ceiling, "rollover_ceiling")
+            if renewal != "rollover":
+                raise ValueError("rollover_ceiling only applies to renewal='rollover'")
+            if rollover_ceiling < cap:
+                raise ValueError(f"rollover_ceiling {rollover_ceiling} is below the cap {cap}")
+        if period == "none" and renewal != "reset":
+            raise ValueError("a budget with period='none' never renews: use renewal='reset'")
+        with transaction(self.engine) as conn:
+            parent_id = None
+            if parent is not None:
+                check.text(parent, "parent", max_length=check.MAX_NAME_LENGTH)
+                parent_id = conn.execute(
+                    select(budgets.c.id).where(budgets.c.name == parent)
+                ).scalar()
+                if parent_id is None:
+                    raise UnknownBudget(parent)
+            try:
+                with conn.begin_nested():
+                    conn.execute(
+                        insert(budgets).values(
+                            name=name,
+                            tenant=tenant,
+                            parent_id=parent_id,
+                            cap=cap,
+                            period=period,
+                            renewal=renewal,
+                            rollover_ceiling=rollover_ceiling,
+                            frozen=False,
+                            created_at=self.now(),
+                        )
+                    )
+            except IntegrityError as exc:
+                raise BudgetExists(name) from exc
+        return self.budget(name)
+
+    def budget(self, name: str) -> BudgetInfo:
+        """A budget's configuration. Raises UnknownBudget."""
+        check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+        for info in self._budget_rows(budgets.c.name == name):
+            return info
+        raise UnknownBudget(name)
+
+    def budgets(self) -> list[BudgetInfo]:
+        """Every budget, by name."""
+        return self._budget_rows(literal(True))
+
+    def _budget_rows(self, where: ColumnElement[bool]) -> list[BudgetInfo]:
+        parent = budgets.alias("parent")
+        query = (
+            select(budgets, parent.c.name.label("parent_name"))
+            .outerjoin(parent, parent.c.id == budgets.c.parent_id)
+            .where(where)
+            .order_by(budgets.c.name)
+        )
+        with transaction(self.engine) as conn:
+            rows = conn.execute(query).all()
+        return [
+            BudgetInfo(
+                id=r.id,
+                name=r.name,
+                cap=r.cap,
+                period=r.period,
+                renewal=r.renewal,
+                rollover_ceiling=r.rollover_ceiling,
+                tenant=r.tenant,
+                parent=r.parent_name,
+                frozen=r.frozen,
+            )
+            for r in rows
+        ]
+
+    def freeze(self, name: str) -> None:
+        """Stop all admission on this budget and its descendants; settlement goes on."""
+        self._set_frozen(name, True)
+
+    def unfreeze(self, name: str) -> None:
+        self._set_frozen(name, False)
+
+    def _set_frozen(self, name: str, frozen: bool) -> None:
+        check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+        with transaction(self.engine) as conn:
+            done = conn.execute(
+                update(budgets).where(budgets.c.name == name).values(frozen=frozen)
+            ).rowcount
+        if not done:
+            raise UnknownBudget(name)
+
+    def _chain(self, name: str) -> tuple[tuple[int, str, str], ...]:
+        """(id, name, period) of the budget and each ancestor, the budget first."""
+        chain = self._chains.get(name)
+        if chain is not None:
+            return chain
+        with transaction(self.engine) as conn:
+            found: list[tuple[int, str, str]] = []
+            row = conn.execute(
+                select(budgets.c.id, budgets.c.name, budgets.c.period, budgets.c.parent_id).where(
+                    budgets.c.name == name
+                )
+            ).first()
+            if row is None:
+                raise UnknownBudget(name)
+            while row is not None:
+                found.append((row.id, row.name, row.period))
+                if row.parent_id is None:
+                    break
+                row = conn.execute(
+                    select(
+                        budgets.c.id, budgets.c.name, budgets.c.period, budgets.c.parent_id
+                    ).where(budgets.c.id == row.parent_id)
+                ).first()
+        chain = tuple(found)
+        with self._lock:
+            self._chains[name] = chain
+        return chain
+
+    # -- periods ---------------------------------------------------------------------
+
+    def _period_id(self, budget_id: int, start: datetime) -> int:
+        """The id of the budget's period row starting at ``start``, opening it if new."""
+        cached = self._period_ids.get((budget_id, start))
+        if cached is not None:
+            return cached
+        with transaction(self.engine) as conn:
+            period_id = self._open_period(conn, budget_id, start)
+        with self._lock:
+            self._period_ids[(budget_id, start)] = period_id
+        return period_id
+
+    def _open_period(self, conn: Connection, budget_id: int, start: datetime) -> int:
+        existing = conn.execute(
+            select(budget_periods.c.id).where(
+                budget_periods.c.budget_id == budget_id, budget_periods.c.period_start == start
+            )
+        ).scalar()
+        if existing is not None:
+            return int(existing)
+        b = conn.execute(select(budgets).where(budgets.c.id == budget_id)).one()
+        previous = None
+        prev_start = previous_period_start(b.period, start)
+        if prev_start is not None:
+            prev = conn.execute(
+                select(budget_periods.c.cap, budget_periods.c.spent, budget_periods.c.held).where(
+                    budget_periods.c.budget_id == budget_id,
+                    budget_periods.c.period_start == prev_start,
+                )
+            ).first()
+            previous = None if prev is None else (prev.cap, prev.spent, prev.held)
+        cap = opening_cap(b.cap, b.renewal, b.rollover_ceiling, previous)
+        values = {
+            "budget_id": budget_id,
+            "period_start": start,
+            "cap": cap,
+            "spent": 0,
+            "held": 0,
+            "opened_at": self.now(),
+        }
+        # Two openers may race; the unique (budget_id, period_start) picks one.
+        conn.execute(self._insert_ignore(budget_periods, ("budget_id", "period_start")), values)
+        return int(
+            conn.execute(
+                select(budget_periods.c.id).where(
+                    budget_periods.c.budget_id == budget_id,
+                    budget_periods.c.period_start == start,
+                )
+            ).scalar_one()
+        )
+
+    def open_period(self, budget: str, at: datetime | None = None) -> Balance:
+        """Open (if not yet open) the budget's period containing ``at`` (default: now)."""
+        at = self.now() if at is None else at
+        budget_id, _, period = self._chain(budget)[0]
+        self._period_id(budget_id, period_start(period, at))  # type: ignore[arg-type]
+        return self.balance(budget, at=at)
+
+    def _insert_ignore(self, table: Any, index: Sequence[str]) -> Any:
+        dialect_insert = postgresql.insert if self._dialect == "postgresql" else sqlite.insert
+        return dialect_insert(table).on_conflict_do_nothing(index_elements=list(index))
+
+    # -- reservation -----------------------------------------------------------------
+
+    def reserve(
+        self,
+        budget: str,
+        key: str,
+        amount: int,
+        *,
+        fingerprint: str | None = None,
+        reason: str = "first",
+    ) -> Reservation:
+        """Hold ``amount`` on ``budget`` and every ancestor for the attempt ``key``.
+
+        Admits only if ``spent + held + amount <= cap`` in the current period of each
+        budget in the chain, each checked and written by one conditional UPDATE, in
+        budget-id order, in one transaction. Permission to send exists once this
+        returns with ``created=True``. An existing key returns its reservation with
+        ``created=False``; another budget, amount or fingerprint raises
+        IdempotencyConflict.
+        """
+        check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+        check.text(key, "key")
+        check.money(amount)
+        check.optional_text(fingerprint, "fingerprint")
+        if reason not in ATTEMPT_REASONS:
+            raise ValueError(f"reason must be one of {ATTEMPT_REASONS}, not {reason!r}")
+        chain = self._chain(budget)
+        now = self.now()
+        holds = sorted(
+            (budget_id, self._period_id(budget_id, period_start(period, now)))  # type: ignore[arg-type]
+            for budget_id, _, period in chain
+        )
+        own_period = dict(holds)[chain[0][0]]
+        start = period_start(chain[0][2], now)  # type: ignore[arg-type]
+        names = {budget_id: name for budget_id, name, _ in chain}
+        with transaction(self.engine) as conn:
+            # The attempt row goes first: a key that exists stops here, before any hold.
+            attempt_id = conn.execute(
+                self._insert_ignore(attempts, ("key",)).returning(attempts.c.id),
+                {
+                    "key": key,
+                    "budget_id": chain[0][0],
+                    "period_id": own_period,
+                    "fingerprint": fingerprint,
+                    "reason": reason,
+                    "amount": amount,
+                    "state": "reserved",
+                    "created_at": now,
+                },
+            ).scalar()
+            if attempt_id is None:
+                return self._existing(conn, key, budget, amount, fingerprint)
+            for budget_id, period_id in holds:
+                admitted = conn.execute(
+                    update(budget_periods)
+                    .where(
+                        budget_periods.c.id == period_id,
+                        available() >= amount,
+                        budget_periods.c.budget_id.in_(
+                            select(budgets.c.id).where(budgets.c.frozen.is_(False))
+                        ),
+                    )
+                    .values(held=budget_periods.c.held + amount)
+                    .returning(budget_periods.c.id)
+                ).first()
+                if admitted is None:
+                    raise self._refusal(conn, names[budget_id], period_id, amount)
+            conn.execute(
+                insert(journal),
+                [
+                    {
+                        "attempt_id": attempt_id,
+                        "period_id": period_id,
+                        "kind": "hold",
+                        "held_delta": amount,
+                        "spent_delta": 0,
+                        "note": reason,
+                        "created_at": now,
+                    }
+                    for _, period_id in holds
+                ],
+            )
+        return Reservation(
+            key=key,
+            budget=budget,
+            amount=amount,
+            period_start=start,
+            state="reserved",
+            reason=reason,
+            fingerprint=fingerprint,
+            created=True,
+        )
+
+    def _refusal(self, conn: Connection, name: str, period_id: int, amount: int) -> Exception:
+        row = conn.execute(
+            select(available().label("available"), budgets.c.frozen)
+            .join(budgets, budgets.c.id == budget_periods.c.budget_id)
+            .where(budget_periods.c.id == period_id)
+        ).one()
+        if row.frozen:
+            return BudgetFrozen(name)
+        return BudgetExceeded(name, amount, int(row.available))
+
+    def _existing(
+        self, conn: Connection, key: str, budget: str, amount: int, fingerprint: str | None
+    ) -> Reservation:
+        row = conn.execute(self._attempt_query().where(attempts.c.key == key)).one()
+        for field, recorded, requested in (
+            ("budget", row.budget, budget),
+            ("amount", row.amount, amount),
+            ("fingerprint", row.fingerprint, fingerprint),
+        ):
+            if recorded != requested:
+                raise IdempotencyConflict(key, field, recorded, requested)
+        return Reservation(
+            key=key,
+            budget=budget,
+            amount=amount,
+            period_start=row.period_start,
+            state=row.state,
+            reason=row.reason,
+            fingerprint=fingerprint,
+            created=False,
+        )
+
+    # -- attempt state ---------------------------------------------------------------
+
+    def mark_sending(
+        self, key: str, *, provider: str | None = None, request_id: str | None = None
+    ) -> None:
+        """reserved -> sending. The one grant of a send: a second call raises."""
+        check.text(key, "key")
+        check.optional_text(provider, "provider", max_length=64)
+        check.optional_text(request_id, "request_id")
+        values: dict[str, Any] = {"state": "sending", "sending_at": self.now()}
+        if provider is not None:
+            values["provider"] = provider
+        if request_id is not None:
+            values["request_id"] = request_id
+        self._transition(key, ("reserved",), values, "mark sending")
+
+    def mark_unknown(self, key: str, reason: str) -> bool:
+        """sending -> unknown: the outcome is unknown and the hold stays.
+
+        Returns False if the attempt was already unknown.
+        """
+        check.text(key, "key")
+        check.text(reason, "reason", max_length=10_000)
+        with transaction(self.engine) as conn:
+            row = self._lock_attempt(conn, key)
+            if row.state == "unknown":
+                return False
+            if row.state != "sending":
+                raise InvalidTransition(key, row.state, "mark unknown")
+            conn.execute(
+                update(attempts)
+                .where(attempts.c.id == row.id)
+                .values(state="unknown", note=reason)
+            )
+        log.warning("attempt %s outcome unknown, hold of %d kept: %s", key, row.amount, reason)
+        return True
+
+    def record_request_id(self, key: str, request_id: str) -> None:
+        """Store the provider's request id (as soon as it is known, for reconciliation)."""
+        check.text(key, "key")
+        check.text(request_id, "request_id")
+        with transaction(self.engine) as conn:
+            row = self._lock_attempt(conn, key)
+            if row.request_id == request_id:
+                return
+            if row.request_id is not None:
+                raise InvalidTransition(
+                    key, row.state, f"replace request id {row.request_id!r} by {request_id!r}"
+                )
+            if row.state == "reserved":
+                raise InvalidTransition(key, row.state, "record a request id before sending")
+            conn.execute(
+                update(attempts).where(attempts.c.id == row.id).values(request_id=request_id)
+            )
+
+    def _transition(
+        self, key: str, allowed: tuple[str, ...], values: dict[str, Any], action: str
+    ) -> None:
+        with transaction(self.engine) as conn:
+            done = conn.execute(
+                update(attempts)
+                .where(attempts.c.key == key, attempts.c.state.in_(allowed))
+                .values(**values)
+                .returning(attempts.c.id)
+            ).first()
+            if done is None:
+                state = conn.execute(
+                    select(attempts.c.state).where(attempts.c.key == key)
+                ).scalar()
+                if state is None:
+                    raise UnknownAttempt(key)
+                raise InvalidTransition(key, state, action)
+
+    def _lock_attempt(self, conn: Connection, key: str) -> Row[Any]:
+        row = conn.execute(
+            select(attempts).where(attempts.c.key == key).with_for_update()
+        ).first()
+        if row is None:
+            raise UnknownAttempt(key)
+        return row
+
+    # -- settlement ------------------------------------------------------------------
+
+    def settle(self, key: str, actual: int) -> bool:
+        """Replace the hold by the actual charge: ``held -= reserved; spent += actual``.
+
+        True if applied; False if already settled with this actual. Another actual
+        raises SettlementConflict. An actual above the reservation is recorded as it
+        is and logged as an overrun.
+        """
+        check.text(key, "key")
+        check.money(actual, "actual")
+        applied, amount = self._resolve(key, actual, "settled", "charge", None)
+        if applied and actual > amount:
+            log.warning(
+                "overrun on attempt %s: reserved %d, charged %d (+%d)",
+                key,
+                amount,
+                actual,
+                actual - amount,
+            )
+        return applied
+
+    def release(self, key: str, reason: str) -> bool:
+        """Drop the hold without a charge (settle at 0). False if already released."""
+        check.text(key, "key")
+        check.text(reason, "reason", max_length=10_000)
+        return self._resolve(key, 0, "released", "release", reason)[0]
+
+    def _resolve(
+        self, key: str, actual: int, state: str, kind: str, note: str | None
+    ) -> tuple[bool, int]:
+        now = self.now()
+        with transaction(self.engine) as conn:
+            row = self._lock_attempt(conn, key)
+            if row.state in ("settled", "released"):
+                if row.actual == actual:
+                    return False, row.amount
+                raise SettlementConflict(key, row.actual, actual)
+            allowed = ("sending", "unknown") if state == "settled" else HOLDING_STATES
+            if row.state not in allowed:
+                raise InvalidTransition(key, row.state, "settle before mark_sending")
+            held_periods = self._held_periods(conn, row.id)
+            for period_id in held_periods:
+                conn.execute(
+                    update(budget_periods)
+                    .where(budget_periods.c.id == period_id)
+                    .values(
+                        held=budget_periods.c.held - row.amount,
+                        spent=budget_periods.c.spent + actual,
+                    )
+                )
+            conn.execute(
+                insert(journal),
+                [
+                    {
+                        "attempt_id": row.id,
+                        "period_id": period_id,
+                        "kind": kind,
+                        "held_delta": -row.amount,
+                        "spent_delta": actual,
+                        "note": note,
+                        "created_at": now,
+                    }
+                    for period_id in held_periods
+                ],
+            )
+            values: dict[str, Any] = {"state": state, "actual": actual, "resolved_at": now}
+            if note is not None:
+                values["note"] = note
+            conn.execute(update(attempts).where(attempts.c.id == row.id).values(**values))
+        return True, int(row.amount)
+
+    def _held_periods(self, conn: Connection, attempt_id: int) -> list[int]:
+        """The period rows the attempt holds, in the same order reserve locked them."""
+        return list(
+            conn.execute(
+                select(journal.c.period_id)
+                .join(budget_periods, budget_periods.c.id == journal.c.period_id)
+                .where(journal.c.attempt_id == attempt_id, journal.c.kind == "hold")
+                .order_by(budget_periods.c.budget_id)
+            ).scalars()
+        )
+
+    def adjust(self, key: str, delta: int, reason: str, *, ref: str | None = None) -> bool:
+        """Add a provider correction to a settled or released attempt's charge.
+
+        Recorded as a new journal entry, never an overwrite, in the attempt's own
+        period. ``ref`` (e.g. the provider's invoice line id) makes the correction
+        idempotent: a second call with the same ref returns False.
+        """
+        check.text(key, "key")
+        check.money(delta, "delta", signed=True)
+        check.text(reason, "reason", max_length=10_000)
+        check.optional_text(ref, "ref")
+        if delta == 0:
+            raise ValueError("an adjustment of 0 records nothing")
+        with transaction(self.engine) as conn:
+            row = self._lock_attempt(conn, key)
+            if row.state not in ("settled", "released"):
+                raise InvalidTransition(key, row.state, "adjust before settlement")
+            if ref is not None and conn.execute(
+                select(journal.c.id).where(journal.c.attempt_id == row.id, journal.c.ref == ref)
+            ).first():
+                return False
+            charged = conn.execute(
+                select(func.coalesce(func.sum(journal.c.spent_delta), 0)).where(
+                    journal.c.attempt_id == row.id, journal.c.period_id == row.period_id
+                )
+            ).scalar_one()
+            if charged + delta < 0:
+                raise ValueError(
+                    f"adjustment {delta} would take attempt {key!r} below zero (charged {charged})"
+                )
+            held_periods = self._held_periods(conn, row.id)
+            for period_id in held_periods:
+                conn.execute(
+                    update(budget_periods)
+                    .where(budget_periods.c.id == period_id)
+                    .values(spent=budget_periods.c.spent + delta)
+                )
+            conn.execute(
+                insert(journal),
+                [
+                    {
+                        "attempt_id": row.id,
+                        "period_id": period_id,
+                        "kind": "adjustment",
+                        "held_delta": 0,
+                        "spent_delta": delta,
+                        "note": reason,
+                        "ref": ref,
+                        "created_at": self.now(),
+                    }
+                    for period_id in held_periods
+                ],
+            )
+        return True
+
+    # -- reporting -------------------------------------------------------------------
+
+    def balance(self, budget: str, *, at: datetime | None = None) -> Balance:
+        """The budget's counters for the period containing ``at`` (default: now)."""
+        check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+        budget_id, name, period = self._chain(budget)[0]
+        start = period_start(period, self.now() if at is None else at)  # type: ignore[arg-type]
+        period_id = self._period_id(budget_id, start)
+        with transaction(self.engine) as conn:
+            row = conn.execute(
+                select(
+                    budget_periods.c.cap,
+                    budget_periods.c.spent,
+                    budget_periods.c.held,
+                    available().label("available"),
+                ).where(budget_periods.c.id == period_id)
+            ).one()
+        return Balance(name, row.cap, row.spent, row.held, row.available, start)
+
+    def attempt(self, key: str) -> Attempt:
+        """One attempt, with its state, amounts and provider ids."""
+        check.text(key, "key")
+        with transaction(self.engine) as conn:
+            row = conn.execute(self._attempt_query().where(attempts.c.key == key)).first()
+        if row is None:
+            raise UnknownAttempt(key)
+        return _attempt(row)
+
+    def attempts(
+        self, *, budget: str | None = None, states: Iterable[str] | None = None
+    ) -> list[Attempt]:
+        """Attempts, oldest first, optionally of one budget and in some states."""
+        query = self._attempt_query().order_by(attempts.c.id)
+        if budget is not None:
+            query = query.where(budgets.c.name == budget)
+        if states is not None:
+            query = query.where(attempts.c.state.in_(list(states)))
+        with transaction(self.engine) as conn:
+            return [_attempt(r) for r in conn.execute(query)]
+
+    def holds(
+        self,
+        *,
+        older_than: timedelta | None = None,
+        states: Iterable[str] = HOLDING_STATES,
+        budget: str | None = None,
+    ) -> list[Hold]:
+        """Attempts still holding money, oldest first, each with its age."""
+        states = tuple(states)
+        if not set(states) <= set(HOLDING_STATES):
+            raise ValueError(f"holds are in states {HOLDING_STATES}, not {states}")
+        now = self.now()
+        query = self._attempt_query().where(attempts.c.state.in_(states))
+        if older_than is not None:
+            query = query.where(attempts.c.created_at <= now - older_than)
+        if budget is not None:
+            query = query.where(budgets.c.name == budget)
+        with transaction(self.engine) as conn:
+            rows = conn.execute(query.order_by(attempts.c.created_at, attempts.c.id)).all()
+        return [
+            Hold(
+                key=r.key,
+                budget=r.budget,
+                amount=r.amount,
+                state=r.state,
+                reason=r.reason,
+                provider=r.provider,
+                request_id=r.request_id,
+                note=r.note,
+                period_start=r.period_start,
+                created_at=r.created_at,
+                age=now - r.created_at,
+            )
+            for r in rows
+        ]
+
+    def _attempt_query(self) -> Any:
+        return (
+            select(
+                attempts,
+                budgets.c.name.label("budget"),
+                budget_periods.c.period_start,
+            )
+            .join(budgets, budgets.c.id == attempts.c.budget_id)
+            .join(budget_periods, budget_periods.c.id == attempts.c.period_id)
+        )
+
+    def audit(self) -> list[AuditFinding]:
+        """Budget periods whose counters differ from their journal; empty when sound."""
+        sums = (
+            select(
+                journal.c.period_id,
+                func.sum(journal.c.held_delta).label("held"),
+                func.sum(journal.c.spent_delta).label("spent"),
+            )
+            .group_by(journal.c.period_id)
+            .subquery()
+        )
+        journal_held = func.coalesce(sums.c.held, 0)
+        journal_spent = func.coalesce(sums.c.spent, 0)
+        query = (
+            select(
+                budgets.c.name,
+                budget_periods.c.period_start,
+                budget_periods.c.held,
+                budget_periods.c.spent,
+                journal_held.label("journal_held"),
+                journal_spent.label("journal_spent"),
+            )
+            .join(budgets, budgets.c.id == budget_periods.c.budget_id)
+            .outerjoin(sums, sums.c.period_id == budget_periods.c.id)
+            .where(
+                case(
+                    (
+                        and_(
+                            budget_periods.c.held == journal_held,
+                            budget_periods.c.spent == journal_spent,
+                        ),
+                        False,
+                    ),
+                    else_=True,
+                )
+            )
+            .order_by(budgets.c.name, budget_periods.c.period_start)
+        )
+        findings = []
+        with transaction(self.engine) as conn:
+            for r in conn.execute(query):
+                for counter, recorded, derived in (
+                    ("held", r.held, r.journal_held),
+                    ("spent", r.spent, r.journal_spent),
+                ):
+                    if recorded != derived:
+                        findings.append(
+                            AuditFinding(r.name, r.period_start, counter, recorded, int(derived))
+                        )
+        return findings
+
+
+def _attempt(r: Row[Any]) -> Attempt:
+    return Attempt(
+        key=r.key,
+        budget=r.budget,
+        amount=r.amount,
+        actual=r.actual,
+        state=r.state,
+        reason=r.reason,
+        fingerprint=r.fingerprint,
+        provider=r.provider,
+        request_id=r.request_id,
+        note=r.note,
+        period_start=r.period_start,
+        created_at=r.created_at,
+        sending_at=r.sending_at,
+        resolved_at=r.resolved_at,
+    )

@@ -1,0 +1,85 @@
+"""Engine construction per backend, and the mapping of connection failures to
+:class:`~budget_tasks.errors.LedgerUnavailable` (fail closed)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+from ..errors import LedgerUnavailable
+
+SQLITE_BUSY_TIMEOUT_S = 30.0
+PG_CONNECT_TIMEOUT_S = 5
+
+
+def normalise_url(url: str) -> str:
+    """Accept ``postgresql://`` and ``postgres://`` and use psycopg 3 for them."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() not in ("postgresql", "sqlite"):
+        raise ValueError(f"the ledger runs on PostgreSQL or SQLite, not {parsed.drivername!r}")
+    return parsed.render_as_string(hide_password=False)
+
+
+def build_engine(url: str, **options: Any) -> Engine:
+    url = normalise_url(url)
+    if url.startswith("sqlite"):
+        engine = create_engine(
+            url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S}, **options
+        )
+        _sqlite_serialised_writes(engine)
+        return engine
+    options.setdefault("pool_pre_ping", True)
+    options.setdefault("pool_size", 2)
+    options.setdefault("max_overflow", 8)
+    return create_engine(
+        url,
+        connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S, "application_name": "budget-tasks"},
+        **options,
+    )
+
+
+def _sqlite_serialised_writes(engine: Engine) -> None:
+    """Make every SQLite transaction take the write lock at BEGIN.
+
+    pysqlite's deferred BEGIN lets two transactions read, then both try to upgrade to
+    a write lock and one fails with SQLITE_BUSY. BEGIN IMMEDIATE serialises them
+    instead, which is what admission needs.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+@contextmanager
+def transaction(engine: Engine) -> Iterator[Connection]:
+    """One short transaction; connection-level failures become LedgerUnavailable."""
+    try:
+        with engine.begin() as conn:
+            yield conn
+    except (OperationalError, InterfaceError) as exc:
+        raise LedgerUnavailable(_describe(exc)) from exc
+    except DBAPIError as exc:
+        if exc.connection_invalidated:
+            raise LedgerUnavailable(_describe(exc)) from exc
+        raise
+
+
+def _describe(exc: DBAPIError) -> str:
+    return str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)

@@ -1,0 +1,104 @@
+"""Plain records the ledger returns. Money fields are ints of minor units."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetInfo:
+    """A budget's configuration (its counters live per period, see :class:`Balance`)."""
+
+    id: int
+    name: str
+    cap: int
+    period: str
+    renewal: str
+    rollover_ceiling: int | None
+    tenant: str | None
+    parent: str | None
+    frozen: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A hold on a budget for one attempt.
+
+    ``created`` is True only for the call that placed the hold. A False value means the
+    key already existed: it is never a new permission to send.
+    """
+
+    key: str
+    budget: str
+    amount: int
+    period_start: datetime
+    state: str
+    reason: str
+    fingerprint: str | None
+    created: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Balance:
+    """A budget's counters for one period. ``available`` may be negative after overruns."""
+
+    budget: str
+    cap: int
+    spent: int
+    held: int
+    available: int
+    period_start: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One potentially billable send and where it stands."""
+
+    key: str
+    budget: str
+    amount: int
+    actual: int | None
+    state: str
+    reason: str
+    fingerprint: str | None
+    provider: str | None
+    request_id: str | None
+    note: str | None
+    period_start: datetime
+    created_at: datetime
+    sending_at: datetime | None
+    resolved_at: datetime | None
+
+    @property
+    def overrun(self) -> int:
+        """How much the actual charge exceeded the reservation (0 if it did not)."""
+        return max(0, (self.actual or 0) - self.amount)
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """An attempt that still holds money, with its age."""
+
+    key: str
+    budget: str
+    amount: int
+    state: str
+    reason: str
+    provider: str | None
+    request_id: str | None
+    note: str | None
+    period_start: datetime
+    created_at: datetime
+    age: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class AuditFinding:
+    """A budget period whose counter differs from the sum of its journal entries."""
+
+    budget: str
+    period_start: datetime
+    counter: str
+    recorded: int
+    journal: int

@@ -1,0 +1,183 @@
+"""The ledger's tables, as SQLAlchemy Core metadata.
+
+This file and the alembic migrations under ``budget_tasks/migrations`` must give the
+same database; ``tests/integration/test_migrations.py`` checks that they do.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    event,
+)
+from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.types import TypeDecorator
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING)
+
+ATTEMPT_STATES = ("reserved", "sending", "settled", "released", "unknown")
+HOLDING_STATES = ("reserved", "sending", "unknown")
+ATTEMPT_REASONS = ("first", "redelivery", "rate_limited_retry", "unknown_resend", "manual")
+JOURNAL_KINDS = ("hold", "release", "charge", "adjustment")
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always timezone-aware UTC in Python, on every backend."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetimes are refused: the ledger keeps time in UTC")
+        value = value.astimezone(UTC)
+        # SQLite has no zone; store UTC wall time so that text ordering is time ordering.
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+# SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets 64-bit ids.
+Id = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def _in(values: tuple[str, ...]) -> str:
+    return ", ".join(f"'{v}'" for v in values)
+
+
+budgets = Table(
+    "budgets",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("name", String(200), nullable=False),
+    Column("tenant", String(200), nullable=True),
+    Column("parent_id", Id, ForeignKey("budgets.id"), nullable=True),
+    Column("cap", BigInteger, nullable=False),
+    Column("period", String(8), nullable=False),
+    Column("renewal", String(16), nullable=False),
+    Column("rollover_ceiling", BigInteger, nullable=True),
+    Column("frozen", Boolean(create_constraint=False), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    UniqueConstraint("name"),
+    CheckConstraint("cap >= 0", name="cap_not_negative"),
+    CheckConstraint(f"period IN ({_in(('none', 'day', 'week', 'month'))})", name="period_known"),
+    CheckConstraint(f"renewal IN ({_in(('reset', 'rollover'))})", name="renewal_known"),
+    CheckConstraint("rollover_ceiling IS NULL OR rollover_ceiling >= cap", name="ceiling_ge_cap"),
+    CheckConstraint("parent_id IS NULL OR parent_id <> id", name="not_own_parent"),
+)
+
+budget_periods = Table(
+    "budget_periods",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("budget_id", Id, ForeignKey("budgets.id"), nullable=False),
+    Column("period_start", UTCDateTime, nullable=False),
+    Column("cap", BigInteger, nullable=False),
+    Column("spent", BigInteger, nullable=False),
+    Column("held", BigInteger, nullable=False),
+    Column("opened_at", UTCDateTime, nullable=False),
+    UniqueConstraint("budget_id", "period_start"),
+    CheckConstraint("cap >= 0", name="cap_not_negative"),
+    CheckConstraint("held >= 0", name="held_not_negative"),
+    CheckConstraint("spent >= 0", name="spent_not_negative"),
+)
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("key", String(255), nullable=False),
+    Column("budget_id", Id, ForeignKey("budgets.id"), nullable=False),
+    Column("period_id", Id, ForeignKey("budget_periods.id"), nullable=False),
+    Column("fingerprint", String(255), nullable=True),
+    Column("reason", String(32), nullable=False),
+    Column("amount", BigInteger, nullable=False),
+    Column("actual", BigInteger, nullable=True),
+    Column("state", String(16), nullable=False),
+    Column("provider", String(64), nullable=True),
+    Column("request_id", String(255), nullable=True),
+    Column("note", Text, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("sending_at", UTCDateTime, nullable=True),
+    Column("resolved_at", UTCDateTime, nullable=True),
+    UniqueConstraint("key"),
+    CheckConstraint("amount >= 0", name="amount_not_negative"),
+    CheckConstraint("actual IS NULL OR actual >= 0", name="actual_not_negative"),
+    CheckConstraint(f"state IN ({_in(ATTEMPT_STATES)})", name="state_known"),
+    CheckConstraint(f"reason IN ({_in(ATTEMPT_REASONS)})", name="reason_known"),
+    CheckConstraint(
+        "(state IN ('settled', 'released')) = (actual IS NOT NULL)", name="actual_iff_resolved"
+    ),
+    Index(None, "state", "created_at"),
+)
+
+journal = Table(
+    "journal",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("attempt_id", Id, ForeignKey("attempts.id"), nullable=False),
+    Column("period_id", Id, ForeignKey("budget_periods.id"), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("held_delta", BigInteger, nullable=False),
+    Column("spent_delta", BigInteger, nullable=False),
+    Column("note", Text, nullable=True),
+    Column("ref", String(255), nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    CheckConstraint(f"kind IN ({_in(JOURNAL_KINDS)})", name="kind_known"),
+    Index(None, "attempt_id"),
+    Index(None, "period_id"),
+)
+
+# The journal is append-only in the database itself, not only by convention.
+APPEND_ONLY_DDL: dict[str, tuple[str, ...]] = {
+    "postgresql": (
+        """CREATE OR REPLACE FUNCTION budget_tasks_journal_append_only() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'the budget-tasks journal is append-only (% refused)', TG_OP;
+END
+$$""",
+        """CREATE TRIGGER journal_append_only BEFORE UPDATE OR DELETE ON journal
+FOR EACH ROW EXECUTE FUNCTION budget_tasks_journal_append_only()""",
+    ),
+    "sqlite": (
+        """CREATE TRIGGER journal_no_update BEFORE UPDATE ON journal
+BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
+        """CREATE TRIGGER journal_no_delete BEFORE DELETE ON journal
+BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
+    ),
+}
+
+
+@event.listens_for(journal, "after_create")
+def _journal_append_only(target: Table, connection: Connection, **kw: Any) -> None:
+    for statement in APPEND_ONLY_DDL.get(connection.dialect.name, ()):
+        connection.exec_driver_sql(statement)
