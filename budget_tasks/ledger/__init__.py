@@ -1,6 +1,6 @@
 """The reservation ledger (SQL only; this package never imports Celery)."""
 
-from .core import Ledger, available
+from .core import Ledger
 from .periods import PERIODS, RENEWALS, Period, Renewal, period_start
 from .records import Attempt, AuditFinding, Balance, BudgetInfo, Hold, Reservation
 
@@ -16,6 +16,5 @@ __all__ = [
     "Period",
     "Renewal",
     "Reservation",
-    "available",
     "period_start",
 ]

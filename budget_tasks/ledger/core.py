@@ -38,6 +38,7 @@ from ..errors import (
     UnknownAttempt,
     UnknownBudget,
 )
+from . import statements as sql
 from .engine import build_engine, transaction
 from .periods import (
     PERIODS,
@@ -58,19 +59,11 @@ from .schema import (
     journal,
     metadata,
 )
+from .statements import Cursor, Driver
 
 log = logging.getLogger("budget_tasks.ledger")
 
 Clock = Callable[[], datetime]
-
-
-def available(periods: Any = budget_periods) -> ColumnElement[int]:
-    """The one expression for money still available in a period row.
-
-    Admission (``reserve``) and reporting (``balance``) both use it.
-    """
-    result: ColumnElement[int] = periods.c.cap - periods.c.spent - periods.c.held
-    return result
 
 
 def _utcnow() -> datetime:
@@ -94,6 +87,7 @@ class Ledger:
         self._chains: dict[str, tuple[tuple[int, str, str], ...]] = {}
         self._period_ids: dict[tuple[int, datetime], int] = {}
         self._dialect = self.engine.dialect.name
+        self._driver = Driver(self.engine)
 
     def __repr__(self) -> str:
         return f"Ledger({self.url!r})"
@@ -349,101 +343,72 @@ class Ledger:
             raise ValueError(f"reason must be one of {ATTEMPT_REASONS}, not {reason!r}")
         chain = self._chain(budget)
         now = self.now()
+        start = period_start(chain[0][2], now)  # type: ignore[arg-type]
         holds = sorted(
             (budget_id, self._period_id(budget_id, period_start(period, now)))  # type: ignore[arg-type]
             for budget_id, _, period in chain
         )
-        own_period = dict(holds)[chain[0][0]]
-        start = period_start(chain[0][2], now)  # type: ignore[arg-type]
         names = {budget_id: name for budget_id, name, _ in chain}
-        with transaction(self.engine) as conn:
+        stamp = self._driver.ts(now)
+        with self._driver.transaction() as cur:
             # The attempt row goes first: a key that exists stops here, before any hold.
-            attempt_id = conn.execute(
-                self._insert_ignore(attempts, ("key",)).returning(attempts.c.id),
+            inserted = cur.one(
+                sql.INSERT_ATTEMPT,
                 {
                     "key": key,
                     "budget_id": chain[0][0],
-                    "period_id": own_period,
+                    "period_id": dict(holds)[chain[0][0]],
                     "fingerprint": fingerprint,
                     "reason": reason,
                     "amount": amount,
-                    "state": "reserved",
-                    "created_at": now,
+                    "now": stamp,
                 },
-            ).scalar()
-            if attempt_id is None:
-                return self._existing(conn, key, budget, amount, fingerprint)
+            )
+            if inserted is None:
+                return self._existing(cur, key, budget, amount, fingerprint)
             for budget_id, period_id in holds:
-                admitted = conn.execute(
-                    update(budget_periods)
-                    .where(
-                        budget_periods.c.id == period_id,
-                        available() >= amount,
-                        budget_periods.c.budget_id.in_(
-                            select(budgets.c.id).where(budgets.c.frozen.is_(False))
-                        ),
-                    )
-                    .values(held=budget_periods.c.held + amount)
-                    .returning(budget_periods.c.id)
-                ).first()
-                if admitted is None:
-                    raise self._refusal(conn, names[budget_id], period_id, amount)
-            conn.execute(
-                insert(journal),
-                [
+                if cur.one(sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}):
+                    continue
+                available, frozen = cur.one(sql.REFUSAL, {"period_id": period_id}) or (0, True)
+                if frozen:
+                    raise BudgetFrozen(names[budget_id])
+                raise BudgetExceeded(names[budget_id], amount, int(available))
+            for _, period_id in holds:
+                cur.run(
+                    sql.INSERT_JOURNAL,
                     {
-                        "attempt_id": attempt_id,
+                        "attempt_id": inserted[0],
                         "period_id": period_id,
                         "kind": "hold",
                         "held_delta": amount,
                         "spent_delta": 0,
                         "note": reason,
-                        "created_at": now,
-                    }
-                    for _, period_id in holds
-                ],
-            )
-        return Reservation(
-            key=key,
-            budget=budget,
-            amount=amount,
-            period_start=start,
-            state="reserved",
-            reason=reason,
-            fingerprint=fingerprint,
-            created=True,
-        )
-
-    def _refusal(self, conn: Connection, name: str, period_id: int, amount: int) -> Exception:
-        row = conn.execute(
-            select(available().label("available"), budgets.c.frozen)
-            .join(budgets, budgets.c.id == budget_periods.c.budget_id)
-            .where(budget_periods.c.id == period_id)
-        ).one()
-        if row.frozen:
-            return BudgetFrozen(name)
-        return BudgetExceeded(name, amount, int(row.available))
+                        "ref": None,
+                        "now": stamp,
+                    },
+                )
+        return Reservation(key, budget, amount, start, "reserved", reason, fingerprint, True)
 
     def _existing(
-        self, conn: Connection, key: str, budget: str, amount: int, fingerprint: str | None
+        self,
+        cur: Cursor,
+        key: str,
+        budget: str,
+        amount: int,
+        fingerprint: str | None,
     ) -> Reservation:
-        row = conn.execute(self._attempt_query().where(attempts.c.key == key)).one()
+        row = cur.one(sql.EXISTING_ATTEMPT, {"key": key})
+        assert row is not None  # the insert met this key under the same lock
+        recorded_budget, recorded_amount, recorded_fp, state, reason, start = row
         for field, recorded, requested in (
-            ("budget", row.budget, budget),
-            ("amount", row.amount, amount),
-            ("fingerprint", row.fingerprint, fingerprint),
+            ("budget", recorded_budget, budget),
+            ("amount", recorded_amount, amount),
+            ("fingerprint", recorded_fp, fingerprint),
         ):
             if recorded != requested:
                 raise IdempotencyConflict(key, field, recorded, requested)
         return Reservation(
-            key=key,
-            budget=budget,
-            amount=amount,
-            period_start=row.period_start,
-            state=row.state,
-            reason=row.reason,
-            fingerprint=fingerprint,
-            created=False,
+            key, budget, amount, self._driver.from_ts(start), state, reason, fingerprint, False
         )
 
     # -- attempt state ---------------------------------------------------------------
@@ -455,12 +420,18 @@ class Ledger:
         check.text(key, "key")
         check.optional_text(provider, "provider", max_length=64)
         check.optional_text(request_id, "request_id")
-        values: dict[str, Any] = {"state": "sending", "sending_at": self.now()}
-        if provider is not None:
-            values["provider"] = provider
-        if request_id is not None:
-            values["request_id"] = request_id
-        self._transition(key, ("reserved",), values, "mark sending")
+        params = {
+            "key": key,
+            "now": self._driver.ts(self.now()),
+            "provider": provider,
+            "request_id": request_id,
+        }
+        with self._driver.transaction() as cur:
+            if cur.one(sql.MARK_SENDING, params) is None:
+                state = cur.one(sql.ATTEMPT_STATE, {"key": key})
+                if state is None:
+                    raise UnknownAttempt(key)
+                raise InvalidTransition(key, state[0], "mark sending")
 
     def mark_unknown(self, key: str, reason: str) -> bool:
         """sending -> unknown: the outcome is unknown and the hold stays.
@@ -501,24 +472,6 @@ class Ledger:
                 update(attempts).where(attempts.c.id == row.id).values(request_id=request_id)
             )
 
-    def _transition(
-        self, key: str, allowed: tuple[str, ...], values: dict[str, Any], action: str
-    ) -> None:
-        with transaction(self.engine) as conn:
-            done = conn.execute(
-                update(attempts)
-                .where(attempts.c.key == key, attempts.c.state.in_(allowed))
-                .values(**values)
-                .returning(attempts.c.id)
-            ).first()
-            if done is None:
-                state = conn.execute(
-                    select(attempts.c.state).where(attempts.c.key == key)
-                ).scalar()
-                if state is None:
-                    raise UnknownAttempt(key)
-                raise InvalidTransition(key, state, action)
-
     def _lock_attempt(self, conn: Connection, key: str) -> Row[Any]:
         row = conn.execute(
             select(attempts).where(attempts.c.key == key).with_for_update()
@@ -558,46 +511,43 @@ class Ledger:
     def _resolve(
         self, key: str, actual: int, state: str, kind: str, note: str | None
     ) -> tuple[bool, int]:
-        now = self.now()
-        with transaction(self.engine) as conn:
-            row = self._lock_attempt(conn, key)
-            if row.state in ("settled", "released"):
-                if row.actual == actual:
-                    return False, row.amount
-                raise SettlementConflict(key, row.actual, actual)
+        stamp = self._driver.ts(self.now())
+        with self._driver.transaction() as cur:
+            row = cur.one(sql.LOCK_ATTEMPT, {"key": key})
+            if row is None:
+                raise UnknownAttempt(key)
+            attempt_id, amount, recorded, current = row
+            if current in ("settled", "released"):
+                if recorded == actual:
+                    return False, amount
+                raise SettlementConflict(key, recorded, actual)
             allowed = ("sending", "unknown") if state == "settled" else HOLDING_STATES
-            if row.state not in allowed:
-                raise InvalidTransition(key, row.state, "settle before mark_sending")
-            held_periods = self._held_periods(conn, row.id)
-            for period_id in held_periods:
-                conn.execute(
-                    update(budget_periods)
-                    .where(budget_periods.c.id == period_id)
-                    .values(
-                        held=budget_periods.c.held - row.amount,
-                        spent=budget_periods.c.spent + actual,
-                    )
+            if current not in allowed:
+                raise InvalidTransition(key, current, "settle before mark_sending")
+            for (period_id,) in cur.all(sql.HELD_PERIODS, {"attempt_id": attempt_id}):
+                cur.run(
+                    sql.APPLY_SETTLEMENT,
+                    {"amount": amount, "actual": actual, "period_id": period_id},
                 )
-            conn.execute(
-                insert(journal),
-                [
+                cur.run(
+                    sql.INSERT_JOURNAL,
                     {
-                        "attempt_id": row.id,
+                        "attempt_id": attempt_id,
                         "period_id": period_id,
                         "kind": kind,
-                        "held_delta": -row.amount,
+                        "held_delta": -amount,
                         "spent_delta": actual,
                         "note": note,
-                        "created_at": now,
-                    }
-                    for period_id in held_periods
-                ],
+                        "ref": None,
+                        "now": stamp,
+                    },
+                )
+            cur.run(
+                sql.RESOLVE_ATTEMPT,
+                {"state": state, "actual": actual, "now": stamp, "note": note,
+                 "attempt_id": attempt_id},
             )
-            values: dict[str, Any] = {"state": state, "actual": actual, "resolved_at": now}
-            if note is not None:
-                values["note"] = note
-            conn.execute(update(attempts).where(attempts.c.id == row.id).values(**values))
-        return True, int(row.amount)
+        return True, int(amount)
 
     def _held_periods(self, conn: Connection, attempt_id: int) -> list[int]:
         """The period rows the attempt holds, in the same order reserve locked them."""
@@ -673,16 +623,11 @@ class Ledger:
         budget_id, name, period = self._chain(budget)[0]
         start = period_start(period, self.now() if at is None else at)  # type: ignore[arg-type]
         period_id = self._period_id(budget_id, start)
-        with transaction(self.engine) as conn:
-            row = conn.execute(
-                select(
-                    budget_periods.c.cap,
-                    budget_periods.c.spent,
-                    budget_periods.c.held,
-                    available().label("available"),
-                ).where(budget_periods.c.id == period_id)
-            ).one()
-        return Balance(name, row.cap, row.spent, row.held, row.available, start)
+        with self._driver.transaction() as cur:
+            row = cur.one(sql.BALANCE, {"period_id": period_id})
+        assert row is not None
+        cap, spent, held, free = row
+        return Balance(name, cap, spent, held, free, start)
 
     def attempt(self, key: str) -> Attempt:
         """One attempt, with its state, amounts and provider ids."""

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
+    DDL,
     BigInteger,
     Boolean,
     CheckConstraint,
@@ -162,7 +163,8 @@ APPEND_ONLY_DDL: dict[str, tuple[str, ...]] = {
         """CREATE OR REPLACE FUNCTION budget_tasks_journal_append_only() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    RAISE EXCEPTION 'the budget-tasks journal is append-only (% refused)', TG_OP;
+    RAISE EXCEPTION USING
+        MESSAGE = 'the budget-tasks journal is append-only (' || TG_OP || ' refused)';
 END
 $$""",
         """CREATE TRIGGER journal_append_only BEFORE UPDATE OR DELETE ON journal
@@ -180,4 +182,4 @@ BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
 @event.listens_for(journal, "after_create")
 def _journal_append_only(target: Table, connection: Connection, **kw: Any) -> None:
     for statement in APPEND_ONLY_DDL.get(connection.dialect.name, ()):
-        connection.exec_driver_sql(statement)
+        connection.execute(DDL(statement))

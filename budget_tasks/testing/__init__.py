@@ -1,5 +1,7 @@
 """Helpers for testing code that uses budget-tasks (and for budget-tasks' own tests)."""
 
+from .clock import ManualClock
 from .processes import race
+from .proxy import FaultProxy
 
-__all__ = ["race"]
+__all__ = ["FaultProxy", "ManualClock", "race"]

@@ -1,0 +1,280 @@
+"""Ledger behaviour on both backends (PostgreSQL and SQLite)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
+
+from budget_tasks import (
+    BudgetExceeded,
+    BudgetExists,
+    BudgetFrozen,
+    IdempotencyConflict,
+    Ledger,
+    SettlementConflict,
+    UnknownAttempt,
+    UnknownBudget,
+)
+from budget_tasks.errors import InvalidTransition
+from budget_tasks.testing import ManualClock
+
+
+def sent(ledger: Ledger, budget: str, key: str, amount: int) -> None:
+    ledger.reserve(budget, key, amount)
+    ledger.mark_sending(key, provider="openai")
+
+
+def test_reserve_holds_and_settle_replaces_the_hold(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    r = ledger.reserve("acme", "k1", 40, fingerprint="fp")
+    assert r.created and r.amount == 40 and r.state == "reserved"
+    assert (ledger.balance("acme").held, ledger.balance("acme").spent) == (40, 0)
+    ledger.mark_sending("k1", provider="openai", request_id="req_1")
+    assert ledger.settle("k1", 25) is True
+    bal = ledger.balance("acme")
+    assert (bal.cap, bal.spent, bal.held, bal.available) == (100, 25, 0, 75)
+    a = ledger.attempt("k1")
+    assert (a.state, a.actual, a.provider, a.request_id, a.overrun) == (
+        "settled", 25, "openai", "req_1", 0,
+    )
+
+
+def test_same_key_replays_without_a_second_hold(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    ledger.reserve("acme", "k1", 40, fingerprint="fp")
+    again = ledger.reserve("acme", "k1", 40, fingerprint="fp")
+    assert again.created is False
+    assert ledger.balance("acme").held == 40
+    ledger.mark_sending("k1")
+    ledger.settle("k1", 40)
+    # Even when the budget is full and the attempt long settled, the key replays.
+    assert ledger.reserve("acme", "k1", 40, fingerprint="fp").state == "settled"
+    assert ledger.balance("acme").spent == 40
+
+
+@pytest.mark.parametrize(
+    ("budget", "amount", "fingerprint", "field"),
+    [("acme", 41, "fp", "amount"), ("acme", 40, "other", "fingerprint"),
+     ("acme", 40, None, "fingerprint"), ("beta", 40, "fp", "budget")],
+)
+def test_key_reuse_with_another_request_is_a_conflict(
+    ledger: Ledger, budget: str, amount: int, fingerprint: str | None, field: str
+) -> None:
+    ledger.create_budget("acme", 100)
+    ledger.create_budget("beta", 100)
+    ledger.reserve("acme", "k1", 40, fingerprint="fp")
+    with pytest.raises(IdempotencyConflict) as info:
+        ledger.reserve(budget, "k1", amount, fingerprint=fingerprint)
+    assert info.value.field == field
+    assert ledger.balance("acme").held == 40 and ledger.balance("beta").held == 0
+
+
+def test_admission_is_exact_at_the_cap(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    ledger.reserve("acme", "a", 60)
+    ledger.reserve("acme", "b", 40)  # spent + held + amount == cap is admitted
+    with pytest.raises(BudgetExceeded) as info:
+        ledger.reserve("acme", "c", 1)
+    assert (info.value.budget, info.value.requested, info.value.available) == ("acme", 1, 0)
+    with pytest.raises(UnknownAttempt):
+        ledger.attempt("c")  # the refused attempt left no row
+
+
+def test_parent_limits_the_child(ledger: Ledger) -> None:
+    ledger.create_budget("tenant", 50)
+    ledger.create_budget("project", 100, parent="tenant")
+    ledger.reserve("project", "a", 30)
+    with pytest.raises(BudgetExceeded) as info:
+        ledger.reserve("project", "b", 30)
+    assert info.value.budget == "tenant" and info.value.available == 20
+    assert ledger.balance("project").held == 30
+    assert ledger.balance("tenant").held == 30
+    sent(ledger, "project", "c", 20)
+    ledger.settle("c", 5)
+    assert (ledger.balance("tenant").spent, ledger.balance("tenant").held) == (5, 30)
+    assert (ledger.balance("project").spent, ledger.balance("project").held) == (5, 30)
+
+
+def test_frozen_budget_or_ancestor_admits_nothing_but_settles(ledger: Ledger) -> None:
+    ledger.create_budget("tenant", 500)
+    ledger.create_budget("project", 100, parent="tenant")
+    sent(ledger, "project", "a", 10)
+    ledger.freeze("tenant")
+    with pytest.raises(BudgetFrozen) as info:
+        ledger.reserve("project", "b", 10)
+    assert info.value.budget == "tenant"
+    assert ledger.settle("a", 10)  # money already out still settles
+    ledger.unfreeze("tenant")
+    ledger.reserve("project", "b", 10)
+    assert ledger.budget("tenant").frozen is False
+    with pytest.raises(UnknownBudget):
+        ledger.freeze("nope")
+
+
+def test_settle_twice_same_actual_is_a_no_op_other_actual_conflicts(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    sent(ledger, "acme", "k", 50)
+    assert ledger.settle("k", 30) is True
+    assert ledger.settle("k", 30) is False
+    with pytest.raises(SettlementConflict) as info:
+        ledger.settle("k", 31)
+    assert (info.value.recorded, info.value.requested) == (30, 31)
+    with pytest.raises(SettlementConflict):
+        ledger.release("k", "changed my mind")
+    assert ledger.balance("acme").spent == 30
+
+
+def test_overrun_is_recorded_as_it_is(ledger: Ledger, caplog: pytest.LogCaptureFixture) -> None:
+    ledger.create_budget("acme", 100)
+    sent(ledger, "acme", "k", 50)
+    ledger.settle("k", 70)
+    assert ledger.balance("acme").spent == 70
+    assert ledger.attempt("k").overrun == 20
+    assert "overrun on attempt k" in caplog.text
+
+
+def test_release_returns_the_hold(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    ledger.reserve("acme", "never-sent", 50)
+    sent(ledger, "acme", "rejected", 50)
+    assert ledger.release("never-sent", "worker stopped before sending")
+    assert ledger.release("rejected", "provider answered 400")
+    assert ledger.release("rejected", "again") is False
+    bal = ledger.balance("acme")
+    assert (bal.held, bal.spent) == (0, 0)
+    assert ledger.attempt("rejected").note == "provider answered 400"
+
+
+def test_one_attempt_grants_one_send(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    sent(ledger, "acme", "k", 50)
+    with pytest.raises(InvalidTransition):
+        ledger.mark_sending("k")
+    with pytest.raises(UnknownAttempt):
+        ledger.mark_sending("nope")
+
+
+def test_settle_needs_a_send_first(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    ledger.reserve("acme", "k", 50)
+    with pytest.raises(InvalidTransition):
+        ledger.settle("k", 50)
+    assert ledger.balance("acme").held == 50
+
+
+def test_unknown_outcome_keeps_the_hold_then_settles(ledger: Ledger, clock: ManualClock) -> None:
+    ledger.create_budget("acme", 100)
+    sent(ledger, "acme", "k", 50)
+    ledger.record_request_id("k", "req_9")
+    assert ledger.mark_unknown("k", "read timeout") is True
+    assert ledger.mark_unknown("k", "read timeout") is False
+    clock.advance(hours=3)
+    [hold] = ledger.holds(older_than=timedelta(hours=2))
+    assert (hold.key, hold.state, hold.amount, hold.request_id) == ("k", "unknown", 50, "req_9")
+    assert hold.age == timedelta(hours=3)
+    assert ledger.holds(older_than=timedelta(hours=4)) == []
+    assert ledger.balance("acme").held == 50
+    assert ledger.settle("k", 42)
+    assert ledger.holds() == []
+
+
+def test_request_id_is_recorded_once(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    ledger.reserve("acme", "k", 10)
+    with pytest.raises(InvalidTransition):
+        ledger.record_request_id("k", "req_1")  # nothing was sent yet
+    ledger.mark_sending("k")
+    ledger.record_request_id("k", "req_1")
+    ledger.record_request_id("k", "req_1")
+    with pytest.raises(InvalidTransition):
+        ledger.record_request_id("k", "req_2")
+    assert ledger.attempt("k").request_id == "req_1"
+
+
+def test_adjust_is_a_journal_entry_idempotent_by_ref(ledger: Ledger) -> None:
+    ledger.create_budget("tenant", 1000)
+    ledger.create_budget("acme", 100, parent="tenant")
+    sent(ledger, "acme", "k", 50)
+    with pytest.raises(InvalidTransition):
+        ledger.adjust("k", 5, "too early")
+    ledger.settle("k", 40)
+    assert ledger.adjust("k", 7, "provider correction", ref="inv-1") is True
+    assert ledger.adjust("k", 7, "provider correction", ref="inv-1") is False
+    assert ledger.adjust("k", -3, "refund") is True
+    assert ledger.balance("acme").spent == 44 and ledger.balance("tenant").spent == 44
+    with pytest.raises(ValueError, match="below zero"):
+        ledger.adjust("k", -45, "too much")
+    with pytest.raises(ValueError, match="adjustment of 0"):
+        ledger.adjust("k", 0, "nothing")
+    assert ledger.attempt("k").actual == 40  # the settlement itself is never rewritten
+    assert ledger.audit() == []
+
+
+def test_late_settlement_charges_the_period_of_admission(
+    ledger: Ledger, clock: ManualClock
+) -> None:
+    ledger.create_budget("daily", 100, period="day")
+    sent(ledger, "daily", "k", 60)
+    day1 = ledger.balance("daily").period_start
+    clock.advance(days=1)
+    fresh = ledger.balance("daily")
+    assert fresh.period_start == day1 + timedelta(days=1)
+    assert (fresh.held, fresh.spent, fresh.available) == (0, 0, 100)
+    ledger.settle("k", 55)
+    assert ledger.balance("daily").spent == 0
+    old = ledger.balance("daily", at=day1)
+    assert (old.spent, old.held) == (55, 0)
+    assert ledger.attempt("k").period_start == day1
+    assert ledger.audit() == []
+
+
+def test_rollover_renewal_carries_unused_up_to_the_ceiling(
+    ledger: Ledger, clock: ManualClock
+) -> None:
+    ledger.create_budget("daily", 100, period="day", renewal="rollover", rollover_ceiling=250)
+    ledger.create_budget("plain", 100, period="day")
+    for name in ("daily", "plain"):
+        sent(ledger, name, f"{name}-1", 30)
+        ledger.settle(f"{name}-1", 30)
+    clock.advance(days=1)
+    assert ledger.balance("daily").cap == 170  # 100 + 70 unused
+    assert ledger.balance("plain").cap == 100  # reset
+    clock.advance(days=1)
+    assert ledger.balance("daily").cap == 250  # 100 + 170, capped at 250
+
+
+def test_duplicate_and_unknown_budgets(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    with pytest.raises(BudgetExists):
+        ledger.create_budget("acme", 100)
+    with pytest.raises(UnknownBudget):
+        ledger.create_budget("child", 10, parent="nope")
+    with pytest.raises(UnknownBudget):
+        ledger.reserve("nope", "k", 1)
+    with pytest.raises(UnknownBudget):
+        ledger.balance("nope")
+    assert [b.name for b in ledger.budgets()] == ["acme"]
+
+
+def test_audit_finds_a_counter_changed_behind_the_journal(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    ledger.reserve("acme", "k", 10)
+    assert ledger.audit() == []
+    with ledger.engine.begin() as conn:
+        conn.execute(text("UPDATE budget_periods SET held = held - 10"))
+    [finding] = ledger.audit()
+    assert (finding.budget, finding.counter, finding.recorded, finding.journal) == (
+        "acme", "held", 0, 10,
+    )
+
+
+def test_journal_is_append_only(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    ledger.reserve("acme", "k", 10)
+    for statement in ("UPDATE journal SET held_delta = 0", "DELETE FROM journal"):
+        with pytest.raises(DBAPIError, match="append-only"), ledger.engine.begin() as conn:
+            conn.execute(text(statement))
+    assert ledger.balance("acme").held == 10 and ledger.audit() == []
