@@ -366,13 +366,6 @@ class Ledger:
             )
             if inserted is None:
                 return self._existing(cur, key, budget, amount, fingerprint)
-            for budget_id, period_id in holds:
-                if cur.one(sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}):
-                    continue
-                available, frozen = cur.one(sql.REFUSAL, {"period_id": period_id}) or (0, True)
-                if frozen:
-                    raise BudgetFrozen(names[budget_id])
-                raise BudgetExceeded(names[budget_id], amount, int(available))
             for _, period_id in holds:
                 cur.run(
                     sql.INSERT_JOURNAL,
@@ -387,6 +380,14 @@ class Ledger:
                         "now": stamp,
                     },
                 )
+            # The budget rows are the contended ones: lock them last, just before COMMIT.
+            for budget_id, period_id in holds:
+                if cur.one(sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}):
+                    continue
+                available, frozen = cur.one(sql.REFUSAL, {"period_id": period_id}) or (0, True)
+                if frozen:
+                    raise BudgetFrozen(names[budget_id])
+                raise BudgetExceeded(names[budget_id], amount, int(available))
         return Reservation(key, budget, amount, start, "reserved", reason, fingerprint, True)
 
     def _existing(
@@ -513,10 +514,10 @@ class Ledger:
     ) -> tuple[bool, int]:
         stamp = self._driver.ts(self.now())
         with self._driver.transaction() as cur:
-            row = cur.one(sql.LOCK_ATTEMPT, {"key": key})
-            if row is None:
+            rows = cur.all(sql.LOCK_ATTEMPT, {"key": key})
+            if not rows:
                 raise UnknownAttempt(key)
-            attempt_id, amount, recorded, current = row
+            attempt_id, amount, recorded, current, _ = rows[0]
             if current in ("settled", "released"):
                 if recorded == actual:
                     return False, amount
@@ -524,11 +525,7 @@ class Ledger:
             allowed = ("sending", "unknown") if state == "settled" else HOLDING_STATES
             if current not in allowed:
                 raise InvalidTransition(key, current, "settle before mark_sending")
-            for (period_id,) in cur.all(sql.HELD_PERIODS, {"attempt_id": attempt_id}):
-                cur.run(
-                    sql.APPLY_SETTLEMENT,
-                    {"amount": amount, "actual": actual, "period_id": period_id},
-                )
+            for *_, period_id in rows:
                 cur.run(
                     sql.INSERT_JOURNAL,
                     {
@@ -544,27 +541,27 @@ class Ledger:
                 )
             cur.run(
                 sql.RESOLVE_ATTEMPT,
-                {"state": state, "actual": actual, "now": stamp, "note": note,
-                 "attempt_id": attempt_id},
+                {
+                    "state": state,
+                    "actual": actual,
+                    "now": stamp,
+                    "note": note,
+                    "attempt_id": attempt_id,
+                },
             )
+            # The budget rows are the contended ones: lock them last, just before COMMIT.
+            for *_, period_id in rows:
+                cur.run(
+                    sql.APPLY_SETTLEMENT,
+                    {"amount": amount, "actual": actual, "period_id": period_id},
+                )
         return True, int(amount)
-
-    def _held_periods(self, conn: Connection, attempt_id: int) -> list[int]:
-        """The period rows the attempt holds, in the same order reserve locked them."""
-        return list(
-            conn.execute(
-                select(journal.c.period_id)
-                .join(budget_periods, budget_periods.c.id == journal.c.period_id)
-                .where(journal.c.attempt_id == attempt_id, journal.c.kind == "hold")
-                .order_by(budget_periods.c.budget_id)
-            ).scalars()
-        )
 
     def adjust(self, key: str, delta: int, reason: str, *, ref: str | None = None) -> bool:
         """Add a provider correction to a settled or released attempt's charge.
 
         Recorded as a new journal entry, never an overwrite, in the attempt's own
-        period. ``ref`` (e.g. the provider's invoice line id) makes the correction
+        periods. ``ref`` (e.g. the provider's invoice line id) makes the correction
         idempotent: a second call with the same ref returns False.
         """
         check.text(key, "key")
@@ -573,46 +570,38 @@ class Ledger:
         check.optional_text(ref, "ref")
         if delta == 0:
             raise ValueError("an adjustment of 0 records nothing")
-        with transaction(self.engine) as conn:
-            row = self._lock_attempt(conn, key)
-            if row.state not in ("settled", "released"):
-                raise InvalidTransition(key, row.state, "adjust before settlement")
-            if ref is not None and conn.execute(
-                select(journal.c.id).where(journal.c.attempt_id == row.id, journal.c.ref == ref)
-            ).first():
+        stamp = self._driver.ts(self.now())
+        with self._driver.transaction() as cur:
+            rows = cur.all(sql.LOCK_ATTEMPT, {"key": key})
+            if not rows:
+                raise UnknownAttempt(key)
+            attempt_id, _, _, state, _ = rows[0]
+            if state not in ("settled", "released"):
+                raise InvalidTransition(key, state, "adjust before settlement")
+            if ref is not None and cur.one(
+                sql.ADJUSTMENT_SEEN, {"attempt_id": attempt_id, "ref": ref}
+            ):
                 return False
-            charged = conn.execute(
-                select(func.coalesce(func.sum(journal.c.spent_delta), 0)).where(
-                    journal.c.attempt_id == row.id, journal.c.period_id == row.period_id
-                )
-            ).scalar_one()
+            (charged,) = cur.one(sql.ATTEMPT_CHARGED, {"attempt_id": attempt_id}) or (0,)
             if charged + delta < 0:
                 raise ValueError(
                     f"adjustment {delta} would take attempt {key!r} below zero (charged {charged})"
                 )
-            held_periods = self._held_periods(conn, row.id)
-            for period_id in held_periods:
-                conn.execute(
-                    update(budget_periods)
-                    .where(budget_periods.c.id == period_id)
-                    .values(spent=budget_periods.c.spent + delta)
-                )
-            conn.execute(
-                insert(journal),
-                [
+            for *_, period_id in rows:
+                cur.run(sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id})
+                cur.run(
+                    sql.INSERT_JOURNAL,
                     {
-                        "attempt_id": row.id,
+                        "attempt_id": attempt_id,
                         "period_id": period_id,
                         "kind": "adjustment",
                         "held_delta": 0,
                         "spent_delta": delta,
                         "note": reason,
                         "ref": ref,
-                        "created_at": self.now(),
-                    }
-                    for period_id in held_periods
-                ],
-            )
+                        "now": stamp,
+                    },
+                )
         return True
 
     # -- reporting -------------------------------------------------------------------

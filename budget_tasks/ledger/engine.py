@@ -35,7 +35,6 @@ def build_engine(url: str, **options: Any) -> Engine:
         )
         _sqlite_serialised_writes(engine)
         return engine
-    options.setdefault("pool_pre_ping", True)
     options.setdefault("pool_size", 2)
     options.setdefault("max_overflow", 8)
     return create_engine(
@@ -69,16 +68,43 @@ def _sqlite_serialised_writes(engine: Engine) -> None:
 
 @contextmanager
 def transaction(engine: Engine) -> Iterator[Connection]:
-    """One short transaction; connection-level failures become LedgerUnavailable."""
+    """One short transaction; connection-level failures become LedgerUnavailable.
+
+    The pool does not ping on checkout (the hot path would pay a round trip per call),
+    so these less frequent paths open with a ping: a connection gone stale in a
+    database restart is found before any statement runs, and replaced once.
+    """
     try:
-        with engine.begin() as conn:
+        conn = _alive(engine)
+        try:
             yield conn
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+        finally:
+            conn.close()
     except (OperationalError, InterfaceError) as exc:
         raise LedgerUnavailable(_describe(exc)) from exc
     except DBAPIError as exc:
         if exc.connection_invalidated:
             raise LedgerUnavailable(_describe(exc)) from exc
         raise
+
+
+def _alive(engine: Engine) -> Connection:
+    """A connection whose transaction has begun with a successful ping."""
+    conn = engine.connect()
+    try:
+        conn.exec_driver_sql("SELECT 1")
+        return conn
+    except DBAPIError as exc:
+        conn.close()
+        if not exc.connection_invalidated:
+            raise
+    conn = engine.connect()  # the pool was renewed when the stale one was found
+    conn.exec_driver_sql("SELECT 1")
+    return conn
 
 
 def _describe(exc: DBAPIError) -> str:

@@ -63,17 +63,30 @@ RETURNING id"""
 
 ATTEMPT_STATE = "SELECT state FROM attempts WHERE key = :key"
 
+# The attempt row, locked, with each period row it holds: one row per period, in the
+# order reserve locked them (budget id), so settlement takes locks in the same order.
 LOCK_ATTEMPT = """
-SELECT id, amount, actual, state FROM attempts WHERE key = :key{for_update}"""
-
-HELD_PERIODS = """
-SELECT j.period_id FROM journal j JOIN budget_periods p ON p.id = j.period_id
-WHERE j.attempt_id = :attempt_id AND j.kind = 'hold'
-ORDER BY p.budget_id"""
+SELECT a.id, a.amount, a.actual, a.state, j.period_id
+FROM attempts a
+JOIN journal j ON j.attempt_id = a.id AND j.kind = 'hold'
+JOIN budget_periods p ON p.id = j.period_id
+WHERE a.key = :key
+ORDER BY p.budget_id{for_update}"""
 
 APPLY_SETTLEMENT = """
 UPDATE budget_periods SET held = held - :amount, spent = spent + :actual
 WHERE id = :period_id"""
+
+ADJUSTMENT_SEEN = """
+SELECT 1 FROM journal WHERE attempt_id = :attempt_id AND ref = :ref"""
+
+# What the attempt has been charged so far in its own budget's period.
+ATTEMPT_CHARGED = """
+SELECT COALESCE(SUM(j.spent_delta), 0) FROM journal j JOIN attempts a ON a.id = j.attempt_id
+WHERE j.attempt_id = :attempt_id AND j.period_id = a.period_id"""
+
+APPLY_ADJUSTMENT = """
+UPDATE budget_periods SET spent = spent + :delta WHERE id = :period_id"""
 
 RESOLVE_ATTEMPT = """
 UPDATE attempts SET state = :state, actual = :actual, resolved_at = :now,
@@ -98,7 +111,8 @@ class Driver:
         """The statement in the driver's placeholder style (cached)."""
         translated = self._sql.get(statement)
         if translated is None:
-            translated = statement.replace("{for_update}", "" if self.sqlite else " FOR UPDATE")
+            lock = "" if self.sqlite else " FOR UPDATE OF a"
+            translated = statement.replace("{for_update}", lock)
             if not self.sqlite:  # psycopg: pyformat
                 translated = _NAMED.sub(r"%(\1)s", translated)
             self._sql[statement] = translated
@@ -118,54 +132,79 @@ class Driver:
         assert isinstance(value, datetime)
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
-    @contextmanager
-    def transaction(self) -> Iterator[Cursor]:
-        """One transaction on a pooled driver connection; failures to reach the
-        database become LedgerUnavailable, and the transaction rolls back."""
-        dbapi = self.engine.dialect.dbapi
-        assert dbapi is not None
-        unreachable = (dbapi.OperationalError, dbapi.InterfaceError)
+    def checkout(self) -> Any:
+        """A pooled driver connection, in a transaction."""
         try:
             conn = self.engine.raw_connection()
         except DBAPIError as exc:
             raise LedgerUnavailable(_first_line(exc.orig or exc)) from exc
+        if self.sqlite:
+            conn.cursor().execute("BEGIN IMMEDIATE")
+        return conn
+
+    @contextmanager
+    def transaction(self) -> Iterator[Cursor]:
+        """One transaction on a pooled driver connection; failures to reach the
+        database become LedgerUnavailable, and the transaction rolls back."""
+        cursor = Cursor(self, self.checkout())
         try:
-            cursor = Cursor(self, conn.cursor())
-            if self.sqlite:
-                cursor.raw.execute("BEGIN IMMEDIATE")
             yield cursor
-            conn.commit()
-        except unreachable as exc:
-            conn.invalidate(exc)
+            cursor.conn.commit()
+        except self.unreachable as exc:
+            cursor.conn.invalidate(exc)
             raise LedgerUnavailable(_first_line(exc)) from exc
         except BaseException:
             try:
-                conn.rollback()
-            except unreachable as exc:
-                conn.invalidate(exc)
+                cursor.conn.rollback()
+            except self.unreachable as exc:
+                cursor.conn.invalidate(exc)
             raise
         finally:
-            conn.close()
+            cursor.conn.close()
+
+    @property
+    def unreachable(self) -> tuple[type[Exception], ...]:
+        dbapi = self.engine.dialect.dbapi
+        assert dbapi is not None
+        return (dbapi.OperationalError, dbapi.InterfaceError)
 
 
 class Cursor:
     """A driver cursor that takes the statements above and ``:name`` parameters."""
 
-    def __init__(self, driver: Driver, raw: Any) -> None:
+    def __init__(self, driver: Driver, conn: Any) -> None:
         self.driver = driver
-        self.raw = raw
+        self.conn = conn
+        self.raw = conn.cursor()
+        self._first = not driver.sqlite
+
+    def _execute(self, statement: str, params: Mapping[str, Any]) -> None:
+        sql = self.driver.sql(statement)
+        if self._first:
+            self._first = False
+            try:
+                self.raw.execute(sql, params)
+                return
+            except self.driver.unreachable as exc:
+                # Nothing has run in this transaction yet, so a pooled connection that
+                # went stale (a database restart) is replaced once: this stands in for
+                # a ping on every checkout, which would cost a round trip per call.
+                self.conn.invalidate(exc)
+                self.conn = self.driver.checkout()
+                self.raw = self.conn.cursor()
+        self.raw.execute(sql, params)
 
     def one(self, statement: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
-        self.raw.execute(self.driver.sql(statement), params)
+        self._execute(statement, params)
         row: tuple[Any, ...] | None = self.raw.fetchone()
         return row
 
     def all(self, statement: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        self.raw.execute(self.driver.sql(statement), params)
+        self._execute(statement, params)
         return list(self.raw.fetchall())
 
     def run(self, statement: str, params: Mapping[str, Any]) -> int:
-        self.raw.execute(self.driver.sql(statement), params)
+        self._execute(statement, params)
         return int(self.raw.rowcount)
 
 
