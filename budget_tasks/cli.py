@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -66,6 +65,5 @@ def run() -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+if __name__ == "__main__":
     run()

@@ -138,6 +138,8 @@ class Driver:
             conn = self.engine.raw_connection()
         except DBAPIError as exc:
             raise LedgerUnavailable(_first_line(exc.orig or exc)) from exc
+        except self.unreachable as exc:  # raw_connection() does not always wrap these
+            raise LedgerUnavailable(_first_line(exc)) from exc
         if self.sqlite:
             conn.cursor().execute("BEGIN IMMEDIATE")
         return conn
@@ -154,10 +156,11 @@ class Driver:
             cursor.conn.invalidate(exc)
             raise LedgerUnavailable(_first_line(exc)) from exc
         except BaseException:
-            try:
-                cursor.conn.rollback()
-            except self.unreachable as exc:
-                cursor.conn.invalidate(exc)
+            if cursor.conn.is_valid:
+                try:
+                    cursor.conn.rollback()
+                except self.unreachable as exc:
+                    cursor.conn.invalidate(exc)
             raise
         finally:
             cursor.conn.close()

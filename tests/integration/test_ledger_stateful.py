@@ -1,0 +1,239 @@
+"""A hypothesis state machine drives the ledger through reserve, send, settle, release,
+adjust, freeze and period changes, against a plain model of the same rules: the
+counters always equal the model and the journal, a repeated settle changes nothing, and
+a late settle charges the period of admission."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from budget_tasks import BudgetExceeded, BudgetFrozen, Ledger, SettlementConflict
+from budget_tasks.ledger.periods import period_start
+from budget_tasks.testing import ManualClock
+
+# name -> (cap, period, parent, renewal, ceiling), in creation (= budget id) order
+BUDGETS: dict[str, tuple[int, str, str | None, str, int | None]] = {
+    "tenant": (300, "none", None, "reset", None),
+    "team": (120, "day", "tenant", "rollover", 200),
+    "solo": (100, "week", None, "reset", None),
+}
+ORDER = list(BUDGETS)
+
+
+def chain(name: str) -> list[str]:
+    out = [name]
+    while (parent := BUDGETS[out[-1]][2]) is not None:
+        out.append(parent)
+    return sorted(out, key=ORDER.index)
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    url: str
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = ManualClock()
+        self.ledger = Ledger(self.url, clock=self.clock)
+        self.prefix = uuid.uuid4().hex[:8] + "-"
+        for name, (cap, period, parent, renewal, ceiling) in BUDGETS.items():
+            self.ledger.create_budget(
+                self.prefix + name,
+                cap,
+                period=period,  # type: ignore[arg-type]
+                parent=None if parent is None else self.prefix + parent,
+                renewal=renewal,
+                rollover_ceiling=ceiling,  # type: ignore[arg-type]
+            )
+        self.periods: dict[tuple[str, datetime], list[int]] = {}  # cap, spent, held
+        self.attempts: dict[str, dict[str, Any]] = {}
+        self.frozen: set[str] = set()
+        self.count = 0
+
+    def teardown(self) -> None:
+        self.ledger.dispose()
+
+    # -- model ---------------------------------------------------------------------
+
+    def start(self, name: str) -> datetime:
+        return period_start(BUDGETS[name][1], self.clock())  # type: ignore[arg-type]
+
+    def open(self, name: str) -> list[int]:
+        key = (name, self.start(name))
+        if key not in self.periods:
+            allowance, period, _, renewal, ceiling = BUDGETS[name]
+            cap = allowance
+            prev_at = key[1] - timedelta(microseconds=1)
+            prev = self.periods.get((name, period_start(period, prev_at)))  # type: ignore[arg-type]
+            if renewal == "rollover" and prev is not None:
+                unused = max(0, prev[0] - prev[1] - prev[2])
+                cap = max(allowance, min(ceiling or 3 * allowance, allowance + unused))
+            self.periods[key] = [cap, 0, 0]
+        return self.periods[key]
+
+    def keys_in(self, *states: str) -> list[str]:
+        return sorted(k for k, a in self.attempts.items() if a["state"] in states)
+
+    # -- rules ---------------------------------------------------------------------
+
+    @rule(name=st.sampled_from(ORDER), amount=st.integers(0, 150))
+    def reserve(self, name: str, amount: int) -> None:
+        self.count += 1
+        key = f"{self.prefix}k{self.count}"
+        rows = {b: self.open(b) for b in chain(name)}
+        refusal: type[Exception] | None = None
+        for b, row in rows.items():
+            if b in self.frozen:
+                refusal, limit = BudgetFrozen, b
+                break
+            if row[0] - row[1] - row[2] < amount:
+                refusal, limit = BudgetExceeded, b
+                break
+        if refusal is not None:
+            with pytest.raises(refusal) as info:
+                self.ledger.reserve(self.prefix + name, key, amount)
+            assert info.value.budget == self.prefix + limit
+            return
+        assert self.ledger.reserve(self.prefix + name, key, amount).created
+        for row in rows.values():
+            row[2] += amount
+        self.attempts[key] = {
+            "budget": name,
+            "amount": amount,
+            "state": "reserved",
+            "actual": None,
+            "periods": [(b, self.start(b)) for b in rows],
+        }
+
+    @precondition(lambda self: self.attempts)
+    @rule(data=st.data())
+    def replay(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.attempts)))
+        a = self.attempts[key]
+        again = self.ledger.reserve(self.prefix + a["budget"], key, a["amount"])
+        assert not again.created
+        assert again.state == a["state"]
+
+    @precondition(lambda self: self.keys_in("reserved"))
+    @rule(data=st.data())
+    def send(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(self.keys_in("reserved")))
+        self.ledger.mark_sending(key, provider="fake")
+        self.attempts[key]["state"] = "sending"
+
+    @precondition(lambda self: self.keys_in("sending"))
+    @rule(data=st.data())
+    def time_out(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(self.keys_in("sending")))
+        assert self.ledger.mark_unknown(key, "timeout")
+        self.attempts[key]["state"] = "unknown"
+
+    def _resolve(self, key: str, actual: int, state: str) -> None:
+        a = self.attempts[key]
+        for period in a["periods"]:
+            self.periods[period][2] -= a["amount"]
+            self.periods[period][1] += actual
+        a.update(state=state, actual=actual, charged=actual)
+
+    @precondition(lambda self: self.keys_in("sending", "unknown"))
+    @rule(data=st.data(), actual=st.integers(0, 200))
+    def settle(self, data: st.DataObject, actual: int) -> None:
+        key = data.draw(st.sampled_from(self.keys_in("sending", "unknown")))
+        assert self.ledger.settle(key, actual) is True
+        self._resolve(key, actual, "settled")
+
+    @precondition(lambda self: self.keys_in("reserved", "sending", "unknown"))
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(self.keys_in("reserved", "sending", "unknown")))
+        assert self.ledger.release(key, "not billed") is True
+        self._resolve(key, 0, "released")
+
+    @precondition(lambda self: self.keys_in("settled", "released"))
+    @rule(data=st.data(), other=st.integers(1, 50))
+    def settle_again(self, data: st.DataObject, other: int) -> None:
+        key = data.draw(st.sampled_from(self.keys_in("settled", "released")))
+        a = self.attempts[key]
+        if a["state"] == "settled":
+            assert self.ledger.settle(key, a["actual"]) is False
+        else:
+            assert self.ledger.release(key, "again") is False
+        with pytest.raises(SettlementConflict):
+            self.ledger.settle(key, a["actual"] + other)
+
+    @precondition(lambda self: self.keys_in("settled", "released"))
+    @rule(data=st.data(), delta=st.integers(-50, 50).filter(bool))
+    def adjust(self, data: st.DataObject, delta: int) -> None:
+        key = data.draw(st.sampled_from(self.keys_in("settled", "released")))
+        a = self.attempts[key]
+        if a["charged"] + delta < 0:
+            with pytest.raises(ValueError, match="below zero"):
+                self.ledger.adjust(key, delta, "correction")
+            return
+        assert self.ledger.adjust(key, delta, "correction")
+        a["charged"] += delta  # the settlement itself stays as it was
+        for period in a["periods"]:
+            self.periods[period][1] += delta
+
+    @rule(name=st.sampled_from(ORDER), frozen=st.booleans())
+    def freeze(self, name: str, frozen: bool) -> None:
+        if frozen:
+            self.ledger.freeze(self.prefix + name)
+            self.frozen.add(name)
+        else:
+            self.ledger.unfreeze(self.prefix + name)
+            self.frozen.discard(name)
+
+    @rule(hours=st.integers(1, 200))
+    def advance(self, hours: int) -> None:
+        self.clock.advance(hours=hours)
+
+    # -- invariants ----------------------------------------------------------------
+
+    @invariant()
+    def counters_match_the_model_and_the_journal(self) -> None:
+        for name in ORDER:
+            self.open(name)
+        for (name, start), (cap, spent, held) in self.periods.items():
+            bal = self.ledger.balance(self.prefix + name, at=start)
+            assert (bal.cap, bal.spent, bal.held) == (cap, spent, held), (name, start)
+            assert bal.available == cap - spent - held
+        assert self.ledger.audit() == []
+
+    @invariant()
+    def holds_are_exactly_the_open_attempts(self) -> None:
+        mine = [h for h in self.ledger.holds() if h.key.startswith(self.prefix)]
+        assert sorted((h.key, h.amount) for h in mine) == sorted(
+            (k, self.attempts[k]["amount"]) for k in self.keys_in("reserved", "sending", "unknown")
+        )
+
+
+@pytest.mark.parametrize("backend", ["postgres", "sqlite"])
+def test_ledger_state_machine(backend: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue("pg_url" if backend == "postgres" else "sqlite_url")
+
+    class Machine(LedgerMachine):
+        pass
+
+    Machine.url = url
+    run_state_machine_as_test(
+        Machine,
+        settings=settings(
+            max_examples=30,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
