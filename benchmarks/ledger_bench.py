@@ -26,7 +26,9 @@ import psycopg
 from budget_tasks import Ledger
 from budget_tasks.testing import race
 
-ADMIN_URL = os.environ.get("BUDGET_TASKS_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+ADMIN_URL = os.environ.get(
+    "BUDGET_TASKS_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 TARGET = 0.8
 
 
@@ -72,11 +74,14 @@ def raw_worker(url: str, tag: str, seconds: float) -> int:
         key = f"{tag}-{done}"
         now = datetime.now(UTC)
         # reserve
-        if conn.execute(
-            "UPDATE budget_periods SET held = held + %s WHERE id = %s "
-            "AND cap - spent - held >= %s RETURNING id",
-            (1_000, period_id, 1_000),
-        ).fetchone() is None:
+        if (
+            conn.execute(
+                "UPDATE budget_periods SET held = held + %s WHERE id = %s "
+                "AND cap - spent - held >= %s RETURNING id",
+                (1_000, period_id, 1_000),
+            ).fetchone()
+            is None
+        ):
             raise RuntimeError("the hot budget ran out")
         (attempt_id,) = conn.execute(
             "INSERT INTO attempts (key, budget_id, period_id, reason, amount, state, created_at) "
@@ -142,8 +147,10 @@ def main() -> int:
         ledger.create_budget("hot", 10**15)
         ledger.balance("hot")  # opens the period row the raw cycle uses
         ledger.dispose()
-        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, "
-              f"Python {platform.python_version()}, PostgreSQL at {ADMIN_URL.rsplit('@', 1)[-1]}")
+        print(
+            f"machine: {platform.machine()}, {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}, PostgreSQL at {ADMIN_URL.rsplit('@', 1)[-1]}"
+        )
         print(f"{'processes':>9}  {'raw psycopg':>12}  {'Ledger':>12}  {'ratio':>6}")
         worst = None
         for procs in args.procs:
@@ -151,13 +158,14 @@ def main() -> int:
             for _ in range(args.rounds):
                 raw.append(measure(url, raw_worker, procs, args.seconds))
                 lib.append(measure(url, library_worker, procs, args.seconds))
-            r, l = statistics.median(raw), statistics.median(lib)
-            ratio = l / r
+            base, ours = statistics.median(raw), statistics.median(lib)
+            ratio = ours / base
             worst = ratio if worst is None else min(worst, ratio)
-            print(f"{procs:>9}  {r:>10.0f}/s  {l:>10.0f}/s  {ratio:>6.2f}", flush=True)
+            print(f"{procs:>9}  {base:>10.0f}/s  {ours:>10.0f}/s  {ratio:>6.2f}", flush=True)
         audit = Ledger(url).audit()
-        print(f"audit after the run: {'clean' if not audit else audit}")
-        print(f"target: Ledger >= {TARGET} x raw: {'met' if worst and worst >= TARGET else 'NOT met'}")
+        print(f"audit after the run: {audit or 'clean'}")
+        met = worst is not None and worst >= TARGET
+        print(f"target: Ledger >= {TARGET} x raw: {'met' if met else 'NOT met'}")
         return 0 if not audit else 1
     finally:
         with psycopg.connect(ADMIN_URL, autocommit=True) as admin:

@@ -62,8 +62,10 @@ def _walk(url: str, workers: int, echo: Echo) -> bool:
     echo("\n2. the same key is delivered again (a Celery redelivery)")
     winners = [a.key for a in ledger.attempts(budget="support-bot")]
     again = ledger.reserve("support-bot", winners[0], 30_000)
-    expect(f"{winners[0]} replays: created={again.created}, no second hold",
-           not again.created and ledger.balance("support-bot").held == bal.held)
+    expect(
+        f"{winners[0]} replays: created={again.created}, no second hold",
+        not again.created and ledger.balance("support-bot").held == bal.held,
+    )
 
     echo("\n3. the attempts are sent and settle with the provider's usage")
     ledger.mark_sending(winners[0], provider="openai", request_id="req_demo_1")
@@ -74,15 +76,19 @@ def _walk(url: str, workers: int, echo: Echo) -> bool:
     echo(f"   {winners[0]}: reserved 30000, charged 21450")
     echo(f"   {winners[1]}: reserved 30000, charged 34100 (overrun {overrun}, recorded)")
     expect("the overrun is recorded, not hidden", overrun == 4_100)
-    expect("settling again with the same actual changes nothing",
-           ledger.settle(winners[0], 21_450) is False)
+    expect(
+        "settling again with the same actual changes nothing",
+        ledger.settle(winners[0], 21_450) is False,
+    )
 
     echo("\n4. a timeout: the outcome is unknown, the hold stays")
     ledger.mark_sending(winners[2], provider="openai")
     ledger.mark_unknown(winners[2], "read timeout after 60s")
     holds = ledger.holds()
-    expect("the unknown attempt keeps its 30000 hold",
-           [(h.key, h.state, h.amount) for h in holds] == [(winners[2], "unknown", 30_000)])
+    expect(
+        "the unknown attempt keeps its 30000 hold",
+        [(h.key, h.state, h.amount) for h in holds] == [(winners[2], "unknown", 30_000)],
+    )
 
     echo("\n5. the provider later reports a correction to a settled attempt")
     ledger.adjust(winners[0], 550, "provider usage correction", ref="inv-2026-11-0042")

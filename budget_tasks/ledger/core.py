@@ -448,9 +448,7 @@ class Ledger:
             if row.state != "sending":
                 raise InvalidTransition(key, row.state, "mark unknown")
             conn.execute(
-                update(attempts)
-                .where(attempts.c.id == row.id)
-                .values(state="unknown", note=reason)
+                update(attempts).where(attempts.c.id == row.id).values(state="unknown", note=reason)
             )
         log.warning("attempt %s outcome unknown, hold of %d kept: %s", key, row.amount, reason)
         return True
@@ -474,9 +472,7 @@ class Ledger:
             )
 
     def _lock_attempt(self, conn: Connection, key: str) -> Row[Any]:
-        row = conn.execute(
-            select(attempts).where(attempts.c.key == key).with_for_update()
-        ).first()
+        row = conn.execute(select(attempts).where(attempts.c.key == key).with_for_update()).first()
         if row is None:
             raise UnknownAttempt(key)
         return row

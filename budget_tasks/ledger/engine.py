@@ -30,9 +30,7 @@ def normalise_url(url: str) -> str:
 def build_engine(url: str, **options: Any) -> Engine:
     url = normalise_url(url)
     if url.startswith("sqlite"):
-        engine = create_engine(
-            url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S}, **options
-        )
+        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S}, **options)
         _sqlite_serialised_writes(engine)
         return engine
     options.setdefault("pool_size", 2)

@@ -182,4 +182,4 @@ BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
 @event.listens_for(journal, "after_create")
 def _journal_append_only(target: Table, connection: Connection, **kw: Any) -> None:
     for statement in APPEND_ONLY_DDL.get(connection.dialect.name, ()):
-        connection.execute(DDL(statement))
+        connection.execute(DDL(statement))  # type: ignore[no-untyped-call]

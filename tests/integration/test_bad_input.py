@@ -20,12 +20,22 @@ from budget_tasks import (
 from budget_tasks.errors import InvalidTransition
 
 BAD_MONEY: list[tuple[Any, type[Exception]]] = [
-    (1.5, TypeError), (30.0, TypeError), (Decimal("30"), TypeError), (True, TypeError),
-    ("30", TypeError), (None, TypeError), (-1, ValueError), (10**16, ValueError),
+    (1.5, TypeError),
+    (30.0, TypeError),
+    (Decimal("30"), TypeError),
+    (True, TypeError),
+    ("30", TypeError),
+    (None, TypeError),
+    (-1, ValueError),
+    (10**16, ValueError),
 ]
 BAD_KEYS: list[tuple[Any, type[Exception]]] = [
-    ("", ValueError), ("  ", ValueError), ("k" * 256, ValueError), ("a\x00b", ValueError),
-    (None, TypeError), (42, TypeError),
+    ("", ValueError),
+    ("  ", ValueError),
+    ("k" * 256, ValueError),
+    ("a\x00b", ValueError),
+    (None, TypeError),
+    (42, TypeError),
 ]
 
 
@@ -52,8 +62,8 @@ def seeded(ledger: Ledger) -> Ledger:
 CASES: dict[str, Callable[[Ledger, Any], Any]] = {
     "reserve amount": lambda lg, v: lg.reserve("acme", "new", v),
     "settle actual": lambda lg, v: lg.settle("sent", v),
-    "adjust delta": lambda lg, v: lg.adjust("done", v, "fix") if v != -1 else lg.adjust(
-        "done", 1.5, "fix"
+    "adjust delta": lambda lg, v: (
+        lg.adjust("done", v, "fix") if v != -1 else lg.adjust("done", 1.5, "fix")
     ),
     "create_budget cap": lambda lg, v: lg.create_budget("new", v),
 }
@@ -111,10 +121,16 @@ REFUSALS: list[tuple[str, Callable[[Ledger], Any], type[Exception]]] = [
     ("unknown budget", lambda lg: lg.reserve("nope", "new", 10), UnknownBudget),
     ("unknown parent", lambda lg: lg.create_budget("kid", 10, parent="nope"), UnknownBudget),
     ("budget exists", lambda lg: lg.create_budget("acme", 10), BudgetExists),
-    ("key reuse, amount", lambda lg: lg.reserve("acme", "held", 101, fingerprint="fp"),
-     IdempotencyConflict),
-    ("key reuse, fingerprint", lambda lg: lg.reserve("acme", "held", 100, fingerprint="x"),
-     IdempotencyConflict),
+    (
+        "key reuse, amount",
+        lambda lg: lg.reserve("acme", "held", 101, fingerprint="fp"),
+        IdempotencyConflict,
+    ),
+    (
+        "key reuse, fingerprint",
+        lambda lg: lg.reserve("acme", "held", 100, fingerprint="x"),
+        IdempotencyConflict,
+    ),
     ("settle unknown attempt", lambda lg: lg.settle("nope", 10), UnknownAttempt),
     ("release unknown attempt", lambda lg: lg.release("nope", "x"), UnknownAttempt),
     ("adjust unknown attempt", lambda lg: lg.adjust("nope", 1, "x"), UnknownAttempt),
@@ -127,11 +143,16 @@ REFUSALS: list[tuple[str, Callable[[Ledger], Any], type[Exception]]] = [
     ("refund below zero", lambda lg: lg.adjust("done", -81, "x"), ValueError),
     ("unknown period", lambda lg: lg.create_budget("p", 10, period="year"), ValueError),  # type: ignore[arg-type]
     ("unknown renewal", lambda lg: lg.create_budget("p", 10, renewal="keep"), ValueError),  # type: ignore[arg-type]
-    ("ceiling below cap",
-     lambda lg: lg.create_budget("p", 10, period="day", renewal="rollover", rollover_ceiling=5),
-     ValueError),
-    ("rollover without period", lambda lg: lg.create_budget("p", 10, renewal="rollover"),
-     ValueError),
+    (
+        "ceiling below cap",
+        lambda lg: lg.create_budget("p", 10, period="day", renewal="rollover", rollover_ceiling=5),
+        ValueError,
+    ),
+    (
+        "rollover without period",
+        lambda lg: lg.create_budget("p", 10, renewal="rollover"),
+        ValueError,
+    ),
     ("unknown reason", lambda lg: lg.reserve("acme", "new", 10, reason="because"), ValueError),
 ]
 

@@ -38,7 +38,11 @@ def test_reserve_holds_and_settle_replaces_the_hold(ledger: Ledger) -> None:
     assert (bal.cap, bal.spent, bal.held, bal.available) == (100, 25, 0, 75)
     a = ledger.attempt("k1")
     assert (a.state, a.actual, a.provider, a.request_id, a.overrun) == (
-        "settled", 25, "openai", "req_1", 0,
+        "settled",
+        25,
+        "openai",
+        "req_1",
+        0,
     )
 
 
@@ -57,8 +61,12 @@ def test_same_key_replays_without_a_second_hold(ledger: Ledger) -> None:
 
 @pytest.mark.parametrize(
     ("budget", "amount", "fingerprint", "field"),
-    [("acme", 41, "fp", "amount"), ("acme", 40, "other", "fingerprint"),
-     ("acme", 40, None, "fingerprint"), ("beta", 40, "fp", "budget")],
+    [
+        ("acme", 41, "fp", "amount"),
+        ("acme", 40, "other", "fingerprint"),
+        ("acme", 40, None, "fingerprint"),
+        ("beta", 40, "fp", "budget"),
+    ],
 )
 def test_key_reuse_with_another_request_is_a_conflict(
     ledger: Ledger, budget: str, amount: int, fingerprint: str | None, field: str
@@ -267,7 +275,10 @@ def test_audit_finds_a_counter_changed_behind_the_journal(ledger: Ledger) -> Non
         conn.execute(text("UPDATE budget_periods SET held = held - 10"))
     [finding] = ledger.audit()
     assert (finding.budget, finding.counter, finding.recorded, finding.journal) == (
-        "acme", "held", 0, 10,
+        "acme",
+        "held",
+        0,
+        10,
     )
 
 

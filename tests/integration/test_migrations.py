@@ -36,11 +36,15 @@ def describe(url: str) -> dict[str, Any]:
                     for fk in insp.get_foreign_keys(table)
                 ),
                 "uniques": sorted(
-                    (u["name"], tuple(u["column_names"])) for u in insp.get_unique_constraints(table)
+                    (u["name"], tuple(u["column_names"]))
+                    for u in insp.get_unique_constraints(table)
                 ),
-                "checks": sorted((c["name"], c["sqltext"]) for c in insp.get_check_constraints(table)),
+                "checks": sorted(
+                    (c["name"], c["sqltext"]) for c in insp.get_check_constraints(table)
+                ),
                 "indexes": sorted(
-                    (i["name"], tuple(i["column_names"]), i["unique"]) for i in insp.get_indexes(table)
+                    (i["name"], tuple(i["column_names"]), i["unique"])
+                    for i in insp.get_indexes(table)
                 ),
             }
     finally:
@@ -63,7 +67,14 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
         upgrade(migrated)
         Ledger(created).create_schema()
         a, b = describe(migrated), describe(created)
-        assert set(a) == {"attempts", "budget_periods", "budgets", "journal", "triggers", "functions"}
+        assert set(a) == {
+            "attempts",
+            "budget_periods",
+            "budgets",
+            "journal",
+            "triggers",
+            "functions",
+        }
         assert a["journal"]["checks"], "the comparison must see check constraints"
         assert a["triggers"], "the append-only trigger must exist"
         assert a == b
@@ -88,7 +99,10 @@ def test_cli_db_upgrade_then_the_ledger_works() -> None:
     with scratch_database() as url:
         done = subprocess.run(
             [sys.executable, "-m", "budget_tasks.cli", "db", "upgrade", "--ledger-url", url],
-            capture_output=True, text=True, timeout=120, check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
         assert done.returncode == 0, done.stderr
         assert "revision 0001" in done.stdout

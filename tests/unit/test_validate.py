@@ -27,8 +27,15 @@ def test_money_signed_allows_negative_within_range() -> None:
 
 @pytest.mark.parametrize(
     ("value", "error"),
-    [("", ValueError), ("   ", ValueError), ("x" * 256, ValueError), ("a\x00b", ValueError),
-     (None, TypeError), (b"key", TypeError), (12, TypeError)],
+    [
+        ("", ValueError),
+        ("   ", ValueError),
+        ("x" * 256, ValueError),
+        ("a\x00b", ValueError),
+        (None, TypeError),
+        (b"key", TypeError),
+        (12, TypeError),
+    ],
 )
 def test_text_refuses_bad_keys(value: object, error: type[Exception]) -> None:
     with pytest.raises(error, match="key"):
