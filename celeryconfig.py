@@ -1,0 +1,42 @@
+"""Celery settings for the reference deployment (``celery -A workers worker``).
+
+Every setting reads its environment variable and falls back to an embedded default
+that needs no services: SQLite files under ``BUDGET_TASKS_HOME`` (default
+``~/.budget-tasks``) for the ledger, the broker (kombu's SQLAlchemy transport) and the
+result backend. Production sets the variables to PostgreSQL and Redis.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_home = Path(os.environ.get("BUDGET_TASKS_HOME", Path.home() / ".budget-tasks"))
+_home.mkdir(parents=True, exist_ok=True)
+
+broker_url = os.environ.get("CELERY_BROKER_URL", f"sqla+sqlite:///{_home / 'broker.db'}")
+result_backend = os.environ.get("CELERY_RESULT_BACKEND", f"db+sqlite:///{_home / 'results.db'}")
+budget_ledger_url = os.environ.get("BUDGET_TASKS_LEDGER_URL", f"sqlite:///{_home / 'ledger.db'}")
+
+# At-least-once delivery, one message at a time per process: a message is acked only
+# after the task ran, and a killed worker's message goes back to the queue.
+task_acks_late = True
+task_reject_on_worker_lost = True
+worker_prefetch_multiplier = 1
+
+# Redis redelivers an unacked message after this long, even while a worker still runs
+# it; keep it well above the longest job. The ledger makes a redelivery replay, not
+# resend, but a long visibility timeout keeps replays rare.
+broker_transport_options = {
+    "visibility_timeout": int(os.environ.get("BUDGET_TASKS_VISIBILITY_TIMEOUT", 3600))
+}
+
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+timezone = "UTC"
+enable_utc = True
+
+# Periodic ledger tasks (stale holds, reconciliation, renewal) are scheduled here once
+# budget_tasks.beat exists.
+beat_schedule: dict[str, dict[str, object]] = {}

@@ -1,0 +1,10 @@
+"""The reference Celery app: ``celery -A workers worker``, configured by celeryconfig.py."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+app = Celery("workers")
+app.config_from_object("celeryconfig")
+
+__all__ = ["app"]
