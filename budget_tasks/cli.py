@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import click
@@ -52,8 +53,19 @@ def demo(ledger_url: str | None, workers: int) -> None:
     """Walk through the ledger on embedded defaults; exit 1 if an invariant broke."""
     from . import demo as walkthrough
 
+    _echo_logs("budget_tasks", prefix="   log: ")
     if not walkthrough.run(ledger_url, workers=workers, echo=click.echo):
         sys.exit(1)
+
+
+def _echo_logs(logger: str, prefix: str) -> None:
+    """Show the library's warnings in line with the command's own output."""
+
+    class Echo(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            click.echo(prefix + self.format(record))
+
+    logging.getLogger(logger).addHandler(Echo(logging.WARNING))
 
 
 def run() -> None:

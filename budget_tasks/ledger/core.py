@@ -93,7 +93,8 @@ class Ledger:
         return f"Ledger({self.url!r})"
 
     def dispose(self) -> None:
-        """Close pooled connections (call in a child process after fork)."""
+        """Close this ledger's database connections."""
+        self._driver.close()
         self.engine.dispose()
 
     def create_schema(self) -> None:

@@ -9,9 +9,11 @@ ledger uses SQLAlchemy Core.
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from typing import Any
 
@@ -100,12 +102,27 @@ _NAMED = re.compile(r"(?<!:):(\w+)")
 
 
 class Driver:
-    """Runs the statements above on one backend's driver."""
+    """Runs the statements above on one backend's driver.
+
+    Each thread keeps one driver connection from the engine's pool between calls, so a
+    call pays for no pool checkout; a forked child (Celery prefork) drops what it
+    inherited and takes its own.
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.sqlite = engine.dialect.name == "sqlite"
+        dbapi = engine.dialect.dbapi
+        assert dbapi is not None
+        self.unreachable: tuple[type[Exception], ...] = (
+            dbapi.OperationalError,
+            dbapi.InterfaceError,
+        )
         self._sql: dict[str, str] = {}
+        self._local = threading.local()
+        self._kept: list[Any] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def sql(self, statement: str) -> str:
         """The statement in the driver's placeholder style (cached)."""
@@ -133,43 +150,72 @@ class Driver:
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
     def checkout(self) -> Any:
-        """A pooled driver connection, in a transaction."""
+        """A new driver connection from the pool, kept by the calling thread."""
         try:
             conn = self.engine.raw_connection()
         except DBAPIError as exc:
             raise LedgerUnavailable(_first_line(exc.orig or exc)) from exc
         except self.unreachable as exc:  # raw_connection() does not always wrap these
             raise LedgerUnavailable(_first_line(exc)) from exc
+        self._local.conn = conn
+        with self._lock:
+            self._kept.append(conn)
+        return conn
+
+    def _connection(self) -> Any:
+        if os.getpid() != self._pid:
+            # Connections inherited over fork belong to the parent: never touch them.
+            self._pid = os.getpid()
+            self._local = threading.local()
+            self._kept = []
+            self.engine.dispose(close=False)
+        conn = getattr(self._local, "conn", None)
+        if conn is None or not conn.is_valid:
+            conn = self.checkout()
+        return conn
+
+    def begin(self, conn: Any) -> None:
         if self.sqlite:
             conn.cursor().execute("BEGIN IMMEDIATE")
-        return conn
 
     @contextmanager
     def transaction(self) -> Iterator[Cursor]:
-        """One transaction on a pooled driver connection; failures to reach the
+        """One transaction on this thread's driver connection; failures to reach the
         database become LedgerUnavailable, and the transaction rolls back."""
-        cursor = Cursor(self, self.checkout())
+        try:
+            cursor = Cursor(self, self._connection())
+        except self.unreachable as exc:
+            self._drop(self._local.conn, exc)
+            raise LedgerUnavailable(_first_line(exc)) from exc
         try:
             yield cursor
             cursor.conn.commit()
         except self.unreachable as exc:
-            cursor.conn.invalidate(exc)
+            self._drop(cursor.conn, exc)
             raise LedgerUnavailable(_first_line(exc)) from exc
         except BaseException:
             if cursor.conn.is_valid:
                 try:
                     cursor.conn.rollback()
                 except self.unreachable as exc:
-                    cursor.conn.invalidate(exc)
+                    self._drop(cursor.conn, exc)
             raise
-        finally:
-            cursor.conn.close()
 
-    @property
-    def unreachable(self) -> tuple[type[Exception], ...]:
-        dbapi = self.engine.dialect.dbapi
-        assert dbapi is not None
-        return (dbapi.OperationalError, dbapi.InterfaceError)
+    def _drop(self, conn: Any, exc: BaseException | None = None) -> None:
+        """Invalidate a broken connection so the next call takes a new one."""
+        conn.invalidate(exc)
+        with self._lock:
+            if conn in self._kept:
+                self._kept.remove(conn)
+
+    def close(self) -> None:
+        """Return every kept connection to the pool."""
+        with self._lock:
+            kept, self._kept = self._kept, []
+        for conn in kept:
+            with suppress(Exception):
+                conn.close()
+        self._local = threading.local()
 
 
 class Cursor:
@@ -178,6 +224,7 @@ class Cursor:
     def __init__(self, driver: Driver, conn: Any) -> None:
         self.driver = driver
         self.conn = conn
+        driver.begin(conn)
         self.raw = conn.cursor()
         self._first = not driver.sqlite
 
@@ -189,10 +236,12 @@ class Cursor:
                 self.raw.execute(sql, params)
                 return
             except self.driver.unreachable as exc:
-                # Nothing has run in this transaction yet, so a pooled connection that
-                # went stale (a database restart) is replaced once: this stands in for
-                # a ping on every checkout, which would cost a round trip per call.
-                self.conn.invalidate(exc)
+                # Nothing has run in this transaction yet, so a connection that went
+                # stale (a database restart) is replaced once: this stands in for a
+                # ping on every checkout, which would cost a round trip per call. The
+                # pooled ones are as old, so the pool is renewed too.
+                self.driver._drop(self.conn, exc)
+                self.driver.engine.dispose()
                 self.conn = self.driver.checkout()
                 self.raw = self.conn.cursor()
         self.raw.execute(sql, params)
