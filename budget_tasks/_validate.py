@@ -26,6 +26,15 @@ def money(value: Any, name: str = "amount", *, signed: bool = False) -> int:
     return value
 
 
+def count(value: Any, name: str) -> int:
+    """Return ``value`` if it is a non-negative int (a token count), else raise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if value < 0:
+        raise ValueError(f"{name} must not be negative, got {value}")
+    return value
+
+
 def text(value: Any, name: str, *, max_length: int = MAX_KEY_LENGTH) -> str:
     """Return ``value`` if it is non-empty, bounded, printable text, else raise."""
     if not isinstance(value, str):

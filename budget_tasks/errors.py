@@ -141,3 +141,29 @@ class InvalidTransition(LedgerError):
         super().__init__(
             f"attempt {key!r} is {state}: cannot {action}", key=key, state=state, action=action
         )
+
+
+class PricingError(BudgetTasksError):
+    """A cost could not be computed or bounded; nothing was reserved."""
+
+
+class UnknownModelPrice(PricingError):
+    """The price table has no entry for this model (a price is never guessed)."""
+
+    model: str
+    version: str
+
+    def __init__(self, model: str, version: str) -> None:
+        super().__init__(
+            f"no price for model {model!r} in price table {version}; add it or give an "
+            "explicit estimate",
+            model=model,
+            version=version,
+        )
+
+
+class EstimateRefused(PricingError):
+    """The request has no upper bound to estimate from (e.g. no max output tokens)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, reason=reason)

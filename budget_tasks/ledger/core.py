@@ -326,6 +326,7 @@ class Ledger:
         *,
         fingerprint: str | None = None,
         reason: str = "first",
+        price_version: str | None = None,
     ) -> Reservation:
         """Hold ``amount`` on ``budget`` and every ancestor for the attempt ``key``.
 
@@ -334,12 +335,15 @@ class Ledger:
         budget-id order, in one transaction. Permission to send exists once this
         returns with ``created=True``. An existing key returns its reservation with
         ``created=False``; another budget, amount or fingerprint raises
-        IdempotencyConflict.
+        IdempotencyConflict. ``reason`` says why the attempt exists (first, redelivery,
+        rate_limited_retry, unknown_resend, manual); ``price_version`` records the price
+        table the amount was estimated from.
         """
         check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
         check.text(key, "key")
         check.money(amount)
         check.optional_text(fingerprint, "fingerprint")
+        check.optional_text(price_version, "price_version", max_length=64)
         if reason not in ATTEMPT_REASONS:
             raise ValueError(f"reason must be one of {ATTEMPT_REASONS}, not {reason!r}")
         chain = self._chain(budget)
@@ -362,6 +366,7 @@ class Ledger:
                     "fingerprint": fingerprint,
                     "reason": reason,
                     "amount": amount,
+                    "price_version": price_version,
                     "now": stamp,
                 },
             )
@@ -751,4 +756,5 @@ def _attempt(r: Row[Any]) -> Attempt:
         created_at=r.created_at,
         sending_at=r.sending_at,
         resolved_at=r.resolved_at,
+        price_version=r.price_version,
     )

@@ -69,6 +69,7 @@ class Attempt:
     created_at: datetime
     sending_at: datetime | None
     resolved_at: datetime | None
+    price_version: str | None = None
 
     @property
     def overrun(self) -> int:

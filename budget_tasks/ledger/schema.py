@@ -129,6 +129,8 @@ attempts = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("sending_at", UTCDateTime, nullable=True),
     Column("resolved_at", UTCDateTime, nullable=True),
+    # Added in migration 0002: the price table the estimate came from.
+    Column("price_version", String(64), nullable=True),
     UniqueConstraint("key"),
     CheckConstraint("amount >= 0", name="amount_not_negative"),
     CheckConstraint("actual IS NULL OR actual >= 0", name="actual_not_negative"),

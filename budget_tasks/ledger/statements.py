@@ -27,8 +27,11 @@ from ..errors import LedgerUnavailable
 AVAILABLE = "(cap - spent - held)"
 
 INSERT_ATTEMPT = """
-INSERT INTO attempts (key, budget_id, period_id, fingerprint, reason, amount, state, created_at)
-VALUES (:key, :budget_id, :period_id, :fingerprint, :reason, :amount, 'reserved', :now)
+INSERT INTO attempts
+    (key, budget_id, period_id, fingerprint, reason, amount, price_version, state, created_at)
+VALUES
+    (:key, :budget_id, :period_id, :fingerprint, :reason, :amount, :price_version, 'reserved',
+     :now)
 ON CONFLICT (key) DO NOTHING
 RETURNING id"""
 

@@ -289,3 +289,11 @@ def test_journal_is_append_only(ledger: Ledger) -> None:
         with pytest.raises(DBAPIError, match="append-only"), ledger.engine.begin() as conn:
             conn.execute(text(statement))
     assert ledger.balance("acme").held == 10 and ledger.audit() == []
+
+
+def test_the_price_table_version_is_stored_with_the_attempt(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    ledger.reserve("acme", "k", 10, price_version="2026-11-01")
+    ledger.reserve("acme", "plain", 10)
+    assert ledger.attempt("k").price_version == "2026-11-01"
+    assert ledger.attempt("plain").price_version is None
