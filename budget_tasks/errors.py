@@ -167,3 +167,32 @@ class EstimateRefused(PricingError):
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason, reason=reason)
+
+
+class ProviderError(BudgetTasksError):
+    """A provider call was refused or its outcome could not be read."""
+
+
+class RetriesEnabled(ProviderError):
+    """An SDK client with automatic retries: every retry that may bill must be a new,
+    reserved attempt, so budget-tasks only accepts clients with ``max_retries=0``."""
+
+    def __init__(self, client: str, max_retries: object) -> None:
+        super().__init__(
+            f"{client} has max_retries={max_retries!r}; budget-tasks needs max_retries=0 "
+            "(use budget_tasks.providers.openai_client()/anthropic_client() or "
+            "client.with_options(max_retries=0))",
+            client=client,
+            max_retries=max_retries,
+        )
+
+
+class StreamIncomplete(ProviderError):
+    """A stream ended before the provider said it was complete: the outcome is unknown."""
+
+    def __init__(self, provider: str, detail: str) -> None:
+        super().__init__(
+            f"{provider} stream ended early ({detail}); outcome unknown",
+            provider=provider,
+            detail=detail,
+        )

@@ -1,7 +1,8 @@
 """Helpers for testing code that uses budget-tasks (and for budget-tasks' own tests)."""
 
 from .clock import ManualClock
+from .fake_provider import FakeProvider
 from .processes import race
 from .proxy import FaultProxy
 
-__all__ = ["FaultProxy", "ManualClock", "race"]
+__all__ = ["FakeProvider", "FaultProxy", "ManualClock", "race"]

@@ -1,0 +1,56 @@
+"""Official SDK clients with automatic retries off, and the check that refuses others."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from ..errors import RetriesEnabled
+
+#: How long after a call's own timeout a provider may still be working on it.
+DEFAULT_MARGIN = timedelta(minutes=5)
+
+
+def openai_client(**kwargs: Any) -> Any:
+    """An ``openai.OpenAI`` client with ``max_retries=0`` (needs the ``[openai]`` extra)."""
+    import openai
+
+    _refuse_retries("openai.OpenAI(...)", kwargs)
+    return openai.OpenAI(**{**kwargs, "max_retries": 0})
+
+
+def anthropic_client(**kwargs: Any) -> Any:
+    """An ``anthropic.Anthropic`` client with ``max_retries=0`` (``[anthropic]`` extra)."""
+    import anthropic
+
+    _refuse_retries("anthropic.Anthropic(...)", kwargs)
+    return anthropic.Anthropic(**{**kwargs, "max_retries": 0})
+
+
+def _refuse_retries(name: str, kwargs: dict[str, Any]) -> None:
+    if kwargs.get("max_retries", 0) != 0:
+        raise RetriesEnabled(name, kwargs["max_retries"])
+
+
+def require_no_retries(client: Any) -> Any:
+    """Return ``client`` if its SDK retries are off; raise RetriesEnabled otherwise."""
+    retries = getattr(client, "max_retries", None)
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries != 0:
+        raise RetriesEnabled(type(client).__name__, retries)
+    return client
+
+
+def settle_after(client: Any, margin: timedelta = DEFAULT_MARGIN) -> timedelta:
+    """The longest a provider may still be working on a call made with ``client``:
+    its timeout plus ``margin``. Before that, "not found" only means "not yet"."""
+    timeout = getattr(client, "timeout", None)
+    seconds: float | None
+    if isinstance(timeout, int | float):
+        seconds = float(timeout)
+    else:
+        parts = [getattr(timeout, name, None) for name in ("read", "write", "connect", "pool")]
+        known = [float(p) for p in parts if isinstance(p, int | float)]
+        seconds = sum(known) if known else None
+    if seconds is None:
+        raise ValueError(f"{type(client).__name__} has no finite timeout to bound a call by")
+    return timedelta(seconds=seconds) + margin

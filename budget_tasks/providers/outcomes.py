@@ -1,0 +1,56 @@
+"""What an error from a provider call means for the money: definitely not billed, or
+unknown. Read from the SDKs' own exception types and status codes."""
+
+from __future__ import annotations
+
+import enum
+
+#: Statuses after which the provider did not bill: the request was refused up front.
+NOT_BILLED_STATUSES = frozenset({400, 401, 403, 404, 422})
+RATE_LIMITED_STATUS = 429
+# Transport errors raised before any byte of the request was written.
+_PRE_SEND = frozenset({"ConnectError", "ConnectTimeout", "ConnectionRefusedError"})
+
+
+class ErrorOutcome(enum.Enum):
+    """How an error from a billable call settles its hold."""
+
+    #: Refused before any work (4xx such as 400/401/403/404/422, or no connection):
+    #: release the hold.
+    NOT_BILLED = "not_billed"
+    #: 429: not billed; a retry is a new attempt with a new hold, never a silent one.
+    RATE_LIMITED = "rate_limited"
+    #: Anything else (timeouts, resets after sending, 5xx, a cut stream): keep the hold
+    #: until reconciliation says what happened.
+    UNKNOWN = "unknown"
+
+    @property
+    def billed(self) -> bool | None:
+        """False when certainly not billed, None when unknown."""
+        return None if self is ErrorOutcome.UNKNOWN else False
+
+
+def classify(exc: BaseException) -> ErrorOutcome:
+    """Classify an exception raised by an OpenAI or Anthropic SDK call."""
+    status = getattr(exc, "status_code", None)
+    if getattr(exc, "response", None) is not None and isinstance(status, int):
+        if status == RATE_LIMITED_STATUS:
+            return ErrorOutcome.RATE_LIMITED
+        if status in NOT_BILLED_STATUSES:
+            return ErrorOutcome.NOT_BILLED
+        return ErrorOutcome.UNKNOWN
+    if _never_sent(exc):
+        return ErrorOutcome.NOT_BILLED
+    return ErrorOutcome.UNKNOWN
+
+
+def _never_sent(exc: BaseException) -> bool:
+    """True if the chain of causes shows the connection was never made."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if type(current).__name__ in _PRE_SEND:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
