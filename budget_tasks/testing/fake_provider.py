@@ -320,6 +320,11 @@ class _Handler(BaseHTTPRequestHandler):
             usage=None,
             at=time.time(),
         )
+        # Recorded on arrival: a request still running (a hang) shows up at once, and one
+        # that outlives a reset() does not leak into the next test's record.
+        with fake._lock:
+            record.seq = len(fake._served) + 1
+            fake._served.append(record)
         try:
             if fault:
                 name, value = _parse_fault(fault)
@@ -337,10 +342,6 @@ class _Handler(BaseHTTPRequestHandler):
             handler(record, body, query)
         except OSError:
             record.status = record.status if record.status != 200 else 0  # the client left
-        finally:
-            with fake._lock:
-                record.seq = len(fake._served) + 1
-                fake._served.append(record)
 
     def _endpoint(self, method: str, path: str) -> Any:
         segments = path.split("/")[1:]
