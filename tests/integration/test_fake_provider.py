@@ -1,0 +1,94 @@
+"""The fake provider as its own process, driven over HTTP as other processes
+(Celery workers, docker-compose services) will drive it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from budget_tasks.providers import classify, openai_chat, openai_client
+from budget_tasks.providers.outcomes import ErrorOutcome
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def control(url: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"{url}/_fake/{path}", data=data, method="POST" if data is not None else "GET"
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture
+def process() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "budget_tasks.testing.fake_provider", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                control(url, "state")
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_served_counted_and_faults_planned_over_http(process: str) -> None:
+    client = openai_client(base_url=f"{process}/v1", api_key="x", timeout=5.0)
+    prompt = [{"role": "user", "content": "hi"}]
+    first = openai_chat(
+        client,
+        key="p-1",
+        model="gpt-4o-mini",
+        messages=prompt,
+        max_completion_tokens=16,
+        store_for_lookup=False,
+    )
+    control(process, "faults", {"fault": "status=429", "count": 1})
+    with pytest.raises(openai.RateLimitError) as info:
+        openai_chat(
+            client, key="p-2", model="gpt-4o-mini", messages=prompt, max_completion_tokens=16
+        )
+    assert classify(info.value) is ErrorOutcome.RATE_LIMITED
+    openai_chat(
+        client,
+        key="p-3",
+        model="gpt-4o-mini",
+        messages=prompt,
+        max_completion_tokens=16,
+        store_for_lookup=False,
+    )  # the planned fault was used up
+    state = control(process, "state")
+    assert state["by_key"] == {"p-1": 1, "p-2": 1, "p-3": 1}
+    assert [r["status"] for r in state["requests"]] == [200, 429, 200]
+    assert state["billed_total"] == 2 * first.cost
+    # p-1 and p-3 sent the same body (only their Idempotency-Key differs): counted twice
+    assert sorted(state["by_body"].values()) == [1, 2]
+    control(process, "reset", {})
+    assert control(process, "state")["requests"] == []

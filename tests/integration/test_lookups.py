@@ -1,0 +1,281 @@
+"""Reconciliation lookups through the real SDKs against the fake provider: every
+outcome, and "not found" meaning "pending" until the provider cannot still be working."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from budget_tasks.errors import RetriesEnabled
+from budget_tasks.providers import (
+    Found,
+    NotFound,
+    Pending,
+    Unknowable,
+    anthropic_client,
+    lookup_anthropic_batch,
+    lookup_anthropic_message,
+    lookup_openai_chat,
+    lookup_openai_response,
+    openai_chat,
+    openai_client,
+    openai_response,
+    settle_after,
+)
+from budget_tasks.testing import FakeProvider
+
+PROMPT = [{"role": "user", "content": "What did the board decide?"}]
+WINDOW = timedelta(seconds=30)
+LONG_AGO = datetime.now(UTC) - timedelta(hours=1)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[FakeProvider]:
+    with FakeProvider() as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake(server: FakeProvider) -> FakeProvider:
+    server.reset()
+    return server
+
+
+@pytest.fixture
+def oai(fake: FakeProvider) -> Any:
+    return openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
+
+
+@pytest.fixture
+def claude(fake: FakeProvider) -> Any:
+    return anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
+
+
+def test_settle_after_is_the_client_timeout_plus_a_margin(oai: Any) -> None:
+    assert settle_after(oai, timedelta(minutes=1)) >= timedelta(seconds=61)
+
+
+def test_chat_found_by_id_with_the_billed_actual(fake: FakeProvider, oai: Any) -> None:
+    sent = openai_chat(
+        oai, key="k1", model="gpt-4o-mini", messages=PROMPT, max_completion_tokens=40
+    )
+    found = lookup_openai_chat(
+        oai,
+        model="gpt-4o-mini",
+        completion_id=sent.response_id,
+        sent_at=LONG_AGO,
+        settle_after=WINDOW,
+    )
+    assert isinstance(found, Found)
+    assert found.actual == sent.cost == fake.billed_for("k1")
+    assert found.result["content"] == sent.result["content"]
+
+
+def test_chat_found_by_attempt_key_when_the_answer_never_arrived(
+    fake: FakeProvider, oai: Any
+) -> None:
+    seen: list[str] = []
+    with pytest.raises(openai.APIConnectionError):
+        openai_chat(
+            oai,
+            key="k-lost",
+            model="gpt-4o-mini",
+            messages=PROMPT,
+            max_completion_tokens=40,
+            on_request_id=seen.append,
+            extra_headers={"x-fake-fault": "reset"},
+        )
+    assert seen == []  # no response, no id
+    found = lookup_openai_chat(
+        oai, model="gpt-4o-mini", attempt_key="k-lost", sent_at=LONG_AGO, settle_after=WINDOW
+    )
+    assert isinstance(found, Found)
+    assert found.actual == fake.billed_for("k-lost") > 0
+
+
+def test_chat_timeout_then_found(fake: FakeProvider, oai: Any) -> None:
+    with pytest.raises(openai.APITimeoutError):
+        openai_chat(
+            oai,
+            key="k-slow",
+            model="gpt-4o-mini",
+            messages=PROMPT,
+            max_completion_tokens=40,
+            extra_headers={"x-fake-fault": "hang=2"},
+        )
+    found = lookup_openai_chat(
+        oai, model="gpt-4o-mini", attempt_key="k-slow", sent_at=LONG_AGO, settle_after=WINDOW
+    )
+    assert isinstance(found, Found)
+    assert found.actual == fake.billed_for("k-slow")
+
+
+def test_chat_not_found_is_pending_inside_the_window_then_not_found(oai: Any) -> None:
+    now = datetime.now(UTC)
+    young = lookup_openai_chat(
+        oai,
+        model="gpt-4o-mini",
+        attempt_key="never-sent",
+        sent_at=now - timedelta(seconds=5),
+        settle_after=WINDOW,
+        now=now,
+    )
+    assert isinstance(young, Pending)
+    old = lookup_openai_chat(
+        oai,
+        model="gpt-4o-mini",
+        attempt_key="never-sent",
+        sent_at=now - timedelta(seconds=31),
+        settle_after=WINDOW,
+        now=now,
+    )
+    assert isinstance(old, NotFound)
+    by_id = lookup_openai_chat(
+        oai,
+        model="gpt-4o-mini",
+        completion_id="chatcmpl-nope",
+        sent_at=LONG_AGO,
+        settle_after=WINDOW,
+    )
+    assert isinstance(by_id, NotFound)
+    assert isinstance(
+        lookup_openai_chat(oai, model="gpt-4o-mini", sent_at=LONG_AGO, settle_after=WINDOW),
+        Unknowable,
+    )
+
+
+def test_chat_not_stored_cannot_be_found(fake: FakeProvider, oai: Any) -> None:
+    openai_chat(
+        oai,
+        key="k-nostore",
+        model="gpt-4o-mini",
+        messages=PROMPT,
+        max_completion_tokens=8,
+        store_for_lookup=False,
+    )
+    result = lookup_openai_chat(
+        oai, model="gpt-4o-mini", attempt_key="k-nostore", sent_at=LONG_AGO, settle_after=WINDOW
+    )
+    assert isinstance(result, NotFound)  # which is why openai_chat stores by default
+
+
+def test_background_response_pending_then_found(fake: FakeProvider, oai: Any) -> None:
+    sent = openai_response(
+        oai,
+        key="k-bg",
+        model="gpt-4o-mini",
+        input="Plan the week.",
+        max_output_tokens=30,
+        background=True,
+        extra_headers={"x-fake-work-seconds": "1"},
+    )
+    pending = lookup_openai_response(
+        oai,
+        model="gpt-4o-mini",
+        response_id=sent.response_id,
+        sent_at=LONG_AGO,
+        settle_after=WINDOW,
+    )
+    assert isinstance(pending, Pending)
+    time.sleep(1.1)
+    found = lookup_openai_response(
+        oai,
+        model="gpt-4o-mini",
+        response_id=sent.response_id,
+        sent_at=LONG_AGO,
+        settle_after=WINDOW,
+    )
+    assert isinstance(found, Found)
+    assert found.actual == fake.billed_for("k-bg") > 0
+    assert found.result["output_text"]
+
+
+def test_response_not_found_and_unknowable(oai: Any) -> None:
+    now = datetime.now(UTC)
+    assert isinstance(
+        lookup_openai_response(
+            oai,
+            model="gpt-4o-mini",
+            response_id="resp_nope",
+            sent_at=now,
+            settle_after=WINDOW,
+            now=now,
+        ),
+        Pending,
+    )
+    assert isinstance(
+        lookup_openai_response(
+            oai, model="gpt-4o-mini", response_id="resp_nope", sent_at=LONG_AGO, settle_after=WINDOW
+        ),
+        NotFound,
+    )
+    assert isinstance(
+        lookup_openai_response(
+            oai, model="gpt-4o-mini", response_id=None, sent_at=LONG_AGO, settle_after=WINDOW
+        ),
+        Unknowable,
+    )
+
+
+def test_anthropic_batch_pending_found_and_errored(fake: FakeProvider, claude: Any) -> None:
+    batch = claude.messages.batches.create(
+        requests=[
+            {
+                "custom_id": "ok",
+                "params": {"model": "claude-haiku-4-5", "max_tokens": 30, "messages": PROMPT},
+            },
+            {
+                "custom_id": "bad",
+                "params": {"model": "claude-nope", "max_tokens": 30, "messages": PROMPT},
+            },
+        ],
+        extra_headers={"x-fake-work-seconds": "1"},
+    )
+    args = {
+        "model": "claude-haiku-4-5",
+        "batch_id": batch.id,
+        "sent_at": LONG_AGO,
+        "settle_after": WINDOW,
+    }
+    assert isinstance(lookup_anthropic_batch(claude, custom_id="ok", **args), Pending)
+    time.sleep(1.1)
+    found = lookup_anthropic_batch(claude, custom_id="ok", **args)
+    assert isinstance(found, Found)
+    assert found.actual == fake.state()["billed_total"] > 0
+    assert isinstance(lookup_anthropic_batch(claude, custom_id="bad", **args), NotFound)
+    assert isinstance(lookup_anthropic_batch(claude, custom_id="absent", **args), NotFound)
+    missing = {**args, "batch_id": "msgbatch_nope"}
+    assert isinstance(lookup_anthropic_batch(claude, custom_id="ok", **missing), NotFound)
+
+
+def test_anthropic_messages_are_unknowable() -> None:
+    result = lookup_anthropic_message(request_id="req_1")
+    assert isinstance(result, Unknowable)
+    assert "operator" in result.reason or "by hand" in result.reason
+
+
+def test_lookups_refuse_clients_with_retries(fake: FakeProvider) -> None:
+    with pytest.raises(RetriesEnabled):
+        lookup_openai_chat(
+            openai.OpenAI(base_url=fake.openai_base_url, api_key="x"),
+            model="gpt-4o-mini",
+            attempt_key="k",
+            sent_at=LONG_AGO,
+            settle_after=WINDOW,
+        )
+    with pytest.raises(RetriesEnabled):
+        lookup_anthropic_batch(
+            anthropic.Anthropic(base_url=fake.url, api_key="x"),
+            model="m",
+            batch_id="b",
+            custom_id="c",
+            sent_at=LONG_AGO,
+            settle_after=WINDOW,
+        )
+    assert fake.served() == []

@@ -1,0 +1,44 @@
+"""The layers of DESIGN.md: the ledger never imports Celery; providers never import the
+ledger. Checked on the source (every import statement) and at run time."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "budget_tasks"
+
+
+def imports_of(package: str) -> set[str]:
+    found: set[str] = set()
+    for path in (PACKAGE / package).rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = ("." * node.level) + (node.module or "")
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [("ledger", ("celery", "kombu")), ("providers", ("..ledger", "budget_tasks.ledger", "celery"))],
+)
+def test_layer_imports(package: str, forbidden: tuple[str, ...]) -> None:
+    imports = imports_of(package)
+    assert imports, "the check must see the package's imports"
+    bad = sorted(i for i in imports if i.startswith(forbidden) or i.split(".")[0] in forbidden)
+    assert bad == []
+
+
+def test_importing_the_ledger_loads_no_celery() -> None:
+    code = "import sys, budget_tasks.ledger; print('celery' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
