@@ -196,3 +196,61 @@ class StreamIncomplete(ProviderError):
             provider=provider,
             detail=detail,
         )
+
+
+class UnknownOperation(LedgerError):
+    """No operation has this idempotency key."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"unknown operation {key!r}", key=key)
+
+
+class OutcomeUnknown(BudgetTasksError):
+    """An earlier attempt of this operation may have billed and its outcome is unknown:
+    under ``on_unknown="hold"`` nothing is resent; reconciliation decides."""
+
+    def __init__(self, key: str, attempt: str) -> None:
+        super().__init__(
+            f"operation {key!r}: the outcome of attempt {attempt!r} is unknown; its hold is "
+            "kept and nothing is resent until reconciliation or an operator resolves it",
+            key=key,
+            attempt=attempt,
+        )
+
+
+class OperationInProgress(BudgetTasksError):
+    """Another worker holds a live lease on this operation: retry later, no new charge."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"operation {key!r} is running elsewhere", key=key)
+
+
+class OperationFailed(BudgetTasksError):
+    """The operation failed for good before; a redelivery reports that failure again."""
+
+    def __init__(self, key: str, error: str | None) -> None:
+        super().__init__(f"operation {key!r} failed before: {error}", key=key, error=error)
+
+
+class PoisonMessage(BudgetTasksError):
+    """The message's runs kept dying (a killed worker each time): it is stopped."""
+
+    def __init__(self, key: str, error: str | None) -> None:
+        super().__init__(str(error or f"poison message {key!r}"), key=key, error=error)
+
+
+class SideEffectUncertain(BudgetTasksError):
+    """A once() side effect started and never recorded its end: it is not run again."""
+
+    def __init__(self, key: str, name: str) -> None:
+        super().__init__(
+            f"side effect {name!r} of operation {key!r} started but its outcome was never "
+            "recorded; it is not run twice",
+            key=key,
+            name=name,
+        )
+
+
+class NotBilled(Exception):
+    """Raise from a task's ``run`` when the provider certainly did not bill: the hold is
+    released instead of kept."""

@@ -10,7 +10,7 @@ from budget_tasks.testing import ManualClock
 
 from .services import check_postgres, scratch_database
 
-LEDGER_TABLES = "journal, attempts, budget_periods, budgets"
+LEDGER_TABLES = "journal, side_effects, attempts, operations, budget_periods, budgets"
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +28,9 @@ def clock() -> ManualClock:
 
 
 def empty_ledger_tables(url: str) -> None:
+    from budget_tasks.task import close_ledgers
+
+    close_ledgers()  # their caches hold ids of rows about to go
     ledger = Ledger(url)
     with ledger.engine.begin() as conn:
         conn.execute(text(f"TRUNCATE {LEDGER_TABLES} RESTART IDENTITY CASCADE"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-app = Celery("workers")
+app = Celery("workers", include=["workers.tasks"])
 app.config_from_object("celeryconfig")
 
 __all__ = ["app"]

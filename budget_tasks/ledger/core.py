@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -40,6 +41,7 @@ from ..errors import (
 )
 from . import statements as sql
 from .engine import build_engine, transaction
+from .operations import OperationsMixin
 from .periods import (
     PERIODS,
     RENEWALS,
@@ -70,7 +72,7 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-class Ledger:
+class Ledger(OperationsMixin):
     """A budget ledger on PostgreSQL (``postgresql+psycopg://...``) or SQLite.
 
     ``clock`` returns the current time as an aware datetime; tests pass their own to
@@ -327,6 +329,8 @@ class Ledger:
         fingerprint: str | None = None,
         reason: str = "first",
         price_version: str | None = None,
+        operation_id: int | None = None,
+        label: str | None = None,
     ) -> Reservation:
         """Hold ``amount`` on ``budget`` and every ancestor for the attempt ``key``.
 
@@ -344,6 +348,7 @@ class Ledger:
         check.money(amount)
         check.optional_text(fingerprint, "fingerprint")
         check.optional_text(price_version, "price_version", max_length=64)
+        check.optional_text(label, "label", max_length=100)
         if reason not in ATTEMPT_REASONS:
             raise ValueError(f"reason must be one of {ATTEMPT_REASONS}, not {reason!r}")
         chain = self._chain(budget)
@@ -367,6 +372,8 @@ class Ledger:
                     "reason": reason,
                     "amount": amount,
                     "price_version": price_version,
+                    "operation_id": operation_id,
+                    "label": label,
                     "now": stamp,
                 },
             )
@@ -485,7 +492,7 @@ class Ledger:
 
     # -- settlement ------------------------------------------------------------------
 
-    def settle(self, key: str, actual: int) -> bool:
+    def settle(self, key: str, actual: int, *, estimate_only: bool = False) -> bool:
         """Replace the hold by the actual charge: ``held -= reserved; spent += actual``.
 
         True if applied; False if already settled with this actual. Another actual
@@ -494,16 +501,21 @@ class Ledger:
         """
         check.text(key, "key")
         check.money(actual, "actual")
-        applied, amount = self._resolve(key, actual, "settled", "charge", None)
+        applied, amount = self._resolve(
+            key, actual, "settled", "charge", None, estimate_only=estimate_only
+        )
         if applied and actual > amount:
-            log.warning(
-                "overrun on attempt %s: reserved %d, charged %d (+%d)",
-                key,
-                amount,
-                actual,
-                actual - amount,
-            )
+            self._log_overrun(key, amount, actual)
         return applied
+
+    def _log_overrun(self, key: str, amount: int, actual: int) -> None:
+        log.warning(
+            "overrun on attempt %s: reserved %d, charged %d (+%d)",
+            key,
+            amount,
+            actual,
+            actual - amount,
+        )
 
     def release(self, key: str, reason: str) -> bool:
         """Drop the hold without a charge (settle at 0). False if already released."""
@@ -512,52 +524,74 @@ class Ledger:
         return self._resolve(key, 0, "released", "release", reason)[0]
 
     def _resolve(
-        self, key: str, actual: int, state: str, kind: str, note: str | None
+        self,
+        key: str,
+        actual: int,
+        state: str,
+        kind: str,
+        note: str | None,
+        *,
+        estimate_only: bool = False,
     ) -> tuple[bool, int]:
         stamp = self._driver.ts(self.now())
         with self._driver.transaction() as cur:
-            rows = cur.all(sql.LOCK_ATTEMPT, {"key": key})
-            if not rows:
-                raise UnknownAttempt(key)
-            attempt_id, amount, recorded, current, _ = rows[0]
-            if current in ("settled", "released"):
-                if recorded == actual:
-                    return False, amount
-                raise SettlementConflict(key, recorded, actual)
-            allowed = ("sending", "unknown") if state == "settled" else HOLDING_STATES
-            if current not in allowed:
-                raise InvalidTransition(key, current, "settle before mark_sending")
-            for *_, period_id in rows:
-                cur.run(
-                    sql.INSERT_JOURNAL,
-                    {
-                        "attempt_id": attempt_id,
-                        "period_id": period_id,
-                        "kind": kind,
-                        "held_delta": -amount,
-                        "spent_delta": actual,
-                        "note": note,
-                        "ref": None,
-                        "now": stamp,
-                    },
-                )
+            resolution = self._resolve_in(
+                cur, key, actual, state, kind, note, stamp, estimate_only=estimate_only
+            )
+            resolution.apply(cur)
+        return resolution.applied, resolution.amount
+
+    def _resolve_in(
+        self,
+        cur: Cursor,
+        key: str,
+        actual: int,
+        state: str,
+        kind: str,
+        note: str | None,
+        stamp: Any,
+        *,
+        estimate_only: bool = False,
+    ) -> _Resolution:
+        """Journal and resolve the attempt; the caller applies the counters last."""
+        rows = cur.all(sql.LOCK_ATTEMPT, {"key": key})
+        if not rows:
+            raise UnknownAttempt(key)
+        attempt_id, amount, recorded, current, _ = rows[0]
+        if current in ("settled", "released"):
+            if recorded == actual:
+                return _Resolution(False, amount, actual, [])
+            raise SettlementConflict(key, recorded, actual)
+        allowed = ("sending", "unknown") if state == "settled" else HOLDING_STATES
+        if current not in allowed:
+            raise InvalidTransition(key, current, "settle before mark_sending")
+        periods = [period_id for *_, period_id in rows]
+        for period_id in periods:
             cur.run(
-                sql.RESOLVE_ATTEMPT,
+                sql.INSERT_JOURNAL,
                 {
-                    "state": state,
-                    "actual": actual,
-                    "now": stamp,
-                    "note": note,
                     "attempt_id": attempt_id,
+                    "period_id": period_id,
+                    "kind": kind,
+                    "held_delta": -amount,
+                    "spent_delta": actual,
+                    "note": note,
+                    "ref": None,
+                    "now": stamp,
                 },
             )
-            # The budget rows are the contended ones: lock them last, just before COMMIT.
-            for *_, period_id in rows:
-                cur.run(
-                    sql.APPLY_SETTLEMENT,
-                    {"amount": amount, "actual": actual, "period_id": period_id},
-                )
-        return True, int(amount)
+        cur.run(
+            sql.RESOLVE_ATTEMPT,
+            {
+                "state": state,
+                "actual": actual,
+                "now": stamp,
+                "note": note,
+                "estimate_only": estimate_only,
+                "attempt_id": attempt_id,
+            },
+        )
+        return _Resolution(True, int(amount), actual, periods)
 
     def adjust(self, key: str, delta: int, reason: str, *, ref: str | None = None) -> bool:
         """Add a provider correction to a settled or released attempt's charge.
@@ -740,6 +774,24 @@ class Ledger:
         return findings
 
 
+@dataclass(frozen=True, slots=True)
+class _Resolution:
+    """A settlement written to the journal, whose counters are still to be applied."""
+
+    applied: bool
+    amount: int
+    actual: int
+    periods: list[int]
+
+    def apply(self, cur: Cursor) -> None:
+        # The budget rows are the contended ones: lock them last, just before COMMIT.
+        for period_id in self.periods:
+            cur.run(
+                sql.APPLY_SETTLEMENT,
+                {"amount": self.amount, "actual": self.actual, "period_id": period_id},
+            )
+
+
 def _attempt(r: Row[Any]) -> Attempt:
     return Attempt(
         key=r.key,
@@ -757,4 +809,6 @@ def _attempt(r: Row[Any]) -> Attempt:
         sending_at=r.sending_at,
         resolved_at=r.resolved_at,
         price_version=r.price_version,
+        label=r.label,
+        estimate_only=bool(r.estimate_only),
     )

@@ -70,6 +70,8 @@ class Attempt:
     sending_at: datetime | None
     resolved_at: datetime | None
     price_version: str | None = None
+    label: str | None = None
+    estimate_only: bool = False
 
     @property
     def overrun(self) -> int:

@@ -25,6 +25,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     event,
+    false,
 )
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.types import TypeDecorator
@@ -131,6 +132,14 @@ attempts = Table(
     Column("resolved_at", UTCDateTime, nullable=True),
     # Added in migration 0002: the price table the estimate came from.
     Column("price_version", String(64), nullable=True),
+    # Added in migration 0003: the operation the attempt serves, the label of a call
+    # within it (None for the operation's main call), and whether the charge is the
+    # estimate because the run reported no usage.
+    Column("operation_id", Id, ForeignKey("operations.id"), nullable=True),
+    Column("label", String(100), nullable=True),
+    Column(
+        "estimate_only", Boolean(create_constraint=False), nullable=False, server_default=false()
+    ),
     UniqueConstraint("key"),
     CheckConstraint("amount >= 0", name="amount_not_negative"),
     CheckConstraint("actual IS NULL OR actual >= 0", name="actual_not_negative"),
@@ -140,6 +149,49 @@ attempts = Table(
         "(state IN ('settled', 'released')) = (actual IS NOT NULL)", name="actual_iff_resolved"
     ),
     Index(None, "state", "created_at"),
+    Index(None, "operation_id"),
+)
+
+OPERATION_STATUSES = ("pending", "running", "succeeded", "failed", "unknown", "retryable")
+
+# One business intent (a task's idempotency key), its stored outcome and its lease.
+operations = Table(
+    "operations",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("key", String(255), nullable=False),
+    Column("fingerprint", String(255), nullable=False),
+    Column("task", String(255), nullable=True),
+    Column("status", String(16), nullable=False),
+    Column("result", Text, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("lease_owner", String(255), nullable=True),
+    Column("lease_expires_at", UTCDateTime, nullable=True),
+    Column("runs", Integer, nullable=False),
+    Column("deliveries", Integer, nullable=False),
+    Column("replays", Integer, nullable=False),
+    Column("next_reason", String(32), nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    Column("completed_at", UTCDateTime, nullable=True),
+    UniqueConstraint("key"),
+    CheckConstraint(f"status IN ({_in(OPERATION_STATUSES)})", name="status_known"),
+)
+
+# Side effects run at most once per operation (BudgetTask.once), and the stored results
+# of an operation's labelled calls (BudgetTask.spend).
+side_effects = Table(
+    "side_effects",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("operation_id", Id, ForeignKey("operations.id"), nullable=False),
+    Column("name", String(255), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("result", Text, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("completed_at", UTCDateTime, nullable=True),
+    UniqueConstraint("operation_id", "name"),
+    CheckConstraint("state IN ('started', 'done')", name="state_known"),
 )
 
 journal = Table(

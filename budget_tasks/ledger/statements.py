@@ -28,10 +28,11 @@ AVAILABLE = "(cap - spent - held)"
 
 INSERT_ATTEMPT = """
 INSERT INTO attempts
-    (key, budget_id, period_id, fingerprint, reason, amount, price_version, state, created_at)
+    (key, budget_id, period_id, fingerprint, reason, amount, price_version, operation_id,
+     label, state, created_at)
 VALUES
-    (:key, :budget_id, :period_id, :fingerprint, :reason, :amount, :price_version, 'reserved',
-     :now)
+    (:key, :budget_id, :period_id, :fingerprint, :reason, :amount, :price_version,
+     :operation_id, :label, 'reserved', :now)
 ON CONFLICT (key) DO NOTHING
 RETURNING id"""
 
@@ -95,11 +96,62 @@ UPDATE budget_periods SET spent = spent + :delta WHERE id = :period_id"""
 
 RESOLVE_ATTEMPT = """
 UPDATE attempts SET state = :state, actual = :actual, resolved_at = :now,
-    note = COALESCE(:note, note)
+    note = COALESCE(:note, note), estimate_only = :estimate_only
 WHERE id = :attempt_id"""
 
 BALANCE = f"""
 SELECT cap, spent, held, {AVAILABLE} FROM budget_periods WHERE id = :period_id"""
+
+# -- operations --------------------------------------------------------------------------
+
+INSERT_OPERATION = """
+INSERT INTO operations
+    (key, fingerprint, task, status, runs, deliveries, replays, created_at, updated_at)
+VALUES (:key, :fingerprint, :task, 'pending', 0, 0, 0, :now, :now)
+ON CONFLICT (key) DO NOTHING"""
+
+LOCK_OPERATION = """
+SELECT id, fingerprint, status, result, error, lease_owner, lease_expires_at, runs,
+       next_reason
+FROM operations WHERE key = :key{for_update_plain}"""
+
+LAST_ATTEMPT = """
+SELECT key, state, amount, reason FROM attempts
+WHERE operation_id = :operation_id AND label IS NULL
+ORDER BY id DESC"""
+
+COUNT_DELIVERY = """
+UPDATE operations SET deliveries = deliveries + 1, replays = replays + :replay,
+    updated_at = :now
+WHERE id = :operation_id"""
+
+TAKE_LEASE = """
+UPDATE operations SET status = 'running', lease_owner = :owner, lease_expires_at = :expires,
+    runs = runs + 1, deliveries = deliveries + 1, updated_at = :now
+WHERE id = :operation_id"""
+
+END_OPERATION = """
+UPDATE operations SET status = :status, result = COALESCE(:result, result),
+    error = :error, next_reason = :next_reason, lease_owner = NULL,
+    lease_expires_at = NULL, updated_at = :now, completed_at = :completed_at
+WHERE key = :key"""
+
+START_SIDE_EFFECT = """
+INSERT INTO side_effects (operation_id, name, state, created_at)
+VALUES (:operation_id, :name, 'started', :now)
+ON CONFLICT (operation_id, name) DO NOTHING
+RETURNING id"""
+
+SIDE_EFFECT = """
+SELECT state, result FROM side_effects WHERE operation_id = :operation_id AND name = :name"""
+
+FINISH_SIDE_EFFECT = """
+UPDATE side_effects SET state = 'done', result = :result, completed_at = :now
+WHERE operation_id = :operation_id AND name = :name"""
+
+FORGET_SIDE_EFFECT = """
+DELETE FROM side_effects WHERE operation_id = :operation_id AND name = :name
+  AND state = 'started'"""
 
 _NAMED = re.compile(r"(?<!:):(\w+)")
 
@@ -132,7 +184,10 @@ class Driver:
         translated = self._sql.get(statement)
         if translated is None:
             lock = "" if self.sqlite else " FOR UPDATE OF a"
-            translated = statement.replace("{for_update}", lock)
+            plain = "" if self.sqlite else " FOR UPDATE"
+            translated = statement.replace("{for_update}", lock).replace(
+                "{for_update_plain}", plain
+            )
             if not self.sqlite:  # psycopg: pyformat
                 translated = _NAMED.sub(r"%(\1)s", translated)
             self._sql[statement] = translated

@@ -1,0 +1,237 @@
+"""BudgetTask in task_always_eager mode (how users unit-test their own tasks), with a
+real ledger (SQLite and PostgreSQL) and the official SDK against the fake provider."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from celery import Celery
+from sqlalchemy import text
+
+from budget_tasks import (
+    BudgetExceeded,
+    BudgetTask,
+    IdempotencyConflict,
+    Ledger,
+    NotBilled,
+    OperationFailed,
+    OutcomeUnknown,
+    SideEffectUncertain,
+)
+from budget_tasks.providers import estimates, openai_chat, openai_client
+from budget_tasks.testing import FakeProvider
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[FakeProvider]:
+    with FakeProvider() as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake(server: FakeProvider) -> FakeProvider:
+    server.reset()
+    return server
+
+
+def request(text: str) -> dict[str, Any]:
+    return {
+        "model": "gpt-4o-mini",
+        "max_completion_tokens": 64,
+        "messages": [{"role": "user", "content": text}],
+    }
+
+
+@pytest.fixture
+def app(backend_url: str, fake: FakeProvider) -> Any:
+    prefix = f"eager{uuid.uuid4().hex[:8]}"  # task names are registered process-wide
+    app = Celery("eager-tests", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True, task_eager_propagates=True, budget_ledger_url=backend_url
+    )
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=2.0)
+    side_effects: list[str] = []
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"{prefix}.summarize",
+        budget=lambda doc, text, fault=None: "tiny" if doc.startswith("tiny") else "team",
+        idempotency_key=lambda doc, text, fault=None: f"sum:{doc}",
+        estimate_cost=lambda doc, text, fault=None: estimates.openai_chat(request(text)).amount,
+    )
+    def summarize(
+        self: BudgetTask, doc: str, text: str, fault: str | None = None
+    ) -> dict[str, Any]:
+        headers = {"x-fake-fault": fault} if fault else {}
+        sent = openai_chat(
+            client,
+            key=self.attempt.key,
+            on_request_id=self.attempt.record_request_id,
+            extra_headers=headers,
+            **request(text),
+        )
+        self.attempt.record(sent)
+        return {"doc": doc, "summary": sent.result["content"], "cost": sent.cost}
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="team",
+        estimate_cost=lambda n: 500,
+        name=f"{prefix}.no_usage",
+    )
+    def no_usage(self: BudgetTask, n: int) -> int:
+        return n * 2
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="team",
+        estimate_cost=lambda: 500,
+        name=f"{prefix}.refused",
+    )
+    def refused(self: BudgetTask) -> None:
+        raise NotBilled("the provider rejected the prompt before generating")
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="team",
+        name=f"{prefix}.agent",
+        idempotency_key=lambda topic, crash=False: f"agent:{topic}",
+        fingerprint=lambda topic, crash=False: topic,  # crash is a test switch
+        estimate_cost=lambda topic, crash=False: 0,
+    )
+    def agent(self: BudgetTask, topic: str, crash: bool = False) -> dict[str, Any]:
+        answers = []
+        for _ in range(2):
+            with self.spend(estimates.openai_chat(request(topic)).amount, "step") as call:
+                if not call.replayed:
+                    sent = openai_chat(client, key=call.key, **request(topic))
+                    call.record(sent, result=sent.result["content"])
+            answers.append(call.result)
+        if crash:
+            raise RuntimeError("worker lost after the calls")
+        sent_mail = self.once("mail", lambda: side_effects.append(topic) or len(side_effects))
+        return {"answers": answers, "mail": sent_mail}
+
+    app.side_effects = side_effects
+    app.jobs = {"summarize": summarize, "no_usage": no_usage, "refused": refused, "agent": agent}
+    Ledger(backend_url).create_budget("team", 1_000_000)
+    Ledger(backend_url).create_budget("tiny", 1)
+    return app
+
+
+def test_first_run_reserves_sends_once_and_settles_the_billed_cost(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    result = app.jobs["summarize"].delay("d1", "Quarterly numbers are up.").get()
+    ledger = Ledger(backend_url)
+    [attempt] = ledger.attempts()
+    assert attempt.key == "sum:d1#1"
+    assert (attempt.state, attempt.reason, attempt.estimate_only) == ("settled", "first", False)
+    assert attempt.actual == result["cost"] == fake.billed_for("sum:d1#1") > 0
+    assert attempt.request_id == fake.served()[0].request_id
+    assert ledger.balance("team").spent == result["cost"]
+    assert ledger.balance("team").held == 0
+    assert ledger.audit() == []
+
+
+def test_same_business_key_replays_without_a_provider_call(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    task = app.jobs["summarize"]
+    first = task.delay("d2", "Text.").get()
+    again = task.delay("d2", "Text.").get()  # another task id, the same business key
+    assert again == first
+    assert len(fake.served()) == 1
+    assert Ledger(backend_url).balance("team").spent == first["cost"]
+    with pytest.raises(IdempotencyConflict):
+        task.delay("d2", "Other text.").get()  # same key, another request
+    assert len(fake.served()) == 1
+
+
+def test_a_run_without_usage_is_charged_its_reservation(app: Any, backend_url: str) -> None:
+    assert app.jobs["no_usage"].delay(21).get() == 42
+    [attempt] = Ledger(backend_url).attempts()
+    assert (attempt.actual, attempt.estimate_only) == (500, True)
+
+
+def test_not_billed_releases_and_fails_for_good(app: Any, backend_url: str) -> None:
+    task = app.jobs["refused"]
+    with pytest.raises(NotBilled):
+        task.apply(task_id="refused-1")
+    ledger = Ledger(backend_url)
+    [attempt] = ledger.attempts()
+    assert (attempt.state, attempt.actual) == ("released", 0)
+    assert ledger.balance("team").held == 0
+    with pytest.raises(OperationFailed, match="NotBilled"):
+        task.apply(task_id="refused-1")
+    assert len(ledger.attempts()) == 1
+
+
+def test_a_timeout_keeps_the_hold_and_is_never_resent(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    task = app.jobs["summarize"]
+    with pytest.raises(openai.APITimeoutError):
+        task.delay("d3", "Slow one.", "hang=3").get()
+    ledger = Ledger(backend_url)
+    [attempt] = ledger.attempts()
+    assert attempt.state == "unknown"
+    assert ledger.balance("team").held == attempt.amount
+    with pytest.raises(OutcomeUnknown):
+        task.delay("d3", "Slow one.", "hang=3").get()
+    assert len([s for s in fake.served() if s.idempotency_key == "sum:d3#1"]) == 1
+    assert len(ledger.attempts()) == 1
+
+
+def test_budget_exceeded_fails_without_a_send(app: Any, fake: FakeProvider) -> None:
+    with pytest.raises(BudgetExceeded) as info:
+        app.jobs["summarize"].delay("tiny-1", "Too dear for a budget of 1.").get()
+    assert (info.value.budget, info.value.available) == ("tiny", 1)
+    assert fake.served() == []
+
+
+def test_spend_and_once_replay_after_a_crash(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    task = app.jobs["agent"]
+    with pytest.raises(RuntimeError):
+        task.delay("pricing", True).get()
+    assert len(fake.served()) == 2  # both steps were sent and settled
+    # The crash left the main attempt unknown; resend policy is the task's choice, so
+    # here an operator would resolve it. Resolve it and run the operation again:
+    ledger = Ledger(backend_url)
+    [main] = [a for a in ledger.attempts() if a.label is None]
+    ledger.settle(main.key, 0)
+    ledger.end_operation("agent:pricing", "retryable")
+    result = task.delay("pricing", False).get()
+    assert len(fake.served()) == 2  # the steps replayed their stored answers
+    assert result["mail"] == 1
+    assert app.side_effects == ["pricing"]
+    steps = [a for a in ledger.attempts() if a.label == "step"]
+    assert [a.state for a in steps] == ["settled", "settled"]
+    assert sum(a.actual for a in steps) == fake.state()["billed_total"]
+    assert ledger.audit() == []
+
+
+def test_once_that_died_midway_is_not_repeated(app: Any, backend_url: str) -> None:
+    ledger = Ledger(backend_url)
+    task = app.jobs["agent"]
+    task.delay("mail-crash", False).get()
+    # Simulate a run that claimed the side effect and died before recording its end.
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE side_effects SET state = 'started', result = NULL WHERE name = 'once:mail'"
+            )
+        )
+        conn.execute(text("UPDATE operations SET status = 'retryable', result = NULL"))
+    with pytest.raises(SideEffectUncertain):
+        task.delay("mail-crash", False).get()

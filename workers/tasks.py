@@ -1,0 +1,105 @@
+"""Example BudgetTask jobs. They charge the budget named by env ``BUDGET_TASKS_BUDGET``
+(default ``default``) and call the OpenAI-compatible API at ``OPENAI_BASE_URL``
+through the official SDK, with retries off."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from typing import Any
+
+from budget_tasks import BudgetTask
+from budget_tasks.providers import estimates, openai_chat, openai_client
+
+from . import app
+
+BUDGET = os.environ.get("BUDGET_TASKS_BUDGET", "default")
+MODEL = os.environ.get("BUDGET_TASKS_MODEL", "gpt-4o-mini")
+MAX_OUTPUT_TOKENS = 256
+
+
+@cache
+def client() -> Any:
+    return openai_client(
+        base_url=os.environ.get("OPENAI_BASE_URL"),
+        api_key=os.environ.get("OPENAI_API_KEY", "sk-not-needed-for-the-fake-provider"),
+        timeout=float(os.environ.get("BUDGET_TASKS_PROVIDER_TIMEOUT", "60")),
+    )
+
+
+def summary_request(text: str) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "Summarise the document in two sentences."},
+            {"role": "user", "content": text},
+        ],
+        "max_completion_tokens": MAX_OUTPUT_TOKENS,
+    }
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    budget=BUDGET,
+    idempotency_key=lambda document_id, text: f"summarize:{document_id}",
+    estimate_cost=lambda document_id, text: estimates.openai_chat(summary_request(text)).amount,
+)
+def summarize(self: BudgetTask, document_id: str, text: str) -> dict[str, Any]:
+    """Summarise one document; a second message for the same document replays."""
+    sent = openai_chat(
+        client(),
+        key=self.attempt.key,
+        on_request_id=self.attempt.record_request_id,
+        **summary_request(text),
+    )
+    self.attempt.record(sent)
+    return {"document_id": document_id, "summary": sent.result["content"], "cost": sent.cost}
+
+
+def step_request(topic: str, notes: list[str]) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You research a topic one step at a time."},
+            {"role": "user", "content": f"Topic: {topic}\nNotes so far: {' | '.join(notes)}"},
+        ],
+        "max_completion_tokens": 128,
+    }
+
+
+def step_estimate(topic: str, notes: list[str]) -> int:
+    return estimates.openai_chat(step_request(topic, notes)).amount
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    budget=BUDGET,
+    idempotency_key=lambda topic, steps=3: f"research:{topic}:{steps}",
+    # the task's own hold covers its bookkeeping; each step reserves for itself
+    estimate_cost=lambda topic, steps=3: 0,
+)
+def research(self: BudgetTask, topic: str, steps: int = 3) -> dict[str, Any]:
+    """An agent loop: several billable calls, each its own attempt, then one side
+    effect (a notification) that must not repeat."""
+    notes: list[str] = []
+    for _ in range(steps):
+        # Notes are capped so that the estimate taken here bounds the request.
+        with self.spend(step_estimate(topic, notes[-2:]), "step") as call:
+            if not call.replayed:
+                sent = openai_chat(
+                    client(),
+                    key=call.key,
+                    on_request_id=call.record_request_id,
+                    **step_request(topic, notes[-2:]),
+                )
+                call.record(sent, result=sent.result["content"])
+        notes.append(str(call.result)[:200])
+    notified = self.once("notify", notify, topic, len(notes))
+    return {"topic": topic, "notes": notes, "notified": notified}
+
+
+def notify(topic: str, steps: int) -> str:
+    """Stands for an e-mail or a CRM write: it must happen once per operation."""
+    return f"notified: {topic} after {steps} steps"
