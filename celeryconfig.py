@@ -28,7 +28,10 @@ worker_prefetch_multiplier = 1
 # it; keep it well above the longest job. The ledger makes a redelivery replay, not
 # resend, but a long visibility timeout keeps replays rare.
 broker_transport_options = {
-    "visibility_timeout": int(os.environ.get("BUDGET_TASKS_VISIBILITY_TIMEOUT", 3600))
+    "visibility_timeout": int(os.environ.get("BUDGET_TASKS_VISIBILITY_TIMEOUT", 3600)),
+    # How often a worker looks for unacked messages past their visibility timeout.
+    "unacked_restore_interval": int(os.environ.get("BUDGET_TASKS_RESTORE_INTERVAL", 10)),
+    "unacked_restore_throttle": 1,
 }
 
 task_serializer = "json"

@@ -1,7 +1,8 @@
 """Typed errors raised by budget-tasks.
 
-Every error carries the facts a caller needs to act on it as attributes, and pickles
-with them intact (Celery ships exceptions between processes).
+Every error carries the facts a caller needs to act on it as attributes. Its ``args``
+are its constructor's arguments, so it survives pickling and Celery's JSON result
+backend (which rebuilds an exception as ``cls(*args)``) with its type and facts.
 """
 
 from __future__ import annotations
@@ -18,18 +19,12 @@ class BudgetTasksError(Exception):
         self.facts = facts
         for name, value in facts.items():
             setattr(self, name, value)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), self.message, self.facts))
+        if facts:
+            # The facts, in the constructor's order, are what rebuilds the error.
+            self.args = tuple(facts.values())
 
     def __str__(self) -> str:
         return self.message
-
-
-def _rebuild(cls: type[BudgetTasksError], message: str, facts: dict[str, Any]) -> BudgetTasksError:
-    err = cls.__new__(cls)
-    BudgetTasksError.__init__(err, message, **facts)
-    return err
 
 
 class LedgerError(BudgetTasksError):

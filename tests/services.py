@@ -31,6 +31,18 @@ def pg_conninfo(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://", 1)
 
 
+REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
+
+
+def check_redis() -> None:
+    import redis
+
+    try:
+        redis.Redis(REDIS_HOST, REDIS_PORT, socket_connect_timeout=3).ping()
+    except redis.RedisError as exc:
+        missing("Redis", exc)
+
+
 def check_postgres() -> None:
     try:
         psycopg.connect(pg_conninfo(PG_ADMIN_URL), connect_timeout=3).close()

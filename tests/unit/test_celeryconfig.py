@@ -40,4 +40,4 @@ def test_environment_points_at_real_services(
     )
     assert app.conf.broker_url == "redis://127.0.0.1:6379/0"
     assert app.conf.budget_ledger_url == "postgresql+psycopg://postgres@127.0.0.1/ledger"
-    assert app.conf.broker_transport_options == {"visibility_timeout": 7200}
+    assert app.conf.broker_transport_options["visibility_timeout"] == 7200

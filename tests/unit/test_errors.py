@@ -1,6 +1,8 @@
+import json
 import pickle
 
 import pytest
+from celery import Celery
 
 from budget_tasks import (
     BudgetExceeded,
@@ -34,6 +36,17 @@ def test_errors_pickle_with_their_facts(error: LedgerError) -> None:
     assert str(copy) == str(error)
     assert copy.facts == error.facts
     assert isinstance(copy, LedgerError)
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda e: type(e).__name__)
+def test_errors_survive_celerys_json_result_backend(error: LedgerError) -> None:
+    # The backend stores (type, module, args) as JSON and rebuilds cls(*args).
+    backend = Celery("t", set_as_current=False).backend
+    stored = json.loads(json.dumps(backend.prepare_exception(error, "json")))
+    copy = backend.exception_to_python(stored)
+    assert type(copy) is type(error)
+    assert copy.facts == error.facts
+    assert str(copy) == str(error)
 
 
 def test_budget_exceeded_says_what_and_how_much() -> None:

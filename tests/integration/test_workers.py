@@ -1,0 +1,232 @@
+"""BudgetTask under real Celery delivery: a Redis broker, a PostgreSQL ledger, real
+``celery worker`` processes, and the official openai SDK against the fake provider."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from sqlalchemy import text
+
+from budget_tasks import Ledger
+from budget_tasks.testing import FakeProvider
+
+from ..services import REDIS_HOST, REDIS_PORT, check_redis
+from ..workers import Worker
+
+REDIS_DB = 9  # the tests' own database on the shared Redis; flushed before each test
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[FakeProvider]:
+    with FakeProvider() as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake(server: FakeProvider) -> FakeProvider:
+    server.reset()
+    return server
+
+
+@pytest.fixture
+def broker() -> str:
+    check_redis()
+    redis.Redis(REDIS_HOST, REDIS_PORT, db=REDIS_DB).flushdb()
+    return f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"
+
+
+@pytest.fixture
+def client(broker: str) -> Iterator[Celery]:
+    app = Celery("test-client", broker=broker, backend=broker, set_as_current=False)
+    app.conf.broker_connection_retry_on_startup = True
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def start_worker(
+    broker: str, pg_ledger: Ledger, pg_url: str, fake: FakeProvider, tmp_path: Path
+) -> Iterator[Callable[..., Worker]]:
+    pg_ledger.create_budget("default", 10_000_000)
+    started: list[Worker] = []
+
+    def start(name: str = "w1", concurrency: int = 1, **env: str) -> Worker:
+        full_env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))},
+            "CELERY_BROKER_URL": broker,
+            "CELERY_RESULT_BACKEND": broker,
+            "BUDGET_TASKS_LEDGER_URL": pg_url,
+            "BUDGET_TASKS_HOME": str(tmp_path / "home"),
+            "OPENAI_BASE_URL": fake.openai_base_url,
+            "BUDGET_TASKS_PROVIDER_TIMEOUT": "30",
+            **env,
+        }
+        worker = Worker(full_env, f"{name}-{uuid.uuid4().hex[:6]}", tmp_path, concurrency)
+        started.append(worker)
+        return worker.wait_ready()
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what or condition}")
+
+
+def operation_counts(ledger: Ledger, key: str) -> tuple[int, int]:
+    with ledger.engine.connect() as conn:
+        deliveries, replays = conn.execute(
+            text("SELECT deliveries, replays FROM operations WHERE key = :key"), {"key": key}
+        ).one()
+    return int(deliveries), int(replays)
+
+
+def requests_for(fake: FakeProvider, prefix: str) -> list[Any]:
+    return [s for s in fake.served() if (s.idempotency_key or "").startswith(prefix)]
+
+
+def test_sigkill_mid_call_then_redelivery_keeps_the_hold_and_never_resends(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    worker = start_worker()
+    fake.plan("delay=4", path="/chat/completions")
+    result = client.send_task("workers.tasks.summarize", args=["doc-kill", "Board minutes."])
+    wait_for(lambda: requests_for(fake, "summarize:doc-kill"), what="the provider call")
+    [child] = worker.children()
+    os.kill(child, signal.SIGKILL)  # mid-request: the provider is still working on it
+    with pytest.raises(Exception, match="outcome of attempt 'summarize:doc-kill#1' is unknown"):
+        result.get(timeout=60)
+    assert len(requests_for(fake, "summarize:doc-kill")) == 1
+    [attempt] = pg_ledger.attempts()
+    assert attempt.state == "unknown"
+    bal = pg_ledger.balance("default")
+    assert (bal.held, bal.spent) == (attempt.amount, 0)
+    assert pg_ledger.audit() == []
+
+
+def test_duplicate_deliveries_replay_one_provider_call(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    start_worker(concurrency=2)
+    args = ["doc-dup", "Same document, sent twice."]
+    first = client.send_task("workers.tasks.summarize", args=args, task_id="dup-1")
+    value = first.get(timeout=60)
+    # the same message again (same task id), and another message for the same document
+    again = client.send_task("workers.tasks.summarize", args=args, task_id="dup-1")
+    other = client.send_task("workers.tasks.summarize", args=args, task_id="dup-2")
+    assert again.get(timeout=60) == value
+    assert other.get(timeout=60) == value
+    assert len(requests_for(fake, "summarize:doc-dup")) == 1
+    assert pg_ledger.balance("default").spent == value["cost"]
+    assert pg_ledger.audit() == []
+
+
+def test_two_task_ids_same_business_key_at_once_make_one_call(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    start_worker("a")
+    start_worker("b")
+    fake.plan("delay=2", path="/chat/completions")
+    args = ["doc-twin", "Two clicks on the same button."]
+    results = [client.send_task("workers.tasks.summarize", args=args) for _ in range(2)]
+    values = [r.get(timeout=90) for r in results]
+    assert values[0] == values[1]
+    assert len(requests_for(fake, "summarize:doc-twin")) == 1
+    assert len(pg_ledger.attempts()) == 1
+
+
+def test_visibility_timeout_redelivery_while_running_replays(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    settings = {"BUDGET_TASKS_VISIBILITY_TIMEOUT": "2", "BUDGET_TASKS_RESTORE_INTERVAL": "1"}
+    start_worker("a", **settings)
+    start_worker("b", **settings)
+    fake.plan("delay=7", path="/chat/completions")
+    result = client.send_task("workers.tasks.summarize", args=["doc-vis", "A long job."])
+    value = result.get(timeout=120)
+    assert len(requests_for(fake, "summarize:doc-vis")) == 1
+    assert value["cost"] == fake.billed_for("summarize:doc-vis#1")
+    # The broker handed the running message out again; that delivery found the lease
+    # live, came back later and replayed the stored result.
+    counts = wait_for(
+        lambda: (c := operation_counts(pg_ledger, "summarize:doc-vis"))[1] >= 1 and c,
+        timeout=60,
+        what="the replay of the redelivered message",
+    )
+    deliveries, _ = counts
+    assert deliveries >= 2  # the broker did hand the running message out again
+    assert len(pg_ledger.attempts()) == 1
+
+
+def test_two_hundred_tasks_against_a_cap_for_fifty(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    from budget_tasks.providers import estimates
+
+    from .worker_tasks import fixed_request
+
+    each = estimates.openai_chat(fixed_request(0)).amount
+    pg_ledger.create_budget("capped", 50 * each)
+    start_worker("a", concurrency=2, BUDGET_TASKS_BUDGET="capped")
+    start_worker("b", concurrency=2, BUDGET_TASKS_BUDGET="capped")
+    results = [client.send_task("tests.fixed_cost", args=[n]) for n in range(200)]
+    outcomes = []
+    for r in results:
+        try:
+            r.get(timeout=180)
+            outcomes.append("ok")
+        except Exception as exc:  # the task's own error, re-raised by Celery
+            outcomes.append(type(exc).__name__)
+    assert outcomes.count("ok") == 50
+    assert outcomes.count("BudgetExceeded") == 150
+    assert len(requests_for(fake, "fixed:")) == 50
+    bal = pg_ledger.balance("capped")
+    assert bal.spent + bal.held == 50 * each == bal.cap
+    assert pg_ledger.audit() == []
+
+
+def test_poison_message_stops_at_max_deliveries(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    start_worker()
+    result = client.send_task("tests.crasher", args=[1])
+    with pytest.raises(Exception, match="poison message"):
+        result.get(timeout=120)
+    with pg_ledger.engine.connect() as conn:
+        status, runs = conn.execute(
+            text("SELECT status, runs FROM operations WHERE key = 'crash:1'")
+        ).one()
+    assert (status, runs) == ("failed", 3)
+    assert pg_ledger.attempts() == []
+    assert fake.served() == []
+
+
+def test_agent_task_spends_per_step_and_notifies_once(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    start_worker()
+    value = client.send_task("workers.tasks.research", args=["tides", 3]).get(timeout=60)
+    assert len(value["notes"]) == 3
+    assert value["notified"] == "notified: tides after 3 steps"
+    again = client.send_task("workers.tasks.research", args=["tides", 3]).get(timeout=60)
+    assert again == value
+    assert len(requests_for(fake, "research:tides:3:step:")) == 3
+    steps = [a for a in pg_ledger.attempts() if a.label == "step"]
+    assert sum(a.actual or 0 for a in steps) == fake.state()["billed_total"]
+    assert pg_ledger.audit() == []
