@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ from .providers.outcomes import ErrorOutcome, classify
 log = logging.getLogger("budget_tasks.task")
 
 LEDGER_URL_SETTING = "budget_ledger_url"
+LEDGER_URL_ENV = "BUDGET_TASKS_LEDGER_URL"
 #: Options given to ``@app.task(...)`` that are plain functions of the task's arguments.
 _FUNCTION_OPTIONS = ("estimate_cost", "idempotency_key", "fingerprint", "budget")
 
@@ -194,7 +196,7 @@ class BudgetTask(Task):  # type: ignore[misc]
 
     @property
     def ledger(self) -> Ledger:
-        url = self.app.conf.get(LEDGER_URL_SETTING)
+        url = self.app.conf.get(LEDGER_URL_SETTING) or os.environ.get(LEDGER_URL_ENV)
         if not url:
             raise LedgerUnavailable(
                 f"no ledger configured: set {LEDGER_URL_SETTING} (env BUDGET_TASKS_LEDGER_URL)"

@@ -15,7 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 class Worker:
     """``celery -A workers worker`` with the test tasks, in its own process group."""
 
-    def __init__(self, env: dict[str, str], name: str, log_dir: Path, concurrency: int = 1):
+    def __init__(
+        self,
+        env: dict[str, str],
+        name: str,
+        log_dir: Path,
+        concurrency: int = 1,
+        include: str = "tests.integration.worker_tasks",
+    ):
         self.log_path = log_dir / f"{name}.log"
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen(
@@ -35,7 +42,7 @@ class Worker:
                 "--without-mingle",
                 "--without-heartbeat",
                 "-I",
-                "tests.integration.worker_tasks",
+                include,
             ],
             cwd=ROOT,
             env=env,

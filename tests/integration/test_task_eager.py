@@ -120,8 +120,30 @@ def app(backend_url: str, fake: FakeProvider) -> Any:
         sent_mail = self.once("mail", lambda: side_effects.append(topic) or len(side_effects))
         return {"answers": answers, "mail": sent_mail}
 
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="team",
+        name=f"{prefix}.resend",
+        on_unknown="resend",
+        idempotency_key=lambda doc, fault=None: f"resend:{doc}",
+        fingerprint=lambda doc, fault=None: doc,
+        estimate_cost=lambda doc, fault=None: estimates.openai_chat(request(doc)).amount,
+    )
+    def resend(self: BudgetTask, doc: str, fault: str | None = None) -> int:
+        headers = {"x-fake-fault": fault} if fault else {}
+        sent = openai_chat(client, key=self.attempt.key, extra_headers=headers, **request(doc))
+        self.attempt.record(sent)
+        return sent.cost or 0
+
     app.side_effects = side_effects
-    app.jobs = {"summarize": summarize, "no_usage": no_usage, "refused": refused, "agent": agent}
+    app.jobs = {
+        "summarize": summarize,
+        "no_usage": no_usage,
+        "refused": refused,
+        "agent": agent,
+        "resend": resend,
+    }
     Ledger(backend_url).create_budget("team", 1_000_000)
     Ledger(backend_url).create_budget("tiny", 1)
     return app
@@ -235,3 +257,35 @@ def test_once_that_died_midway_is_not_repeated(app: Any, backend_url: str) -> No
         conn.execute(text("UPDATE operations SET status = 'retryable', result = NULL"))
     with pytest.raises(SideEffectUncertain):
         task.delay("mail-crash", False).get()
+
+
+def test_a_429_releases_and_the_retry_is_a_new_attempt(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    task = app.jobs["summarize"]
+    fake.plan("status=429")
+    with pytest.raises(openai.RateLimitError):
+        task.delay("d429", "Busy provider.").get()
+    ledger = Ledger(backend_url)
+    [first] = ledger.attempts()
+    assert (first.state, first.actual) == ("released", 0)
+    task.delay("d429", "Busy provider.").get()
+    second = ledger.attempt("sum:d429#2")
+    assert (second.reason, second.state) == ("rate_limited_retry", "settled")
+    assert ledger.balance("team").spent == second.actual
+    assert [s.status for s in fake.served()] == [429, 200]
+
+
+def test_on_unknown_resend_makes_a_new_attempt_and_keeps_the_old_hold(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    task = app.jobs["resend"]
+    with pytest.raises(openai.APITimeoutError):
+        task.delay("r1", "hang=3").get()
+    cost = task.delay("r1").get()
+    ledger = Ledger(backend_url)
+    first, second = ledger.attempt("resend:r1#1"), ledger.attempt("resend:r1#2")
+    assert (first.state, second.state) == ("unknown", "settled")
+    assert second.reason == "unknown_resend"
+    bal = ledger.balance("team")
+    assert (bal.held, bal.spent) == (first.amount, cost)
