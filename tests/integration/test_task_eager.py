@@ -289,3 +289,37 @@ def test_on_unknown_resend_makes_a_new_attempt_and_keeps_the_old_hold(
     assert second.reason == "unknown_resend"
     bal = ledger.balance("team")
     assert (bal.held, bal.spent) == (first.amount, cost)
+
+
+def test_a_missing_or_bad_estimate_fails_before_anything_is_reserved(
+    backend_url: str, fake: FakeProvider
+) -> None:
+    app = Celery("estimates", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True, task_eager_propagates=True, budget_ledger_url=backend_url
+    )
+    prefix = f"est{uuid.uuid4().hex[:8]}"
+    Ledger(backend_url).create_budget("team", 1_000)
+
+    @app.task(base=BudgetTask, bind=True, budget="team", name=f"{prefix}.missing")
+    def missing(self: BudgetTask) -> int:
+        return 1
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="team",
+        name=f"{prefix}.floaty",
+        estimate_cost=lambda: 12.5,
+    )
+    def floaty(self: BudgetTask) -> int:
+        return 1
+
+    with pytest.raises(NotImplementedError, match="set estimate_cost"):
+        missing.delay().get()
+    with pytest.raises(TypeError, match="int of minor units"):
+        floaty.delay().get()
+    ledger = Ledger(backend_url)
+    assert ledger.attempts() == []
+    assert ledger.balance("team").held == 0
+    assert fake.served() == []
