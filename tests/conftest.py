@@ -6,7 +6,7 @@ import pytest
 from sqlalchemy import text
 
 from budget_tasks import Ledger
-from budget_tasks.testing import ManualClock
+from budget_tasks.testing import FakeProvider, ManualClock
 
 from .services import check_postgres, scratch_database
 
@@ -75,3 +75,17 @@ def ledger(backend_url: str, clock: ManualClock) -> Iterator[Ledger]:
     ledger = Ledger(backend_url, clock=clock)
     yield ledger
     ledger.dispose()
+
+
+@pytest.fixture(scope="session")
+def fake_server() -> Iterator[FakeProvider]:
+    """The fake LLM provider, in a thread of the test process, for the whole session."""
+    with FakeProvider() as server:
+        yield server
+
+
+@pytest.fixture
+def fake(fake_server: FakeProvider) -> FakeProvider:
+    """The fake provider with nothing served, billed or planned yet."""
+    fake_server.reset()
+    return fake_server

@@ -37,6 +37,22 @@ class Sent:
     result: dict[str, Any]
 
 
+def chat_result(completion: Any) -> dict[str, Any]:
+    """What a task keeps of a chat completion."""
+    choice = completion.choices[0] if completion.choices else None
+    return {
+        "id": completion.id,
+        "content": choice.message.content if choice else None,
+        "finish_reason": choice.finish_reason if choice else None,
+    }
+
+
+def message_result(message: Any) -> dict[str, Any]:
+    """What a task keeps of an Anthropic message."""
+    text = "".join(getattr(block, "text", "") for block in message.content)
+    return {"id": message.id, "content": text, "stop_reason": message.stop_reason}
+
+
 def _prepare(client: Any, key: str, params: dict[str, Any]) -> dict[str, Any]:
     require_no_retries(client)
     check.text(key, "attempt key")
@@ -92,12 +108,7 @@ def openai_chat(
             completion = response.parse()
             if completion.usage is None:
                 raise StreamIncomplete("openai", "the completion carried no usage")
-            choice = completion.choices[0] if completion.choices else None
-            result = {
-                "id": completion.id,
-                "content": choice.message.content if choice else None,
-                "finish_reason": choice.finish_reason if choice else None,
-            }
+            result = chat_result(completion)
             raw_usage = completion.usage
         else:
             parts: list[str] = []
@@ -163,8 +174,7 @@ def anthropic_message(
         _report(request_id, on_request_id)
         if not params.get("stream"):
             message = r.parse()
-            text = "".join(getattr(block, "text", "") for block in message.content)
-            result = {"id": message.id, "content": text, "stop_reason": message.stop_reason}
+            result = message_result(message)
             used = usage_of.from_anthropic(message.usage)
         else:
             result, used = _read_anthropic_stream(r.parse())

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..pricing import PriceTable, Usage, default_prices
 from . import usage as usage_of
-from .calls import ATTEMPT_METADATA_KEY
+from .calls import ATTEMPT_METADATA_KEY, chat_result, message_result
 from .clients import require_no_retries
 
 
@@ -95,12 +95,7 @@ def lookup_openai_chat(
         return Pending(f"lookup failed: {type(exc).__name__}: {exc}")
     if completion.usage is None:
         return Pending(f"completion {completion.id} has no usage yet")
-    choice = completion.choices[0] if completion.choices else None
-    result = {
-        "id": completion.id,
-        "content": choice.message.content if choice else None,
-        "finish_reason": choice.finish_reason if choice else None,
-    }
+    result = chat_result(completion)
     return _found(model, usage_of.from_openai_chat(completion.usage), result, prices)
 
 
@@ -156,9 +151,8 @@ def lookup_anthropic_batch(
             if item.result.type != "succeeded":
                 return NotFound(f"batch request {custom_id} {item.result.type}: not billed")
             message = item.result.message
-            text = "".join(getattr(block, "text", "") for block in message.content)
-            result = {"id": message.id, "content": text, "stop_reason": message.stop_reason}
-            return _found(model, usage_of.from_anthropic(message.usage), result, prices)
+            used = usage_of.from_anthropic(message.usage)
+            return _found(model, used, message_result(message), prices)
     except Exception as exc:
         if _status(exc) == 404:
             return _not_found(f"batch {batch_id} not found", sent_at, settle_after, now)

@@ -19,35 +19,29 @@ def _int(value: Any) -> int:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def from_openai_chat(usage: Any) -> Usage:
-    """Chat completions: ``prompt_tokens`` includes cached tokens and
-    ``completion_tokens`` includes reasoning tokens."""
-    cached = _int(_get(_get(usage, "prompt_tokens_details"), "cached_tokens"))
-    prompt = _int(_get(usage, "prompt_tokens"))
-    output = _int(_get(usage, "completion_tokens"))
+def _openai(usage: Any, inputs: str, outputs: str) -> Usage:
+    # Both OpenAI APIs count cached tokens inside the input total and reasoning tokens
+    # inside the output total; only the field names differ.
+    total_in = _int(_get(usage, f"{inputs}_tokens"))
+    cached = min(total_in, _int(_get(_get(usage, f"{inputs}_tokens_details"), "cached_tokens")))
+    output = _int(_get(usage, f"{outputs}_tokens"))
+    reasoning = _int(_get(_get(usage, f"{outputs}_tokens_details"), "reasoning_tokens"))
     return Usage(
-        input_tokens=max(0, prompt - cached),
-        cached_input_tokens=min(cached, prompt),
+        input_tokens=total_in - cached,
+        cached_input_tokens=cached,
         output_tokens=output,
-        reasoning_tokens=min(
-            output, _int(_get(_get(usage, "completion_tokens_details"), "reasoning_tokens"))
-        ),
+        reasoning_tokens=min(output, reasoning),
     )
+
+
+def from_openai_chat(usage: Any) -> Usage:
+    """Chat completions: ``prompt_tokens`` / ``completion_tokens``."""
+    return _openai(usage, "prompt", "completion")
 
 
 def from_openai_response(usage: Any) -> Usage:
-    """Responses API: ``input_tokens`` includes cached, ``output_tokens`` reasoning."""
-    cached = _int(_get(_get(usage, "input_tokens_details"), "cached_tokens"))
-    total_in = _int(_get(usage, "input_tokens"))
-    output = _int(_get(usage, "output_tokens"))
-    return Usage(
-        input_tokens=max(0, total_in - cached),
-        cached_input_tokens=min(cached, total_in),
-        output_tokens=output,
-        reasoning_tokens=min(
-            output, _int(_get(_get(usage, "output_tokens_details"), "reasoning_tokens"))
-        ),
-    )
+    """Responses API: ``input_tokens`` / ``output_tokens``."""
+    return _openai(usage, "input", "output")
 
 
 def from_anthropic(usage: Any) -> Usage:

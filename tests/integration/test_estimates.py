@@ -4,7 +4,6 @@ fake provider, for generated prompts and outputs within the request's limits."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,12 +30,6 @@ messages = st.lists(
     min_size=1,
     max_size=5,
 )
-
-
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeProvider]:
-    with FakeProvider() as server:
-        yield server
 
 
 @settings(

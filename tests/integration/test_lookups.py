@@ -4,7 +4,6 @@ outcome, and "not found" meaning "pending" until the provider cannot still be wo
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -33,18 +32,6 @@ from budget_tasks.testing import FakeProvider
 PROMPT = [{"role": "user", "content": "What did the board decide?"}]
 WINDOW = timedelta(seconds=30)
 LONG_AGO = datetime.now(UTC) - timedelta(hours=1)
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeProvider]:
-    with FakeProvider() as fake:
-        yield fake
-
-
-@pytest.fixture
-def fake(server: FakeProvider) -> FakeProvider:
-    server.reset()
-    return server
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ the fake provider: retries off, classification, request ids, usage and cost."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -28,18 +27,6 @@ from budget_tasks.testing import FakeProvider
 # What the SDKs raise: their own errors, and (Anthropic streams) raw transport errors.
 PROVIDER_ERRORS = (openai.APIError, anthropic.APIError, httpx2.TransportError)
 PROMPT = [{"role": "user", "content": "Summarise the quarterly report in one line."}]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeProvider]:
-    with FakeProvider() as fake:
-        yield fake
-
-
-@pytest.fixture
-def fake(server: FakeProvider) -> FakeProvider:
-    server.reset()
-    return server
 
 
 @pytest.fixture

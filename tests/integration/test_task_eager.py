@@ -4,7 +4,6 @@ real ledger (SQLite and PostgreSQL) and the official SDK against the fake provid
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -24,18 +23,6 @@ from budget_tasks import (
 )
 from budget_tasks.providers import estimates, openai_chat, openai_client
 from budget_tasks.testing import FakeProvider
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeProvider]:
-    with FakeProvider() as fake:
-        yield fake
-
-
-@pytest.fixture
-def fake(server: FakeProvider) -> FakeProvider:
-    server.reset()
-    return server
 
 
 def request(text: str) -> dict[str, Any]:

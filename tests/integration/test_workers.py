@@ -25,18 +25,6 @@ from ..workers import Worker
 REDIS_DB = 9  # the tests' own database on the shared Redis; flushed before each test
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeProvider]:
-    with FakeProvider() as fake:
-        yield fake
-
-
-@pytest.fixture
-def fake(server: FakeProvider) -> FakeProvider:
-    server.reset()
-    return server
-
-
 @pytest.fixture
 def broker() -> str:
     check_redis()
