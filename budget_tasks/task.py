@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from celery import Task
 from . import _validate as check
 from .errors import (
     BudgetExceeded,
+    BudgetTasksError,
     LedgerUnavailable,
     NotBilled,
     OperationFailed,
@@ -45,6 +47,9 @@ LEDGER_URL_ENV = "BUDGET_TASKS_LEDGER_URL"
 #: Options given to ``@app.task(...)`` that are plain functions of the task's arguments.
 _FUNCTION_OPTIONS = ("estimate_cost", "idempotency_key", "fingerprint", "budget")
 
+#: Pauses between tries of a settlement that must land after a provider call.
+PERSIST_DELAYS = (0.5, 1.0, 2.0, 4.0)
+
 _ledgers: dict[str, Ledger] = {}
 _ledgers_lock = threading.Lock()
 
@@ -59,6 +64,17 @@ def ledger_for(url: str) -> Ledger:
                 ledger.create_schema()  # the embedded default needs no migration step
             _ledgers[url] = ledger
         return ledger
+
+
+def _persist(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a ledger write that must land, waiting out a short outage."""
+    for delay in PERSIST_DELAYS:
+        try:
+            return fn(*args, **kwargs)
+        except LedgerUnavailable:
+            log.warning("ledger unavailable; retrying %s in %.1fs", fn.__name__, delay)
+            time.sleep(delay)
+    return fn(*args, **kwargs)
 
 
 def close_ledgers() -> None:
@@ -273,6 +289,48 @@ class BudgetTask(Task):  # type: ignore[misc]
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
+        try:
+            scope = self._reserve(ledger, start, budget, fingerprint, args, kwargs)
+        except LedgerUnavailable as exc:
+            # Nothing was sent: fail closed now, and let the message come back later.
+            self._end_quietly(ledger, start.key, "pending", str(exc))
+            raise self._later(exc, self.ledger_unavailable_countdown) from exc
+        self._scope.current = scope
+        try:
+            result = self.run(*args, **kwargs)
+        except BaseException as exc:
+            self._settle_error(ledger, scope, exc)
+            raise
+        finally:
+            self._scope.current = None
+        actual = scope.actual if scope.actual is not None else scope.amount
+        estimate_only = scope.actual is None
+        try:
+            json.dumps(result)
+        except (TypeError, ValueError) as exc:
+            _persist(ledger.settle, scope.key, actual, estimate_only=estimate_only)
+            self._end_quietly(ledger, start.key, "failed", f"result is not JSON: {exc}")
+            raise
+        # The provider was called: the settlement must land, so a short outage is
+        # waited out; if it lasts, the attempt stays 'sending' and is reconciled.
+        _persist(
+            ledger.finish_operation,
+            start.key,
+            result=result,
+            settlements=[(scope.key, actual, estimate_only)],
+        )
+        return result
+
+    def _reserve(
+        self,
+        ledger: Ledger,
+        start: OperationStart,
+        budget: str,
+        fingerprint: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> AttemptScope:
+        """Everything before the send: decide the attempt, reserve, mark it sending."""
         key = start.key
         last = start.last_attempt
         reason = start.next_reason or ("first" if start.attempts == 0 else "redelivery")
@@ -288,8 +346,8 @@ class BudgetTask(Task):  # type: ignore[misc]
             reuse = last  # reserved and never sent: that hold is this run's permission
         try:
             estimate = check.money(self.estimate_cost(*args, **kwargs), "estimate_cost")
-        except BaseException:
-            ledger.end_operation(key, "pending", error="estimate failed")
+        except (TypeError, ValueError, NotImplementedError):
+            self._end_quietly(ledger, key, "pending", "estimate failed")
             raise
         if reuse is not None and reuse.amount != estimate:
             ledger.release(reuse.key, "never sent; re-estimated on redelivery")
@@ -307,18 +365,19 @@ class BudgetTask(Task):  # type: ignore[misc]
                     operation_id=start.operation_id,
                 )
             except BudgetExceeded as exc:
-                ledger.end_operation(key, "pending", error=str(exc))
+                self._end_quietly(ledger, key, "pending", str(exc))
                 if self.retry_when_budget_frees and not self.request.is_eager:
                     raise self.retry(
                         exc=exc, countdown=self.retry_when_budget_frees, max_retries=None
                     ) from exc
                 raise
-            except BaseException as exc:
-                ledger.end_operation(key, "pending", error=str(exc))
+            except (BudgetTasksError, ValueError, TypeError) as exc:
+                if not isinstance(exc, LedgerUnavailable):
+                    self._end_quietly(ledger, key, "pending", str(exc))
                 raise
         # The reservation is committed: this is the one grant of a send.
         ledger.mark_sending(attempt_key)
-        scope = AttemptScope(
+        return AttemptScope(
             key=attempt_key,
             amount=estimate,
             reason=reason,
@@ -328,24 +387,14 @@ class BudgetTask(Task):  # type: ignore[misc]
             fingerprint=fingerprint,
             _ledger=ledger,
         )
-        self._scope.current = scope
+
+    @staticmethod
+    def _end_quietly(ledger: Ledger, key: str, status: str, error: str) -> None:
+        """Give the lease back; if the ledger is down, its expiry will."""
         try:
-            result = self.run(*args, **kwargs)
-        except BaseException as exc:
-            self._settle_error(ledger, scope, exc)
-            raise
-        finally:
-            self._scope.current = None
-        actual = scope.actual if scope.actual is not None else estimate
-        settlement = (attempt_key, actual, scope.actual is None)
-        try:
-            json.dumps(result)
-        except (TypeError, ValueError) as exc:
-            ledger.settle(attempt_key, actual, estimate_only=scope.actual is None)
-            ledger.end_operation(key, "failed", error=f"result is not JSON: {exc}")
-            raise
-        ledger.finish_operation(key, result=result, settlements=[settlement])
-        return result
+            ledger.end_operation(key, status, error=error)
+        except LedgerUnavailable:
+            log.warning("operation %s: could not record %s (ledger down)", key, status)
 
     def _settle_error(self, ledger: Ledger, scope: AttemptScope, exc: BaseException) -> None:
         """What an error from run() means for the hold (DESIGN: the task flow)."""

@@ -16,6 +16,7 @@ from budget_tasks import (
     BudgetTask,
     IdempotencyConflict,
     Ledger,
+    LedgerUnavailable,
     NotBilled,
     OperationFailed,
     OutcomeUnknown,
@@ -309,4 +310,28 @@ def test_a_missing_or_bad_estimate_fails_before_anything_is_reserved(
     ledger = Ledger(backend_url)
     assert ledger.attempts() == []
     assert ledger.balance("team").held == 0
+    assert fake.served() == []
+
+
+def test_an_unreachable_ledger_means_no_send(fake: FakeProvider) -> None:
+    app = Celery("down", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        task_eager_propagates=True,
+        budget_ledger_url="postgresql+psycopg://postgres@127.0.0.1:1/nowhere",
+    )
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=2.0)
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="team",
+        name=f"down{uuid.uuid4().hex}",
+        estimate_cost=lambda: 100,
+    )
+    def call(self: BudgetTask) -> int:
+        return openai_chat(client, key=self.attempt.key, **request("hello")).cost or 0
+
+    with pytest.raises(LedgerUnavailable, match="nothing may be sent"):
+        call.delay().get()
     assert fake.served() == []
