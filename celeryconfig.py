@@ -40,6 +40,17 @@ accept_content = ["json"]
 timezone = "UTC"
 enable_utc = True
 
-# Periodic ledger tasks (stale holds, reconciliation, renewal) are scheduled here once
-# budget_tasks.beat exists.
-beat_schedule: dict[str, dict[str, object]] = {}
+# The periodic ledger jobs (budget_tasks.beat): run `celery -A workers beat`.
+budget_stale_after = int(os.environ.get("BUDGET_TASKS_STALE_AFTER", 900))
+budget_reconcile_margin = int(os.environ.get("BUDGET_TASKS_RECONCILE_MARGIN", 300))
+budget_requeue_not_found = os.environ.get("BUDGET_TASKS_REQUEUE_NOT_FOUND", "") == "1"
+budget_retention_days = float(os.environ.get("BUDGET_TASKS_RETENTION_DAYS", 7))
+beat_schedule = {
+    "flag-stale-holds": {"task": "budget_tasks.flag_stale_holds", "schedule": 60.0},
+    "reconcile-unknown": {"task": "budget_tasks.reconcile_unknown", "schedule": 60.0},
+    "renew-periods": {"task": "budget_tasks.renew_periods", "schedule": 60.0},
+    "purge-expired-operations": {
+        "task": "budget_tasks.purge_expired_operations",
+        "schedule": 3600.0,
+    },
+}

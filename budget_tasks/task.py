@@ -123,10 +123,16 @@ class AttemptScope:
             self._ledger.record_request_id(self.key, request_id)
             self.request_id = request_id
 
+    def describe(self, lookup: str, model: str, response_id: str | None = None) -> None:
+        """Record what the call is, before it is sent, for reconciliation."""
+        self._ledger.describe_attempt(self.key, lookup=lookup, model=model, response_id=response_id)
+
     def record(self, sent: Sent) -> None:
-        """Record a guarded call's request id and priced usage."""
+        """Record a guarded call's request id, response id and priced usage."""
         if sent.request_id:
             self.record_request_id(sent.request_id)
+        if sent.response_id:
+            self._ledger.describe_attempt(self.key, response_id=sent.response_id)
         if sent.cost is not None:
             self.record_usage(sent.cost)
 
@@ -152,6 +158,12 @@ class Call:
         if self._ledger is not None and request_id != self.request_id:
             self._ledger.record_request_id(self.key, request_id)
         self.request_id = request_id
+
+    def describe(self, lookup: str, model: str, response_id: str | None = None) -> None:
+        if self._ledger is not None:
+            self._ledger.describe_attempt(
+                self.key, lookup=lookup, model=model, response_id=response_id
+            )
 
     def record(self, sent: Sent, result: Any = None) -> None:
         """Record the call's id and cost, and the result to replay on redelivery."""
@@ -258,6 +270,7 @@ class BudgetTask(Task):  # type: ignore[misc]
                 lease=timedelta(seconds=self.lease_seconds),
                 max_runs=self.max_deliveries,
                 task=self.name,
+                payload={"args": list(args), "kwargs": kwargs},
             )
         except LedgerUnavailable as exc:
             # Fail closed: no reservation, no send. The message comes back later.

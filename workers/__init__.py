@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-app = Celery("workers", include=["workers.tasks"])
+app = Celery("workers", include=["workers.tasks", "budget_tasks.beat"])
 app.config_from_object("celeryconfig")
 
 __all__ = ["app"]

@@ -47,13 +47,9 @@ def summary_request(text: str) -> dict[str, Any]:
 )
 def summarize(self: BudgetTask, document_id: str, text: str) -> dict[str, Any]:
     """Summarise one document; a second message for the same document replays."""
-    sent = openai_chat(
-        client(),
-        key=self.attempt.key,
-        on_request_id=self.attempt.record_request_id,
-        **summary_request(text),
-    )
-    self.attempt.record(sent)
+    # attempt= sends the attempt key as Idempotency-Key, records what the call is (for
+    # reconciliation), its request id as soon as the headers arrive, and its cost.
+    sent = openai_chat(client(), attempt=self.attempt, **summary_request(text))
     return {"document_id": document_id, "summary": sent.result["content"], "cost": sent.cost}
 
 
@@ -88,13 +84,8 @@ def research(self: BudgetTask, topic: str, steps: int = 3) -> dict[str, Any]:
         # Notes are capped so that the estimate taken here bounds the request.
         with self.spend(step_estimate(topic, notes[-2:]), "step") as call:
             if not call.replayed:
-                sent = openai_chat(
-                    client(),
-                    key=call.key,
-                    on_request_id=call.record_request_id,
-                    **step_request(topic, notes[-2:]),
-                )
-                call.record(sent, result=sent.result["content"])
+                sent = openai_chat(client(), attempt=call, **step_request(topic, notes[-2:]))
+                call.result = sent.result["content"]  # what a redelivery replays
         notes.append(str(call.result)[:200])
     notified = self.once("notify", notify, topic, len(notes))
     return {"topic": topic, "notes": notes, "notified": notified}

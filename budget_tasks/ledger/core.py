@@ -41,6 +41,7 @@ from ..errors import (
 )
 from . import statements as sql
 from .engine import build_engine, transaction
+from .maintenance import MaintenanceMixin
 from .operations import OperationsMixin
 from .periods import (
     PERIODS,
@@ -60,6 +61,7 @@ from .schema import (
     budgets,
     journal,
     metadata,
+    operations,
 )
 from .statements import Cursor, Driver
 
@@ -72,7 +74,7 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-class Ledger(OperationsMixin):
+class Ledger(OperationsMixin, MaintenanceMixin):
     """A budget ledger on PostgreSQL (``postgresql+psycopg://...``) or SQLite.
 
     ``clock`` returns the current time as an aware datetime; tests pass their own to
@@ -492,17 +494,21 @@ class Ledger(OperationsMixin):
 
     # -- settlement ------------------------------------------------------------------
 
-    def settle(self, key: str, actual: int, *, estimate_only: bool = False) -> bool:
+    def settle(
+        self, key: str, actual: int, *, estimate_only: bool = False, note: str | None = None
+    ) -> bool:
         """Replace the hold by the actual charge: ``held -= reserved; spent += actual``.
 
         True if applied; False if already settled with this actual. Another actual
         raises SettlementConflict. An actual above the reservation is recorded as it
-        is and logged as an overrun.
+        is and logged as an overrun. ``note`` goes into the journal entry (an
+        operator's resolution says so there).
         """
         check.text(key, "key")
         check.money(actual, "actual")
+        check.optional_text(note, "note", max_length=10_000)
         applied, amount = self._resolve(
-            key, actual, "settled", "charge", None, estimate_only=estimate_only
+            key, actual, "settled", "charge", note, estimate_only=estimate_only
         )
         if applied and actual > amount:
             self._log_overrun(key, amount, actual)
@@ -707,6 +713,7 @@ class Ledger(OperationsMixin):
                 period_start=r.period_start,
                 created_at=r.created_at,
                 age=now - r.created_at,
+                flagged_at=r.flagged_at,
             )
             for r in rows
         ]
@@ -717,9 +724,11 @@ class Ledger(OperationsMixin):
                 attempts,
                 budgets.c.name.label("budget"),
                 budget_periods.c.period_start,
+                operations.c.key.label("operation_key"),
             )
             .join(budgets, budgets.c.id == attempts.c.budget_id)
             .join(budget_periods, budget_periods.c.id == attempts.c.period_id)
+            .outerjoin(operations, operations.c.id == attempts.c.operation_id)
         )
 
     def audit(self) -> list[AuditFinding]:
@@ -811,4 +820,10 @@ def _attempt(r: Row[Any]) -> Attempt:
         price_version=r.price_version,
         label=r.label,
         estimate_only=bool(r.estimate_only),
+        lookup=r.lookup,
+        model=r.model,
+        response_id=r.response_id,
+        lookups=r.lookups,
+        flagged_at=r.flagged_at,
+        operation_key=r.operation_key,
     )

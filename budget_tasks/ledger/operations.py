@@ -97,6 +97,7 @@ class OperationsMixin:
         lease: timedelta,
         max_runs: int,
         task: str | None = None,
+        payload: Any = None,
     ) -> OperationStart:
         """Record a delivery of ``key`` and decide what it may do (see :class:`Decision`)."""
         check.text(key, "idempotency key")
@@ -107,7 +108,13 @@ class OperationsMixin:
         with self._driver.transaction() as cur:
             cur.run(
                 sql.INSERT_OPERATION,
-                {"key": key, "fingerprint": fingerprint, "task": task, "now": stamp},
+                {
+                    "key": key,
+                    "fingerprint": fingerprint,
+                    "task": task,
+                    "payload": None if payload is None else json.dumps(payload, default=repr),
+                    "now": stamp,
+                },
             )
             row = cur.one(sql.LOCK_OPERATION, {"key": key})
             assert row is not None
@@ -122,7 +129,10 @@ class OperationsMixin:
                 return OperationStart(decision, op_id, key, runs=runs, **facts)
 
             if status == "succeeded":
-                return delivered(Decision.REPLAY, result=json.loads(result))
+                # A result purged after its retention replays as None.
+                return delivered(
+                    Decision.REPLAY, result=None if result is None else json.loads(result)
+                )
             if status == "failed":
                 return delivered(Decision.FAILED, error=error)
             if lease_is_live(lease_owner, expires_at, now) and lease_owner != owner:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,12 @@ class Attempt:
     price_version: str | None = None
     label: str | None = None
     estimate_only: bool = False
+    lookup: str | None = None
+    model: str | None = None
+    response_id: str | None = None
+    lookups: int = 0
+    flagged_at: datetime | None = None
+    operation_key: str | None = None
 
     @property
     def overrun(self) -> int:
@@ -94,6 +101,7 @@ class Hold:
     period_start: datetime
     created_at: datetime
     age: timedelta
+    flagged_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,3 +113,20 @@ class AuditFinding:
     counter: str
     recorded: int
     journal: int
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """One business intent: its status, stored outcome and delivery counts."""
+
+    key: str
+    status: str
+    task: str | None
+    result: Any
+    error: str | None
+    payload: Any
+    runs: int
+    deliveries: int
+    replays: int
+    created_at: datetime
+    completed_at: datetime | None

@@ -140,6 +140,14 @@ attempts = Table(
     Column(
         "estimate_only", Boolean(create_constraint=False), nullable=False, server_default=false()
     ),
+    # Added in migration 0004: what reconciliation needs (which lookup, the model to
+    # price with, the provider's response id), its backoff, and the stale-hold flag.
+    Column("lookup", String(32), nullable=True),
+    Column("model", String(100), nullable=True),
+    Column("response_id", String(255), nullable=True),
+    Column("lookups", Integer, nullable=False, server_default="0"),
+    Column("next_lookup_at", UTCDateTime, nullable=True),
+    Column("flagged_at", UTCDateTime, nullable=True),
     UniqueConstraint("key"),
     CheckConstraint("amount >= 0", name="amount_not_negative"),
     CheckConstraint("actual IS NULL OR actual >= 0", name="actual_not_negative"),
@@ -174,6 +182,8 @@ operations = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
     Column("completed_at", UTCDateTime, nullable=True),
+    # Added in migration 0004: the task and arguments, to enqueue it again.
+    Column("payload", Text, nullable=True),
     UniqueConstraint("key"),
     CheckConstraint(f"status IN ({_in(OPERATION_STATUSES)})", name="status_known"),
 )

@@ -106,8 +106,8 @@ SELECT cap, spent, held, {AVAILABLE} FROM budget_periods WHERE id = :period_id""
 
 INSERT_OPERATION = """
 INSERT INTO operations
-    (key, fingerprint, task, status, runs, deliveries, replays, created_at, updated_at)
-VALUES (:key, :fingerprint, :task, 'pending', 0, 0, 0, :now, :now)
+    (key, fingerprint, task, payload, status, runs, deliveries, replays, created_at, updated_at)
+VALUES (:key, :fingerprint, :task, :payload, 'pending', 0, 0, 0, :now, :now)
 ON CONFLICT (key) DO NOTHING"""
 
 LOCK_OPERATION = """

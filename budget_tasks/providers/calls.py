@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .. import _validate as check
 from ..errors import StreamIncomplete
@@ -53,6 +53,39 @@ def message_result(message: Any) -> dict[str, Any]:
     return {"id": message.id, "content": text, "stop_reason": message.stop_reason}
 
 
+class AttemptLike(Protocol):
+    """What the call helpers use of ``attempt=`` (a BudgetTask's ``self.attempt``)."""
+
+    key: str
+
+    def describe(self, lookup: str, model: str, response_id: str | None = None) -> None: ...
+    def record_request_id(self, request_id: str) -> None: ...
+    def record(self, sent: Sent) -> None: ...
+
+
+#: Names of the lookups that can find a call again (see budget_tasks.providers.lookups).
+LOOKUP_OPENAI_CHAT = "openai.chat"
+LOOKUP_OPENAI_RESPONSES = "openai.responses"
+LOOKUP_ANTHROPIC_MESSAGES = "anthropic.messages"
+
+
+def _bind(
+    attempt: AttemptLike | None,
+    key: str | None,
+    on_request_id: RequestIdSink | None,
+    lookup: str,
+    model: str,
+) -> tuple[str, RequestIdSink | None]:
+    """The attempt key and request-id sink, from ``attempt=`` or given one by one; the
+    attempt learns what the call is before anything is sent."""
+    if attempt is None:
+        if key is None:
+            raise TypeError("give the attempt key: key=... or attempt=self.attempt")
+        return key, on_request_id
+    attempt.describe(lookup, model)
+    return attempt.key, on_request_id or attempt.record_request_id
+
+
 def _prepare(client: Any, key: str, params: dict[str, Any]) -> dict[str, Any]:
     require_no_retries(client)
     check.text(key, "attempt key")
@@ -81,7 +114,8 @@ def _priced(
 def openai_chat(
     client: Any,
     *,
-    key: str,
+    key: str | None = None,
+    attempt: AttemptLike | None = None,
     on_request_id: RequestIdSink | None = None,
     prices: PriceTable | None = None,
     store_for_lookup: bool = True,
@@ -91,8 +125,10 @@ def openai_chat(
 
     With ``store_for_lookup`` (default) the completion is stored with the attempt key
     in its metadata, so reconciliation can find it by id or, if the id never arrived,
-    by that key. Streams ask for the usage chunk and must end with it.
+    by that key. Streams ask for the usage chunk and must end with it. With
+    ``attempt=self.attempt`` the call is described, its request id and usage recorded.
     """
+    key, on_request_id = _bind(attempt, key, on_request_id, LOOKUP_OPENAI_CHAT, params["model"])
     headers = _prepare(client, key, params)
     if store_for_lookup:
         params["store"] = True
@@ -125,13 +161,14 @@ def openai_chat(
                 )
             result = {"id": completion_id, "content": "".join(parts), "finish_reason": finish}
     used = usage_of.from_openai_chat(raw_usage)
-    return _priced("openai", params["model"], request_id, used, result, prices)
+    return _done(attempt, _priced("openai", params["model"], request_id, used, result, prices))
 
 
 def openai_response(
     client: Any,
     *,
-    key: str,
+    key: str | None = None,
+    attempt: AttemptLike | None = None,
     on_request_id: RequestIdSink | None = None,
     prices: PriceTable | None = None,
     **params: Any,
@@ -141,6 +178,9 @@ def openai_response(
     With ``background=True`` the provider answers at once with a queued response:
     ``usage`` and ``cost`` are None and reconciliation settles it by its id.
     """
+    key, on_request_id = _bind(
+        attempt, key, on_request_id, LOOKUP_OPENAI_RESPONSES, params["model"]
+    )
     headers = _prepare(client, key, params)
     if params.get("stream"):
         raise ValueError("streamed Responses calls are not supported; use background=True")
@@ -150,15 +190,18 @@ def openai_response(
         response = r.parse()
     result = {"id": response.id, "status": response.status, "output_text": response.output_text}
     if response.usage is None:
-        return Sent("openai", params["model"], request_id, response.id, None, None, result)
+        return _done(
+            attempt, Sent("openai", params["model"], request_id, response.id, None, None, result)
+        )
     used = usage_of.from_openai_response(response.usage)
-    return _priced("openai", params["model"], request_id, used, result, prices)
+    return _done(attempt, _priced("openai", params["model"], request_id, used, result, prices))
 
 
 def anthropic_message(
     client: Any,
     *,
-    key: str,
+    key: str | None = None,
+    attempt: AttemptLike | None = None,
     on_request_id: RequestIdSink | None = None,
     prices: PriceTable | None = None,
     **params: Any,
@@ -168,6 +211,9 @@ def anthropic_message(
     Anthropic's Messages API has no lookup: an unknown outcome here stays held until an
     operator resolves it.
     """
+    key, on_request_id = _bind(
+        attempt, key, on_request_id, LOOKUP_ANTHROPIC_MESSAGES, params["model"]
+    )
     headers = _prepare(client, key, params)
     with client.messages.with_streaming_response.create(extra_headers=headers, **params) as r:
         request_id = r.request_id
@@ -178,7 +224,13 @@ def anthropic_message(
             used = usage_of.from_anthropic(message.usage)
         else:
             result, used = _read_anthropic_stream(r.parse())
-    return _priced("anthropic", params["model"], request_id, used, result, prices)
+    return _done(attempt, _priced("anthropic", params["model"], request_id, used, result, prices))
+
+
+def _done(attempt: AttemptLike | None, sent: Sent) -> Sent:
+    if attempt is not None:
+        attempt.record(sent)
+    return sent
 
 
 def _read_anthropic_stream(events: Any) -> tuple[dict[str, Any], Usage]:

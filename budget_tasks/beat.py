@@ -1,0 +1,241 @@
+"""Periodic ledger jobs for Celery beat: flag stale holds, reconcile unknown outcomes
+with the provider, open budget periods, purge old payloads.
+
+Nothing here releases money because time passed: a hold whose outcome is unknown is
+flagged (and alerted through :data:`stale_hold`), and only a provider's answer, or an
+operator, resolves it. Every job is safe to run twice at once: claims are made by
+the database (conditional UPDATEs, SKIP LOCKED, unique constraints), not in Python.
+
+Schedule them from ``celeryconfig.beat_schedule``; tune them with the settings
+``budget_stale_after`` (seconds, default 900), ``budget_reconcile_margin`` (seconds
+past the client timeout before "not found" counts, default 300),
+``budget_requeue_not_found`` (default False) and ``budget_retention_days`` (default 7).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from functools import cache
+from typing import Any
+
+from celery import shared_task
+from celery.utils.dispatch import Signal
+from prometheus_client import Counter
+
+from .ledger import Attempt, Hold, Ledger
+from .providers import (
+    Found,
+    Lookup,
+    NotFound,
+    Unknowable,
+    anthropic_client,
+    lookup_anthropic_message,
+    lookup_openai_chat,
+    lookup_openai_response,
+    openai_client,
+    settle_after,
+)
+from .providers.calls import (
+    LOOKUP_ANTHROPIC_MESSAGES,
+    LOOKUP_OPENAI_CHAT,
+    LOOKUP_OPENAI_RESPONSES,
+)
+
+log = logging.getLogger("budget_tasks.beat")
+
+#: Sent once per hold when it is flagged stale, with ``hold=`` (a Hold). Connect an
+#: alert to it: ``@stale_hold.connect def page(sender, hold, **kw): ...``
+stale_hold = Signal(name="budget_tasks.stale_hold")
+
+STALE_HOLDS = Counter(
+    "budget_tasks_stale_holds_total",
+    "Holds flagged as stale (sending/unknown too long)",
+    ["budget"],
+)
+RECONCILIATIONS = Counter(
+    "budget_tasks_reconciliations_total",
+    "Provider lookups of unknown attempts, by outcome",
+    ["outcome"],
+)
+
+Clients = Callable[[str], Any]
+Requeue = Callable[[str, str, dict[str, Any]], None]
+
+
+def flag_stale_holds(ledger: Ledger, older_than: timedelta) -> list[Hold]:
+    """Flag holds in sending/unknown older than ``older_than``, each once; log, count
+    and announce them. Nothing is released."""
+    flagged = ledger.flag_stale(older_than)
+    for hold in flagged:
+        log.warning(
+            "stale hold: budget=%s attempt=%s state=%s amount=%d request_id=%s age=%s",
+            hold.budget,
+            hold.key,
+            hold.state,
+            hold.amount,
+            hold.request_id,
+            hold.age,
+        )
+        STALE_HOLDS.labels(hold.budget).inc()
+        stale_hold.send(sender="flag_stale_holds", hold=hold)
+    return flagged
+
+
+def look_up(attempt: Attempt, clients: Clients, margin: timedelta) -> Lookup:
+    """Ask the provider about one attempt, by the lookup recorded for it."""
+    if attempt.lookup is None or attempt.model is None:
+        return Unknowable("the attempt never recorded which call it was")
+    sent_at = attempt.sending_at or attempt.created_at
+    if attempt.lookup == LOOKUP_OPENAI_CHAT:
+        client = clients("openai")
+        return lookup_openai_chat(
+            client,
+            model=attempt.model,
+            completion_id=attempt.response_id,
+            attempt_key=attempt.key,
+            sent_at=sent_at,
+            settle_after=settle_after(client, margin),
+        )
+    if attempt.lookup == LOOKUP_OPENAI_RESPONSES:
+        client = clients("openai")
+        return lookup_openai_response(
+            client,
+            model=attempt.model,
+            response_id=attempt.response_id,
+            sent_at=sent_at,
+            settle_after=settle_after(client, margin),
+        )
+    if attempt.lookup == LOOKUP_ANTHROPIC_MESSAGES:
+        return lookup_anthropic_message()
+    return Unknowable(f"no lookup named {attempt.lookup!r}")
+
+
+def reconcile_unknown(
+    ledger: Ledger,
+    clients: Clients,
+    *,
+    margin: timedelta = timedelta(minutes=5),
+    limit: int = 50,
+    requeue: Requeue | None = None,
+) -> dict[str, int]:
+    """Look up unknown attempts that are due (each backs off between lookups):
+    Found settles the provider's charge and stores the result on the operation;
+    NotFound releases the hold and makes the operation retryable (and enqueues it again
+    with ``requeue``); Pending and Unknowable leave the hold as it is."""
+    counts = {"found": 0, "not_found": 0, "pending": 0, "unknowable": 0}
+    for attempt in ledger.claim_unknown(limit=limit):
+        try:
+            outcome = look_up(attempt, clients, margin)
+        except Exception as exc:  # a broken lookup must not stop the others
+            log.exception("lookup of %s failed: %s", attempt.key, exc)
+            continue
+        main_call = attempt.operation_key is not None and attempt.label is None
+        if isinstance(outcome, Found):
+            if main_call:
+                assert attempt.operation_key is not None
+                ledger.finish_operation(
+                    attempt.operation_key,
+                    result=outcome.result,
+                    settlements=[(attempt.key, outcome.actual, False)],
+                )
+            else:
+                ledger.settle(attempt.key, outcome.actual, note="reconciled with the provider")
+            name = "found"
+        elif isinstance(outcome, NotFound):
+            ledger.release(attempt.key, f"reconciled: {outcome.reason}")
+            if main_call:
+                assert attempt.operation_key is not None
+                ledger.end_operation(
+                    attempt.operation_key,
+                    "retryable",
+                    error=outcome.reason,
+                    next_reason="redelivery",
+                )
+                operation = ledger.operation(attempt.operation_key)
+                if requeue is not None and operation.task and operation.payload is not None:
+                    requeue(operation.task, operation.key, operation.payload)
+            name = "not_found"
+        else:
+            name = "pending" if not isinstance(outcome, Unknowable) else "unknowable"
+        counts[name] += 1
+        RECONCILIATIONS.labels(name).inc()
+        log.info("reconciled %s: %s (%s)", attempt.key, name, getattr(outcome, "reason", ""))
+    return counts
+
+
+def renew_periods(ledger: Ledger) -> int:
+    """Open the current period of every periodic budget with its renewal policy (run
+    it often: a rollover computes its carry when the new period opens)."""
+    opened = 0
+    for budget in ledger.budgets():
+        if budget.period != "none":
+            ledger.open_period(budget.name)
+            opened += 1
+    return opened
+
+
+def purge_expired_operations(ledger: Ledger, retention: timedelta) -> int:
+    """Drop results and payloads older than ``retention``; attempts and the journal stay."""
+    return ledger.purge_operations(retention)
+
+
+# -- the Celery tasks beat schedules ---------------------------------------------------
+
+
+@cache
+def _client(kind: str) -> Any:
+    timeout = float(os.environ.get("BUDGET_TASKS_PROVIDER_TIMEOUT", "60"))
+    if kind == "openai":
+        return openai_client(
+            base_url=os.environ.get("OPENAI_BASE_URL"),
+            api_key=os.environ.get("OPENAI_API_KEY", "unset"),
+            timeout=timeout,
+        )
+    return anthropic_client(
+        base_url=os.environ.get("ANTHROPIC_BASE_URL"),
+        api_key=os.environ.get("ANTHROPIC_API_KEY", "unset"),
+        timeout=timeout,
+    )
+
+
+def _ledger(task: Any) -> Ledger:
+    from .task import LEDGER_URL_ENV, LEDGER_URL_SETTING, ledger_for
+
+    url = task.app.conf.get(LEDGER_URL_SETTING) or os.environ.get(LEDGER_URL_ENV)
+    if not url:
+        raise RuntimeError(f"set {LEDGER_URL_SETTING} or {LEDGER_URL_ENV}")
+    return ledger_for(str(url))
+
+
+@shared_task(bind=True, name="budget_tasks.flag_stale_holds", ignore_result=False)  # type: ignore[untyped-decorator]
+def flag_stale_holds_task(self: Any) -> int:
+    age = timedelta(seconds=float(self.app.conf.get("budget_stale_after", 900)))
+    return len(flag_stale_holds(_ledger(self), age))
+
+
+@shared_task(bind=True, name="budget_tasks.reconcile_unknown", ignore_result=False)  # type: ignore[untyped-decorator]
+def reconcile_unknown_task(self: Any) -> dict[str, int]:
+    margin = timedelta(seconds=float(self.app.conf.get("budget_reconcile_margin", 300)))
+    requeue = None
+    if self.app.conf.get("budget_requeue_not_found", False):
+
+        def requeue(task: str, key: str, payload: dict[str, Any]) -> None:
+            self.app.send_task(
+                task, args=payload.get("args", []), kwargs=payload.get("kwargs", {}), task_id=key
+            )
+
+    return reconcile_unknown(_ledger(self), _client, margin=margin, requeue=requeue)
+
+
+@shared_task(bind=True, name="budget_tasks.renew_periods", ignore_result=False)  # type: ignore[untyped-decorator]
+def renew_periods_task(self: Any) -> int:
+    return renew_periods(_ledger(self))
+
+
+@shared_task(bind=True, name="budget_tasks.purge_expired_operations", ignore_result=False)  # type: ignore[untyped-decorator]
+def purge_expired_operations_task(self: Any) -> int:
+    days = float(self.app.conf.get("budget_retention_days", 7))
+    return purge_expired_operations(_ledger(self), timedelta(days=days))

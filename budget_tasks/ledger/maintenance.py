@@ -1,0 +1,153 @@
+"""What the periodic side needs from the ledger: flag stale holds, claim unknown
+attempts for reconciliation, record what a call was, purge old payloads.
+
+Every claim is made in the database (conditional UPDATEs, SKIP LOCKED), so two beat
+processes running the same job at once never act on the same row twice.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from sqlalchemy import Engine, select, update
+
+from .. import _validate as check
+from ..errors import UnknownAttempt, UnknownOperation
+from .engine import transaction
+from .records import Attempt, Hold, Operation
+from .schema import attempts, operations
+
+STALE_STATES = ("sending", "unknown")
+
+
+class _LedgerBase(Protocol):
+    engine: Engine
+
+    def now(self) -> datetime: ...
+
+
+class MaintenanceMixin:
+    """The maintenance methods of :class:`~budget_tasks.Ledger`."""
+
+    def describe_attempt(
+        self: _LedgerBase,
+        key: str,
+        *,
+        lookup: str | None = None,
+        model: str | None = None,
+        response_id: str | None = None,
+    ) -> None:
+        """Record what a call is (which lookup finds it, the model it is priced at, the
+        provider's response id), for reconciliation if its outcome becomes unknown."""
+        check.text(key, "key")
+        values = {
+            name: check.text(value, name, max_length=limit)
+            for name, value, limit in (
+                ("lookup", lookup, 32),
+                ("model", model, 100),
+                ("response_id", response_id, 255),
+            )
+            if value is not None
+        }
+        if not values:
+            return
+        with transaction(self.engine) as conn:
+            done = conn.execute(update(attempts).where(attempts.c.key == key).values(**values))
+        if not done.rowcount:
+            raise UnknownAttempt(key)
+
+    def flag_stale(self: Any, older_than: timedelta) -> list[Hold]:
+        """Flag, once, every hold in sending/unknown older than ``older_than``; return
+        the holds flagged by this call (a concurrent call flags the others)."""
+        now = self.now()
+        with transaction(self.engine) as conn:
+            keys = list(
+                conn.execute(
+                    update(attempts)
+                    .where(
+                        attempts.c.state.in_(STALE_STATES),
+                        attempts.c.created_at <= now - older_than,
+                        attempts.c.flagged_at.is_(None),
+                    )
+                    .values(flagged_at=now)
+                    .returning(attempts.c.key)
+                ).scalars()
+            )
+        if not keys:
+            return []
+        return [h for h in self.holds(states=STALE_STATES) if h.key in set(keys)]
+
+    def claim_unknown(
+        self: Any,
+        *,
+        limit: int = 50,
+        backoff: timedelta = timedelta(minutes=1),
+        max_backoff: timedelta = timedelta(hours=6),
+    ) -> list[Attempt]:
+        """Claim unknown attempts due for a provider lookup, and push each one's next
+        lookup back (doubling, up to ``max_backoff``). Rows another claimer holds are
+        skipped, so concurrent reconcilers never look up the same attempt at once."""
+        now = self.now()
+        with transaction(self.engine) as conn:
+            rows = conn.execute(
+                select(attempts.c.id, attempts.c.lookups)
+                .where(
+                    attempts.c.state == "unknown",
+                    (attempts.c.next_lookup_at.is_(None)) | (attempts.c.next_lookup_at <= now),
+                )
+                .order_by(attempts.c.id)
+                .limit(limit)
+                .with_for_update(skip_locked=True)
+            ).all()
+            for attempt_id, lookups in rows:
+                wait = min(max_backoff, backoff * (2 ** min(lookups, 20)))
+                conn.execute(
+                    update(attempts)
+                    .where(attempts.c.id == attempt_id)
+                    .values(lookups=lookups + 1, next_lookup_at=now + wait)
+                )
+        claimed = {attempt_id for attempt_id, _ in rows}
+        if not claimed:
+            return []
+        with transaction(self.engine) as conn:
+            keys = set(
+                conn.execute(select(attempts.c.key).where(attempts.c.id.in_(claimed))).scalars()
+            )
+        return [a for a in self.attempts(states=["unknown"]) if a.key in keys]
+
+    def operation(self: _LedgerBase, key: str) -> Operation:
+        """One operation by its idempotency key."""
+        with transaction(self.engine) as conn:
+            r = conn.execute(select(operations).where(operations.c.key == key)).first()
+        if r is None:
+            raise UnknownOperation(key)
+        return Operation(
+            key=r.key,
+            status=r.status,
+            task=r.task,
+            result=None if r.result is None else json.loads(r.result),
+            error=r.error,
+            payload=None if r.payload is None else json.loads(r.payload),
+            runs=r.runs,
+            deliveries=r.deliveries,
+            replays=r.replays,
+            created_at=r.created_at,
+            completed_at=r.completed_at,
+        )
+
+    def purge_operations(self: _LedgerBase, older_than: timedelta) -> int:
+        """Drop the stored results and payloads of operations completed longer than
+        ``older_than`` ago. Attempts and the journal are kept forever."""
+        cutoff = self.now() - older_than
+        with transaction(self.engine) as conn:
+            done = conn.execute(
+                update(operations)
+                .where(
+                    operations.c.completed_at <= cutoff,
+                    (operations.c.result.is_not(None)) | (operations.c.payload.is_not(None)),
+                )
+                .values(result=None, payload=None)
+            )
+        return int(done.rowcount)

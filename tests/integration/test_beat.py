@@ -1,0 +1,298 @@
+"""The periodic jobs against the real ledger and the fake provider through the SDK:
+stale holds flagged once and never released, reconciliation settling what the
+provider billed, periods renewed by their written policy, old payloads purged."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import openai
+import pytest
+from celery import Celery
+from prometheus_client import REGISTRY
+from sqlalchemy import text
+
+from budget_tasks import BudgetTask, Ledger, OutcomeUnknown
+from budget_tasks.beat import (
+    flag_stale_holds,
+    purge_expired_operations,
+    reconcile_unknown,
+    renew_periods,
+    stale_hold,
+)
+from budget_tasks.providers import estimates, openai_chat, openai_client
+from budget_tasks.providers.calls import LOOKUP_ANTHROPIC_MESSAGES, LOOKUP_OPENAI_CHAT
+from budget_tasks.testing import FakeProvider, ManualClock, race
+
+PROMPT = {
+    "model": "gpt-4o-mini",
+    "max_completion_tokens": 48,
+    "messages": [{"role": "user", "content": "Reconcile me."}],
+}
+
+
+def unknown_attempt(ledger: Ledger, key: str, *, lookup: str = LOOKUP_OPENAI_CHAT) -> None:
+    ledger.reserve("team", key, 10_000)
+    ledger.describe_attempt(key, lookup=lookup, model="gpt-4o-mini")
+    ledger.mark_sending(key, provider="openai")
+    ledger.mark_unknown(key, "read timeout")
+
+
+def stale_count(budget: str) -> float:
+    return REGISTRY.get_sample_value("budget_tasks_stale_holds_total", {"budget": budget}) or 0.0
+
+
+def test_stale_holds_are_flagged_once_announced_and_never_released(
+    pg_ledger: Ledger, clock: ManualClock
+) -> None:
+    pg_ledger.create_budget("team", 1_000_000)
+    unknown_attempt(pg_ledger, "old")
+    pg_ledger.reserve("team", "reserved-only", 10_000)  # not sent: not a stale send
+    clock.advance(minutes=20)
+    unknown_attempt(pg_ledger, "young")
+    heard: list[Any] = []
+    receiver = lambda sender, hold, **kw: heard.append(hold.key)  # noqa: E731
+    stale_hold.connect(receiver)
+    before = stale_count("team")
+    try:
+        flagged = flag_stale_holds(pg_ledger, timedelta(minutes=15))
+        again = flag_stale_holds(pg_ledger, timedelta(minutes=15))
+    finally:
+        stale_hold.disconnect(receiver)
+    assert [h.key for h in flagged] == ["old"]
+    assert again == []
+    assert heard == ["old"]
+    assert stale_count("team") == before + 1
+    assert pg_ledger.attempt("old").flagged_at == clock()
+    assert pg_ledger.balance("team").held == 30_000  # nothing released
+
+
+def flag_in_process(url: str, start: str) -> int:
+    clock = ManualClock(datetime.fromisoformat(start))
+    ledger = Ledger(url, clock=clock)
+    try:
+        return len(ledger.flag_stale(timedelta(minutes=1)))
+    finally:
+        ledger.dispose()
+
+
+def test_two_flaggers_at_once_flag_each_hold_once(
+    pg_url: str, pg_ledger: Ledger, clock: ManualClock
+) -> None:
+    pg_ledger.create_budget("team", 10_000_000)
+    for n in range(40):
+        unknown_attempt(pg_ledger, f"h{n}")
+    later = (clock() + timedelta(hours=1)).isoformat()
+    counts = race(flag_in_process, [(pg_url, later), (pg_url, later)])
+    assert sum(counts) == 40
+    assert all(a.flagged_at is not None for a in pg_ledger.attempts())
+
+
+@pytest.fixture
+def eager(pg_url: str, pg_ledger: Ledger, fake: FakeProvider) -> Any:
+    app = Celery("beat-tests", set_as_current=False)
+    app.conf.update(task_always_eager=True, task_eager_propagates=True, budget_ledger_url=pg_url)
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
+    pg_ledger.create_budget("team", 1_000_000)
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="team",
+        name=f"beat{uuid.uuid4().hex}",
+        idempotency_key=lambda doc: f"doc:{doc}",
+        estimate_cost=lambda doc: estimates.openai_chat(PROMPT).amount,
+    )
+    def summarize(self: BudgetTask, doc: str) -> str:
+        return str(openai_chat(client, attempt=self.attempt, **PROMPT).result["content"])
+
+    return summarize, client
+
+
+def test_a_timeout_is_reconciled_with_what_the_provider_billed(
+    eager: Any, fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    summarize, client = eager
+    fake.plan("hang=2")
+    with pytest.raises(openai.APITimeoutError):
+        summarize.delay("a").get()
+    [attempt] = pg_ledger.attempts()
+    assert (attempt.state, attempt.lookup, attempt.model) == (
+        "unknown",
+        "openai.chat",
+        "gpt-4o-mini",
+    )
+    with pytest.raises(OutcomeUnknown):
+        summarize.delay("a").get()  # held, not resent
+    counts = reconcile_unknown(pg_ledger, lambda kind: client, margin=timedelta(0))
+    assert counts["found"] == 1
+    settled = pg_ledger.attempt(attempt.key)
+    assert settled.state == "settled"
+    assert settled.actual == fake.billed_for(attempt.key) > 0
+    assert pg_ledger.balance("team").held == 0
+    # The provider's answer is stored on the operation and replays: no second call.
+    replayed = summarize.delay("a").get()
+    assert replayed == pg_ledger.operation("doc:a").result
+    assert replayed["content"].startswith("fake")
+    assert len([s for s in fake.served() if s.idempotency_key == attempt.key]) == 1
+    assert pg_ledger.audit() == []
+
+
+def test_not_found_releases_and_requeues_pending_backs_off(
+    pg_ledger: Ledger, fake: FakeProvider, clock: ManualClock
+) -> None:
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
+    pg_ledger.create_budget("team", 1_000_000)
+    start = pg_ledger.begin_operation(
+        "op-lost",
+        fingerprint="f",
+        owner="me",
+        lease=timedelta(minutes=5),
+        max_runs=3,
+        task="workers.tasks.summarize",
+        payload={"args": ["lost", "text"], "kwargs": {}},
+    )
+    pg_ledger.reserve("team", "op-lost#1", 10_000, operation_id=start.operation_id)
+    pg_ledger.describe_attempt("op-lost#1", lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
+    pg_ledger.mark_sending("op-lost#1")
+    pg_ledger.mark_unknown("op-lost#1", "connection reset")
+    requeued: list[tuple[str, str, dict[str, Any]]] = []
+    # The ledger clock says the send was long ago, well past timeout + margin.
+    counts = reconcile_unknown(
+        pg_ledger,
+        lambda kind: client,
+        margin=timedelta(0),
+        requeue=lambda *args: requeued.append(args),
+    )
+    assert counts["not_found"] == 1
+    assert pg_ledger.attempt("op-lost#1").state == "released"
+    assert pg_ledger.operation("op-lost").status == "retryable"
+    assert requeued == [
+        ("workers.tasks.summarize", "op-lost", {"args": ["lost", "text"], "kwargs": {}})
+    ]
+    # A send that is recent is only pending; it is not looked up again right away.
+    pg_ledger_now = Ledger(
+        str(pg_ledger.engine.url.render_as_string(hide_password=False)),
+        clock=lambda: datetime.now(UTC),
+    )
+    unknown_attempt(pg_ledger_now, "just-now")
+    assert (
+        reconcile_unknown(pg_ledger_now, lambda kind: client, margin=timedelta(minutes=5))[
+            "pending"
+        ]
+        == 1
+    )
+    assert reconcile_unknown(pg_ledger_now, lambda kind: client)["pending"] == 0
+    assert pg_ledger_now.attempt("just-now").lookups == 1
+    pg_ledger_now.dispose()
+
+
+def test_unknowable_stays_held_and_is_flagged(pg_ledger: Ledger, clock: ManualClock) -> None:
+    pg_ledger.create_budget("team", 1_000_000)
+    unknown_attempt(pg_ledger, "claude-call", lookup=LOOKUP_ANTHROPIC_MESSAGES)
+    counts = reconcile_unknown(pg_ledger, lambda kind: None)
+    assert counts["unknowable"] == 1
+    assert pg_ledger.attempt("claude-call").state == "unknown"
+    clock.advance(hours=1)
+    assert [h.key for h in flag_stale_holds(pg_ledger, timedelta(minutes=15))] == ["claude-call"]
+    assert pg_ledger.balance("team").held == 10_000
+
+
+def reconcile_in_process(url: str, base_url: str) -> int:
+    ledger = Ledger(url)
+    client = openai_client(base_url=base_url, api_key="x", timeout=5.0)
+    try:
+        return reconcile_unknown(ledger, lambda kind: client, margin=timedelta(0))["found"]
+    finally:
+        ledger.dispose()
+
+
+def test_two_reconcilers_at_once_settle_once(
+    pg_url: str, pg_ledger: Ledger, fake: FakeProvider
+) -> None:
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=0.5)
+    pg_ledger.create_budget("team", 10_000_000)
+    keys = [f"r{n}" for n in range(12)]
+    for key in keys:
+        pg_ledger.reserve("team", key, 10_000)
+        pg_ledger.mark_sending(key)
+        with pytest.raises(openai.APITimeoutError):
+            openai_chat(
+                client,
+                attempt=_Described(pg_ledger, key),
+                extra_headers={"x-fake-fault": "hang=1"},
+                **PROMPT,
+            )
+        pg_ledger.mark_unknown(key, "timeout")
+    found = race(reconcile_in_process, [(pg_url, fake.openai_base_url)] * 2)
+    assert sum(found) == len(keys)
+    with pg_ledger.engine.connect() as conn:
+        charges = conn.execute(text("SELECT count(*) FROM journal WHERE kind = 'charge'")).scalar()
+    assert charges == len(keys)
+    assert pg_ledger.balance("team").spent == sum(fake.billed_for(k) for k in keys)
+    assert pg_ledger.audit() == []
+
+
+class _Described:
+    """An attempt as the call helpers see it, for a bare ledger attempt."""
+
+    def __init__(self, ledger: Ledger, key: str) -> None:
+        self.ledger, self.key = ledger, key
+
+    def describe(self, lookup: str, model: str, response_id: str | None = None) -> None:
+        self.ledger.describe_attempt(self.key, lookup=lookup, model=model)
+
+    def record_request_id(self, request_id: str) -> None:
+        self.ledger.record_request_id(self.key, request_id)
+
+    def record(self, sent: Any) -> None:
+        pass
+
+
+def test_renew_periods_applies_rollover_and_late_settlements_keep_their_period(
+    pg_ledger: Ledger, clock: ManualClock
+) -> None:
+    pg_ledger.create_budget(
+        "daily", 1_000, period="day", renewal="rollover", rollover_ceiling=2_500
+    )
+    pg_ledger.create_budget("flat", 1_000)
+    pg_ledger.reserve("daily", "spent", 300)
+    pg_ledger.mark_sending("spent")
+    pg_ledger.settle("spent", 300)
+    pg_ledger.reserve("daily", "late", 200)
+    pg_ledger.mark_sending("late")
+    day1 = pg_ledger.balance("daily").period_start
+    clock.advance(days=1)
+    assert renew_periods(pg_ledger) == 1
+    assert renew_periods(pg_ledger) == 1  # idempotent
+    # carried: 1000 - 300 spent - 200 still held = 500
+    assert pg_ledger.balance("daily").cap == 1_500
+    pg_ledger.settle("late", 150)
+    assert pg_ledger.balance("daily", at=day1).spent == 450
+    assert pg_ledger.balance("daily").spent == 0
+    clock.advance(days=1)
+    renew_periods(pg_ledger)
+    assert pg_ledger.balance("daily").cap == 2_500  # 1000 + 1500 would be 2500: at the ceiling
+
+
+def test_purge_drops_payloads_and_keeps_the_journal(
+    eager: Any, pg_ledger: Ledger, fake: FakeProvider, clock: ManualClock
+) -> None:
+    summarize, _ = eager
+    summarize.delay("p").get()
+    with pg_ledger.engine.connect() as conn:
+        journal_before = conn.execute(text("SELECT * FROM journal ORDER BY id")).all()
+    clock.advance(datetime.now(UTC) - clock() + timedelta(days=6))
+    assert purge_expired_operations(pg_ledger, timedelta(days=7)) == 0
+    assert pg_ledger.operation("doc:p").result is not None
+    clock.advance(days=2)
+    assert purge_expired_operations(pg_ledger, timedelta(days=7)) == 1
+    op = pg_ledger.operation("doc:p")
+    assert (op.result, op.payload, op.status) == (None, None, "succeeded")
+    with pg_ledger.engine.connect() as conn:
+        assert conn.execute(text("SELECT * FROM journal ORDER BY id")).all() == journal_before
+    assert [a.state for a in pg_ledger.attempts()] == ["settled"]
+    assert summarize.delay("p").get() is None  # still a replay, never a resend
+    assert len(fake.served()) == 1
