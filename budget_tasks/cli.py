@@ -1,9 +1,14 @@
-"""The ``budget-tasks`` command line."""
+"""The ``budget-tasks`` command line: migrations, budgets, holds, resolution, audit."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
 
 import click
 
@@ -17,12 +22,68 @@ ledger_url_option = click.option(
     required=True,
     help=f"Ledger database URL (env {LEDGER_URL_ENV}).",
 )
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+
+
+def _ledger(url: str) -> Any:
+    from .ledger import Ledger
+
+    return Ledger(url)
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    return value
+
+
+def _age(delta: timedelta | None) -> str:
+    """A person's reading of a duration: 45s, 12m05s, 3h20m, 2d04h."""
+    if delta is None:
+        return "-"
+    seconds = int(delta.total_seconds())
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _emit(as_json: bool, data: Any, render: Callable[[], str]) -> None:
+    click.echo(json.dumps(_plain(data), indent=2) if as_json else render())
 
 
 @click.group()
 @click.version_option(package_name="budget-tasks")
 def main() -> None:
     """Spend-safe Celery tasks for LLM work: operate the budget ledger."""
+
+
+# -- db ------------------------------------------------------------------------------
 
 
 @main.group()
@@ -39,6 +100,279 @@ def db_upgrade(ledger_url: str, revision: str) -> None:
 
     migrations.upgrade(ledger_url, revision)
     click.echo(f"ledger schema at revision {migrations.current(ledger_url)}")
+
+
+# -- budgets -------------------------------------------------------------------------
+
+
+@main.group()
+def budget() -> None:
+    """Create, list, show, freeze and unfreeze budgets."""
+
+
+@budget.command("create")
+@ledger_url_option
+@click.argument("name")
+@click.option("--cap", type=int, required=True, help="Minor units (micro-USD) per period.")
+@click.option("--period", type=click.Choice(["none", "day", "week", "month"]), default="none")
+@click.option("--parent", default=None)
+@click.option("--tenant", default=None)
+@click.option("--renewal", type=click.Choice(["reset", "rollover"]), default="reset")
+@click.option("--rollover-ceiling", type=int, default=None)
+@json_option
+def budget_create(
+    ledger_url: str,
+    name: str,
+    cap: int,
+    period: str,
+    parent: str | None,
+    tenant: str | None,
+    renewal: str,
+    rollover_ceiling: int | None,
+    as_json: bool,
+) -> None:
+    """Create a budget."""
+    info = _ledger(ledger_url).create_budget(
+        name,
+        cap,
+        period=period,
+        parent=parent,
+        tenant=tenant,
+        renewal=renewal,
+        rollover_ceiling=rollover_ceiling,
+    )
+    _emit(as_json, info, lambda: f"created budget {info.name}: cap {info.cap} per {info.period}")
+
+
+@budget.command("list")
+@ledger_url_option
+@json_option
+def budget_list(ledger_url: str, as_json: bool) -> None:
+    """All budgets and their configuration."""
+    budgets = _ledger(ledger_url).budgets()
+    _emit(
+        as_json,
+        budgets,
+        lambda: _table(
+            ["budget", "cap", "period", "renewal", "parent", "tenant", "frozen"],
+            [
+                [
+                    b.name,
+                    b.cap,
+                    b.period,
+                    b.renewal,
+                    b.parent,
+                    b.tenant,
+                    "yes" if b.frozen else "no",
+                ]
+                for b in budgets
+            ],
+        ),
+    )
+
+
+@budget.command("show")
+@ledger_url_option
+@click.argument("name")
+@json_option
+def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
+    """One budget: configuration, current balance and open holds."""
+    ledger = _ledger(ledger_url)
+    info, bal, holds = ledger.budget(name), ledger.balance(name), ledger.holds(budget=name)
+    data = {"budget": info, "balance": bal, "holds": holds}
+    _emit(
+        as_json,
+        data,
+        lambda: "\n".join(
+            [
+                f"budget {info.name} (period {info.period}, renewal {info.renewal}"
+                + (f", parent {info.parent}" if info.parent else "")
+                + (", FROZEN" if info.frozen else "")
+                + ")",
+                f"period from {bal.period_start.isoformat()}: cap {bal.cap}, spent {bal.spent}, "
+                f"held {bal.held}, available {bal.available}",
+                f"open holds: {len(holds)}",
+            ]
+        ),
+    )
+
+
+def _set_frozen(ledger_url: str, name: str, frozen: bool) -> None:
+    ledger = _ledger(ledger_url)
+    (ledger.freeze if frozen else ledger.unfreeze)(name)
+    click.echo(f"budget {name} {'frozen' if frozen else 'unfrozen'}")
+
+
+@budget.command("freeze")
+@ledger_url_option
+@click.argument("name")
+def budget_freeze(ledger_url: str, name: str) -> None:
+    """Stop all admission on a budget and its descendants."""
+    _set_frozen(ledger_url, name, True)
+
+
+@budget.command("unfreeze")
+@ledger_url_option
+@click.argument("name")
+def budget_unfreeze(ledger_url: str, name: str) -> None:
+    """Admit again."""
+    _set_frozen(ledger_url, name, False)
+
+
+# -- holds, resolution, audit, status ------------------------------------------------
+
+
+@main.command()
+@ledger_url_option
+@click.option(
+    "--stale",
+    "stale_after",
+    type=float,
+    default=None,
+    help="Only holds in sending/unknown older than this many seconds.",
+)
+@click.option("--budget", "budget_name", default=None)
+@json_option
+def holds(
+    ledger_url: str, stale_after: float | None, budget_name: str | None, as_json: bool
+) -> None:
+    """Money still held, oldest first, with its age."""
+    ledger = _ledger(ledger_url)
+    if stale_after is None:
+        found = ledger.holds(budget=budget_name)
+    else:
+        found = ledger.holds(
+            older_than=timedelta(seconds=stale_after),
+            states=("sending", "unknown"),
+            budget=budget_name,
+        )
+    _emit(
+        as_json,
+        found,
+        lambda: _table(
+            ["attempt", "budget", "state", "amount", "age", "request id", "flagged"],
+            [
+                [
+                    h.key,
+                    h.budget,
+                    h.state,
+                    h.amount,
+                    _age(h.age),
+                    h.request_id,
+                    "yes" if h.flagged_at else "no",
+                ]
+                for h in found
+            ],
+        ),
+    )
+
+
+@main.command()
+@ledger_url_option
+@click.argument("attempt")
+@click.option(
+    "--actual",
+    type=int,
+    required=True,
+    help="What the provider charged, in minor units (0: it charged nothing).",
+)
+@click.option("--note", required=True, help="Why: recorded in the journal.")
+@json_option
+def resolve(ledger_url: str, attempt: str, actual: int, note: str, as_json: bool) -> None:
+    """An operator's settlement (or, with --actual 0, release) of a held attempt."""
+    ledger = _ledger(ledger_url)
+    before = ledger.attempt(attempt)
+    recorded = f"operator: {note}"
+    if actual == 0:
+        applied = ledger.release(attempt, recorded)
+    else:
+        if before.state == "reserved":
+            raise click.UsageError(
+                f"{attempt} was never sent (reserved): it can only be released (--actual 0)"
+            )
+        applied = ledger.settle(attempt, actual, note=recorded)
+    if applied and before.operation_key and before.label is None:
+        status = "retryable" if actual == 0 else "failed"
+        ledger.end_operation(before.operation_key, status, error=recorded)
+    after = ledger.attempt(attempt)
+    _emit(
+        as_json,
+        after,
+        lambda: (
+            f"{attempt}: {before.state} -> {after.state}, charged {after.actual}"
+            + ("" if applied else " (already so: nothing changed)")
+        ),
+    )
+
+
+@main.command()
+@ledger_url_option
+@json_option
+def audit(ledger_url: str, as_json: bool) -> None:
+    """Check every counter against the journal; exit 1 on any difference."""
+    findings = _ledger(ledger_url).audit()
+    _emit(
+        as_json,
+        findings,
+        lambda: (
+            "audit: every counter equals its journal"
+            if not findings
+            else _table(
+                ["budget", "period", "counter", "recorded", "journal"],
+                [
+                    [f.budget, f.period_start.date(), f.counter, f.recorded, f.journal]
+                    for f in findings
+                ],
+            )
+        ),
+    )
+    if findings:
+        sys.exit(1)
+
+
+@main.command()
+@ledger_url_option
+@json_option
+def status(ledger_url: str, as_json: bool) -> None:
+    """Every budget's current period: cap, spent, held, available, oldest hold."""
+    ledger = _ledger(ledger_url)
+    open_holds = ledger.holds()
+    rows = []
+    for info in ledger.budgets():
+        bal = ledger.balance(info.name)
+        ages = [h.age for h in open_holds if h.budget == info.name]
+        rows.append(
+            {
+                "budget": info.name,
+                "cap": bal.cap,
+                "spent": bal.spent,
+                "held": bal.held,
+                "available": bal.available,
+                "oldest_hold": max(ages) if ages else None,
+                "frozen": info.frozen,
+            }
+        )
+    _emit(
+        as_json,
+        rows,
+        lambda: _table(
+            ["budget", "cap", "spent", "held", "available", "oldest hold"],
+            [
+                [
+                    r["budget"] + (" (frozen)" if r["frozen"] else ""),
+                    r["cap"],
+                    r["spent"],
+                    r["held"],
+                    r["available"],
+                    _age(r["oldest_hold"]),
+                ]
+                for r in rows
+            ],
+        ),
+    )
+
+
+# -- demo ------------------------------------------------------------------------------
 
 
 @main.command()
@@ -69,10 +403,10 @@ def _echo_logs(logger: str, prefix: str) -> None:
 
 
 def run() -> None:
-    """Entry point that turns library errors into one clear line and exit code 2."""
+    """Entry point that turns bad input into one clear line and exit code 2."""
     try:
         main(standalone_mode=True)
-    except BudgetTasksError as exc:
+    except (BudgetTasksError, ValueError, TypeError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
 

@@ -218,3 +218,30 @@ def test_agent_task_spends_per_step_and_notifies_once(
     steps = [a for a in pg_ledger.attempts() if a.label == "step"]
     assert sum(a.actual or 0 for a in steps) == fake.state()["billed_total"]
     assert pg_ledger.audit() == []
+
+
+def test_beat_jobs_through_a_real_worker_flag_then_reconcile_a_timeout(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    start_worker(
+        BUDGET_TASKS_PROVIDER_TIMEOUT="1",
+        BUDGET_TASKS_STALE_AFTER="0",
+        BUDGET_TASKS_RECONCILE_MARGIN="0",
+    )
+    fake.plan("hang=2", path="/chat/completions")
+    with pytest.raises(Exception, match=r"timed out|Timeout"):
+        client.send_task("workers.tasks.summarize", args=["doc-late", "Slow."]).get(timeout=60)
+    [attempt] = pg_ledger.attempts()
+    assert attempt.state == "unknown"
+    assert client.send_task("budget_tasks.flag_stale_holds").get(timeout=60) == 1
+    assert client.send_task("budget_tasks.flag_stale_holds").get(timeout=60) == 0
+    counts = client.send_task("budget_tasks.reconcile_unknown").get(timeout=60)
+    assert counts["found"] == 1
+    settled = pg_ledger.attempt(attempt.key)
+    assert (settled.state, settled.actual) == ("settled", fake.billed_for(attempt.key))
+    # the next delivery of that document replays the reconciled answer
+    value = client.send_task("workers.tasks.summarize", args=["doc-late", "Slow."]).get(timeout=60)
+    assert value == pg_ledger.operation("summarize:doc-late").result
+    assert len(requests_for(fake, "summarize:doc-late")) == 1
+    assert client.send_task("budget_tasks.renew_periods").get(timeout=60) == 0
+    assert pg_ledger.audit() == []
