@@ -94,23 +94,16 @@ def canonical_fingerprint(name: str, args: tuple[Any, ...], kwargs: dict[str, An
     return hashlib.sha256(body.encode()).hexdigest()
 
 
-@dataclass
-class AttemptScope:
-    """What ``self.attempt`` gives ``run``: the attempt key for the provider's
-    Idempotency-Key, the amount reserved, and where to report usage."""
+@dataclass(kw_only=True)
+class _Recorded:
+    """One billable attempt as the code inside a task sees it: its key (the provider's
+    Idempotency-Key), what it reserved, and where its usage and ids are recorded."""
 
     key: str
     amount: int
-    reason: str
-    operation_key: str
-    operation_id: int
-    budget: str
-    fingerprint: str
-    _ledger: Ledger
     actual: int | None = None
     request_id: str | None = None
-    _labels: dict[str, int] = field(default_factory=dict)
-    _calls: list[str] = field(default_factory=list)
+    _ledger: Ledger | None = None
 
     def record_usage(self, cost: int) -> None:
         """The actual cost of the call, in minor units (sums over several reports)."""
@@ -119,58 +112,59 @@ class AttemptScope:
 
     def record_request_id(self, request_id: str) -> None:
         """Store the provider's request id at once (reconciliation looks it up)."""
-        if request_id != self.request_id:
-            self._ledger.record_request_id(self.key, request_id)
-            self.request_id = request_id
-
-    def describe(self, lookup: str, model: str, response_id: str | None = None) -> None:
-        """Record what the call is, before it is sent, for reconciliation."""
-        self._ledger.describe_attempt(self.key, lookup=lookup, model=model, response_id=response_id)
-
-    def record(self, sent: Sent) -> None:
-        """Record a guarded call's request id, response id and priced usage."""
-        if sent.request_id:
-            self.record_request_id(sent.request_id)
-        if sent.response_id:
-            self._ledger.describe_attempt(self.key, response_id=sent.response_id)
-        if sent.cost is not None:
-            self.record_usage(sent.cost)
-
-
-@dataclass
-class Call:
-    """One labelled billable call inside a task (``with self.spend(...) as call``)."""
-
-    key: str
-    amount: int
-    label: str
-    replayed: bool = False
-    result: Any = None
-    actual: int | None = None
-    request_id: str | None = None
-    _ledger: Ledger | None = None
-
-    def record_usage(self, cost: int) -> None:
-        check.money(cost, "cost")
-        self.actual = (self.actual or 0) + cost
-
-    def record_request_id(self, request_id: str) -> None:
         if self._ledger is not None and request_id != self.request_id:
             self._ledger.record_request_id(self.key, request_id)
         self.request_id = request_id
 
     def describe(self, lookup: str, model: str, response_id: str | None = None) -> None:
+        """Record what the call is, before it is sent, for reconciliation."""
         if self._ledger is not None:
             self._ledger.describe_attempt(
                 self.key, lookup=lookup, model=model, response_id=response_id
             )
 
-    def record(self, sent: Sent, result: Any = None) -> None:
-        """Record the call's id and cost, and the result to replay on redelivery."""
+    def record(self, sent: Sent) -> None:
+        """Record a guarded call's request id, response id and priced usage."""
         if sent.request_id:
             self.record_request_id(sent.request_id)
+        if sent.response_id and self._ledger is not None:
+            self._ledger.describe_attempt(self.key, response_id=sent.response_id)
         if sent.cost is not None:
             self.record_usage(sent.cost)
+
+
+@dataclass(kw_only=True)
+class AttemptScope(_Recorded):
+    """What ``self.attempt`` gives ``run``: the operation's main attempt."""
+
+    reason: str
+    operation_key: str
+    operation_id: int
+    budget: str
+    fingerprint: str
+    _labels: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ledger(self) -> Ledger:
+        assert self._ledger is not None
+        return self._ledger
+
+
+@dataclass(kw_only=True)
+class Call(_Recorded):
+    """One labelled billable call inside a task (``with self.spend(...) as call``).
+
+    On a redelivery, a call that completed before has ``replayed`` set and its stored
+    ``result``: do not call the provider again then.
+    """
+
+    label: str
+    replayed: bool = False
+    result: Any = None
+
+    def record(self, sent: Sent, result: Any = None) -> None:
+        """Record the call's ids and cost, and the result to replay on redelivery."""
+        super().record(sent)
         self.result = sent.result if result is None else result
 
 
@@ -440,14 +434,14 @@ class BudgetTask(Task):  # type: ignore[misc]
         """
         scope = self.attempt
         check.text(label, "label", max_length=60)
-        ledger = scope._ledger
+        ledger = scope.ledger
         seq = scope._labels.get(label, 0) + 1
         scope._labels[label] = seq
         key = f"{scope.operation_key}:{label}:{seq}"
         record = f"spend:{label}:{seq}"
         stored = ledger.side_effect(scope.operation_id, record)
         if stored is not None and stored[0] == "done":
-            yield Call(key, amount, label, replayed=True, result=stored[1])
+            yield Call(key=key, amount=amount, label=label, replayed=True, result=stored[1])
             return
         reservation = ledger.reserve(
             scope.budget,
@@ -464,7 +458,7 @@ class BudgetTask(Task):  # type: ignore[misc]
                 ledger.mark_unknown(key, "a later delivery found it sending: worker lost")
             raise OutcomeUnknown(scope.operation_key, key)
         ledger.mark_sending(key)
-        call = Call(key, amount, label, _ledger=ledger)
+        call = Call(key=key, amount=amount, label=label, _ledger=ledger)
         try:
             yield call
         except BaseException as exc:
@@ -484,7 +478,7 @@ class BudgetTask(Task):  # type: ignore[misc]
         return the result it recorded. A run that died mid-call is not repeated:
         :class:`SideEffectUncertain` says so."""
         scope = self.attempt
-        ledger = scope._ledger
+        ledger = scope.ledger
         record = f"once:{check.text(name, 'side effect name', max_length=200)}"
         if not ledger.start_side_effect(scope.operation_id, record):
             stored = ledger.side_effect(scope.operation_id, record)
