@@ -296,3 +296,27 @@ def test_purge_drops_payloads_and_keeps_the_journal(
     assert [a.state for a in pg_ledger.attempts()] == ["settled"]
     assert summarize.delay("p").get() is None  # still a replay, never a resend
     assert len(fake.served()) == 1
+
+
+def renew_in_process(url: str, at: str) -> int:
+    ledger = Ledger(url, clock=ManualClock(datetime.fromisoformat(at)))
+    try:
+        return renew_periods(ledger)
+    finally:
+        ledger.dispose()
+
+
+def test_two_renewals_at_once_open_each_period_once(
+    pg_url: str, pg_ledger: Ledger, clock: ManualClock
+) -> None:
+    for n in range(10):
+        pg_ledger.create_budget(f"d{n}", 1_000, period="day", renewal="rollover")
+        pg_ledger.open_period(f"d{n}")
+    tomorrow = (clock() + timedelta(days=1)).isoformat()
+    assert race(renew_in_process, [(pg_url, tomorrow)] * 2) == [10, 10]
+    with pg_ledger.engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT budget_id, count(*) FROM budget_periods GROUP BY budget_id")
+        ).all()
+    assert sorted(count for _, count in rows) == [2] * 10  # yesterday's and today's, once
+    assert pg_ledger.audit() == []
