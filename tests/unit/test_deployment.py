@@ -1,0 +1,107 @@
+"""docker-compose.yml cannot be run here (no Docker engine): check that it is wired as
+the README says, and that every command, module and setting it names exists."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+APP_SERVICES = ("migrate", "fake-provider", "worker", "beat")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return data
+
+
+def test_services_and_health_checks(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"postgres", "redis", *APP_SERVICES} <= set(services)
+    for name in ("postgres", "redis", "fake-provider"):
+        assert services[name]["healthcheck"]["test"], name
+    assert services["flower"]["profiles"] == ["monitoring"]  # optional
+
+
+def test_startup_order(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert services["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+    for name in ("worker", "beat"):
+        needs = services[name]["depends_on"]
+        assert needs["migrate"] == {"condition": "service_completed_successfully"}, name
+        assert needs["redis"] == {"condition": "service_healthy"}, name
+    assert services["worker"]["depends_on"]["fake-provider"]["condition"] == "service_healthy"
+
+
+def test_environment_uses_the_names_the_code_reads(compose: dict[str, Any]) -> None:
+    source = "\n".join(
+        p.read_text()
+        for p in [
+            ROOT / "celeryconfig.py",
+            *(ROOT / "budget_tasks").rglob("*.py"),
+            *(ROOT / "workers").rglob("*.py"),
+        ]
+    )
+    read = set(re.findall(r"os\.environ\.get\(\s*\"([A-Z_]+)\"", source))
+    read |= set(re.findall(r"envvar=\"?([A-Z_]+)", source))
+    read |= {"BUDGET_TASKS_LEDGER_URL"}  # read through the LEDGER_URL_ENV constant
+    for name in APP_SERVICES:
+        env = compose["services"][name]["environment"]
+        unknown = set(env) - read - {"OPENAI_API_KEY"}
+        assert not unknown, (name, unknown)
+        assert env["BUDGET_TASKS_LEDGER_URL"].startswith("postgresql+psycopg://")
+        assert env["CELERY_BROKER_URL"].startswith("redis://")
+        assert int(env["BUDGET_TASKS_VISIBILITY_TIMEOUT"]) > int(
+            env["BUDGET_TASKS_PROVIDER_TIMEOUT"]
+        )
+
+
+def test_every_command_names_something_that_exists(compose: dict[str, Any]) -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    for name in APP_SERVICES:
+        command = compose["services"][name]["command"]
+        if command[0] == "budget-tasks":
+            assert "budget-tasks" in scripts
+            done = subprocess.run(
+                [sys.executable, "-m", "budget_tasks.cli", *command[1:], "--help"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert done.returncode == 0, done.stderr
+        elif command[0] == "celery":
+            assert command[1:3] == ["-A", "workers"]
+            assert (ROOT / "workers" / "__init__.py").exists()
+            assert command[3] in ("worker", "beat")
+        else:
+            assert command[:2] == ["python", "-m"]
+            assert importlib.util.find_spec(command[2]) is not None
+            done = subprocess.run(
+                [sys.executable, "-m", command[2], "--help"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert done.returncode == 0
+            for flag in command[3::2]:
+                assert flag in done.stdout, flag
+    worker = compose["services"]["worker"]["command"]
+    assert "--prefetch-multiplier=1" in worker
+
+
+def test_the_image_copies_what_the_services_run() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY "):
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), source
+    assert 'pip install ".[openai,anthropic]"' in dockerfile
