@@ -225,24 +225,25 @@ def budget_unfreeze(ledger_url: str, name: str) -> None:
 @main.command()
 @ledger_url_option
 @click.option(
-    "--stale",
-    "stale_after",
+    "--stale", is_flag=True, help="Only sends with an unknown outcome (sending/unknown) past --age."
+)
+@click.option(
+    "--age",
     type=float,
-    default=None,
-    help="Only holds in sending/unknown older than this many seconds.",
+    default=900.0,
+    show_default=True,
+    help="Seconds after which such a hold counts as stale.",
 )
 @click.option("--budget", "budget_name", default=None)
 @json_option
-def holds(
-    ledger_url: str, stale_after: float | None, budget_name: str | None, as_json: bool
-) -> None:
+def holds(ledger_url: str, stale: bool, age: float, budget_name: str | None, as_json: bool) -> None:
     """Money still held, oldest first, with its age."""
     ledger = _ledger(ledger_url)
-    if stale_after is None:
+    if not stale:
         found = ledger.holds(budget=budget_name)
     else:
         found = ledger.holds(
-            older_than=timedelta(seconds=stale_after),
+            older_than=timedelta(seconds=age),
             states=("sending", "unknown"),
             budget=budget_name,
         )

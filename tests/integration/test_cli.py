@@ -69,8 +69,9 @@ def test_budgets_holds_resolve_audit_and_status(pg_url: str, pg_ledger: Ledger) 
 
     table = ok(pg_url, "holds", "--budget", "support")
     assert "call-1" in table and "req_77" in table and "unknown" in table
-    stale = as_json(pg_url, "holds", "--stale", "0")
+    stale = as_json(pg_url, "holds", "--stale", "--age", "0")
     assert [h["key"] for h in stale] == ["call-1"]  # reserved-only holds are not stale sends
+    assert as_json(pg_url, "holds", "--stale") == []  # younger than the default 15 minutes
 
     # a reserved (never sent) attempt cannot be charged, only released
     refused = cli(pg_url, "resolve", "call-2", "--actual", "10", "--note", "x")
