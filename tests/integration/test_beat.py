@@ -141,7 +141,7 @@ def test_a_timeout_is_reconciled_with_what_the_provider_billed(
 
 
 def test_not_found_releases_and_requeues_pending_backs_off(
-    pg_ledger: Ledger, fake: FakeProvider, clock: ManualClock
+    pg_url: str, pg_ledger: Ledger, fake: FakeProvider
 ) -> None:
     client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
     pg_ledger.create_budget("team", 1_000_000)
@@ -172,21 +172,15 @@ def test_not_found_releases_and_requeues_pending_backs_off(
     assert requeued == [
         ("workers.tasks.summarize", "op-lost", {"args": ["lost", "text"], "kwargs": {}})
     ]
-    # A send that is recent is only pending; it is not looked up again right away.
-    pg_ledger_now = Ledger(
-        str(pg_ledger.engine.url.render_as_string(hide_password=False)),
-        clock=lambda: datetime.now(UTC),
-    )
-    unknown_attempt(pg_ledger_now, "just-now")
-    assert (
-        reconcile_unknown(pg_ledger_now, lambda kind: client, margin=timedelta(minutes=5))[
-            "pending"
-        ]
-        == 1
-    )
-    assert reconcile_unknown(pg_ledger_now, lambda kind: client)["pending"] == 0
-    assert pg_ledger_now.attempt("just-now").lookups == 1
-    pg_ledger_now.dispose()
+    # A send that is recent (on the real clock) is only pending, and is not looked up
+    # again before its backoff has passed.
+    now = Ledger(pg_url)
+    unknown_attempt(now, "just-now")
+    pending = reconcile_unknown(now, lambda kind: client, margin=timedelta(minutes=5))
+    assert pending["pending"] == 1
+    assert reconcile_unknown(now, lambda kind: client)["pending"] == 0
+    assert now.attempt("just-now").lookups == 1
+    now.dispose()
 
 
 def test_unknowable_stays_held_and_is_flagged(pg_ledger: Ledger, clock: ManualClock) -> None:
