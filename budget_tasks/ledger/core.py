@@ -670,10 +670,16 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         return _attempt(row)
 
     def attempts(
-        self, *, budget: str | None = None, states: Iterable[str] | None = None
+        self,
+        *,
+        budget: str | None = None,
+        states: Iterable[str] | None = None,
+        keys: Iterable[str] | None = None,
     ) -> list[Attempt]:
-        """Attempts, oldest first, optionally of one budget and in some states."""
+        """Attempts, oldest first, optionally of one budget, in some states, by key."""
         query = self._attempt_query().order_by(attempts.c.id)
+        if keys is not None:
+            query = query.where(attempts.c.key.in_(list(keys)))
         if budget is not None:
             query = query.where(budgets.c.name == budget)
         if states is not None:
@@ -687,6 +693,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         older_than: timedelta | None = None,
         states: Iterable[str] = HOLDING_STATES,
         budget: str | None = None,
+        keys: Iterable[str] | None = None,
     ) -> list[Hold]:
         """Attempts still holding money, oldest first, each with its age."""
         states = tuple(states)
@@ -694,6 +701,8 @@ class Ledger(OperationsMixin, MaintenanceMixin):
             raise ValueError(f"holds are in states {HOLDING_STATES}, not {states}")
         now = self.now()
         query = self._attempt_query().where(attempts.c.state.in_(states))
+        if keys is not None:
+            query = query.where(attempts.c.key.in_(list(keys)))
         if older_than is not None:
             query = query.where(attempts.c.created_at <= now - older_than)
         if budget is not None:

@@ -77,7 +77,8 @@ class MaintenanceMixin:
             )
         if not keys:
             return []
-        return [h for h in self.holds(states=STALE_STATES) if h.key in set(keys)]
+        holds: list[Hold] = self.holds(states=STALE_STATES, keys=keys)
+        return holds
 
     def claim_unknown(
         self: Any,
@@ -92,7 +93,7 @@ class MaintenanceMixin:
         now = self.now()
         with transaction(self.engine) as conn:
             rows = conn.execute(
-                select(attempts.c.id, attempts.c.lookups)
+                select(attempts.c.id, attempts.c.lookups, attempts.c.key)
                 .where(
                     attempts.c.state == "unknown",
                     (attempts.c.next_lookup_at.is_(None)) | (attempts.c.next_lookup_at <= now),
@@ -101,21 +102,17 @@ class MaintenanceMixin:
                 .limit(limit)
                 .with_for_update(skip_locked=True)
             ).all()
-            for attempt_id, lookups in rows:
+            for attempt_id, lookups, _ in rows:
                 wait = min(max_backoff, backoff * (2 ** min(lookups, 20)))
                 conn.execute(
                     update(attempts)
                     .where(attempts.c.id == attempt_id)
                     .values(lookups=lookups + 1, next_lookup_at=now + wait)
                 )
-        claimed = {attempt_id for attempt_id, _ in rows}
-        if not claimed:
+        if not rows:
             return []
-        with transaction(self.engine) as conn:
-            keys = set(
-                conn.execute(select(attempts.c.key).where(attempts.c.id.in_(claimed))).scalars()
-            )
-        return [a for a in self.attempts(states=["unknown"]) if a.key in keys]
+        claimed: list[Attempt] = self.attempts(keys=[key for _, _, key in rows])
+        return claimed
 
     def operation(self: _LedgerBase, key: str) -> Operation:
         """One operation by its idempotency key."""
