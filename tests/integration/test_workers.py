@@ -245,3 +245,23 @@ def test_beat_jobs_through_a_real_worker_flag_then_reconcile_a_timeout(
     assert len(requests_for(fake, "summarize:doc-late")) == 1
     assert client.send_task("budget_tasks.renew_periods").get(timeout=60) == 0
     assert pg_ledger.audit() == []
+
+
+def test_whole_worker_killed_mid_call_then_a_new_worker_never_resends(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    settings = {"BUDGET_TASKS_VISIBILITY_TIMEOUT": "3", "BUDGET_TASKS_RESTORE_INTERVAL": "1"}
+    first = start_worker("first", **settings)
+    fake.plan("delay=4", path="/chat/completions")
+    result = client.send_task("workers.tasks.summarize", args=["doc-crash", "Power cut."])
+    wait_for(lambda: requests_for(fake, "summarize:doc-crash"), what="the provider call")
+    os.killpg(first.proc.pid, signal.SIGKILL)  # the machine dies: no ack, no requeue
+    first.proc.wait(timeout=10)
+    start_worker("second", **settings)  # Redis hands the unacked message out again
+    with pytest.raises(Exception, match="outcome of attempt 'summarize:doc-crash#1' is unknown"):
+        result.get(timeout=90)
+    assert len(requests_for(fake, "summarize:doc-crash")) == 1
+    [attempt] = pg_ledger.attempts()
+    assert attempt.state == "unknown"
+    assert pg_ledger.balance("default").held == attempt.amount
+    assert pg_ledger.audit() == []
