@@ -40,6 +40,11 @@ accept_content = ["json"]
 timezone = "UTC"
 enable_utc = True
 
+# Prometheus metrics from the worker's main process (0: off). With the prefork pool,
+# also set PROMETHEUS_MULTIPROC_DIR to an empty directory in the worker's environment.
+budget_metrics_port = int(os.environ.get("BUDGET_TASKS_METRICS_PORT", 0))
+budget_metrics_addr = os.environ.get("BUDGET_TASKS_METRICS_ADDR", "127.0.0.1")
+
 # The periodic ledger jobs (budget_tasks.beat): run `celery -A workers beat`.
 budget_stale_after = int(os.environ.get("BUDGET_TASKS_STALE_AFTER", 900))
 budget_reconcile_margin = int(os.environ.get("BUDGET_TASKS_RECONCILE_MARGIN", 300))

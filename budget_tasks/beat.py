@@ -23,9 +23,9 @@ from typing import Any
 
 from celery import shared_task
 from celery.utils.dispatch import Signal
-from prometheus_client import Counter
 
 from .ledger import Attempt, Hold, Ledger
+from .metrics import RECONCILIATIONS, STALE_HOLDS
 from .providers import (
     Found,
     Lookup,
@@ -50,16 +50,6 @@ log = logging.getLogger("budget_tasks.beat")
 #: alert to it: ``@stale_hold.connect def page(sender, hold, **kw): ...``
 stale_hold = Signal(name="budget_tasks.stale_hold")
 
-STALE_HOLDS = Counter(
-    "budget_tasks_stale_holds_total",
-    "Holds flagged as stale (sending/unknown too long)",
-    ["budget"],
-)
-RECONCILIATIONS = Counter(
-    "budget_tasks_reconciliations_total",
-    "Provider lookups of unknown attempts, by outcome",
-    ["outcome"],
-)
 
 Clients = Callable[[str], Any]
 Requeue = Callable[[str, str, dict[str, Any]], None]

@@ -24,8 +24,10 @@ from typing import Any, ClassVar
 from celery import Task
 
 from . import _validate as check
+from . import metrics
 from .errors import (
     BudgetExceeded,
+    BudgetFrozen,
     BudgetTasksError,
     LedgerUnavailable,
     NotBilled,
@@ -271,6 +273,7 @@ class BudgetTask(Task):  # type: ignore[misc]
             raise self._later(exc, self.ledger_unavailable_countdown) from exc
         if start.decision is Decision.REPLAY:
             log.info("operation %s replayed: no provider call, no charge", key)
+            metrics.REPLAYS.labels(self.name).inc()
             return start.result
         if start.decision is Decision.FAILED:
             raise OperationFailed(key, start.error)
@@ -326,6 +329,7 @@ class BudgetTask(Task):  # type: ignore[misc]
             result=result,
             settlements=[(scope.key, actual, estimate_only)],
         )
+        metrics.settled(budget, scope.amount, actual)
         return result
 
     def _reserve(
@@ -345,6 +349,7 @@ class BudgetTask(Task):  # type: ignore[misc]
         if last is not None and last.state in ("sending", "unknown"):
             if last.state == "sending":
                 ledger.mark_unknown(last.key, "a later delivery found it sending: worker lost")
+                metrics.UNKNOWN_OUTCOMES.labels(self.name).inc()
             if self.on_unknown != "resend":
                 ledger.end_operation(key, "unknown", error=f"outcome of {last.key} unknown")
                 raise OutcomeUnknown(key, last.key)
@@ -372,6 +377,7 @@ class BudgetTask(Task):  # type: ignore[misc]
                     operation_id=start.operation_id,
                 )
             except BudgetExceeded as exc:
+                metrics.DENIALS.labels(exc.budget, "exceeded").inc()
                 self._end_quietly(ledger, key, "pending", str(exc))
                 if self.retry_when_budget_frees and not self.request.is_eager:
                     raise self.retry(
@@ -379,9 +385,12 @@ class BudgetTask(Task):  # type: ignore[misc]
                     ) from exc
                 raise
             except (BudgetTasksError, ValueError, TypeError) as exc:
+                if isinstance(exc, BudgetFrozen):
+                    metrics.DENIALS.labels(exc.budget, "frozen").inc()
                 if not isinstance(exc, LedgerUnavailable):
                     self._end_quietly(ledger, key, "pending", str(exc))
                 raise
+            metrics.ADMISSIONS.labels(budget).inc()
         # The reservation is committed: this is the one grant of a send.
         ledger.mark_sending(attempt_key)
         return AttemptScope(
@@ -410,6 +419,7 @@ class BudgetTask(Task):  # type: ignore[misc]
         if outcome is ErrorOutcome.UNKNOWN:
             ledger.mark_unknown(scope.key, f"{type(exc).__name__}: {exc}"[:2000])
             ledger.end_operation(key, "unknown", error=f"{type(exc).__name__}: {exc}")
+            metrics.UNKNOWN_OUTCOMES.labels(self.name).inc()
             return
         ledger.release(scope.key, f"not billed: {type(exc).__name__}: {exc}"[:2000])
         if outcome is ErrorOutcome.RATE_LIMITED:
@@ -453,6 +463,8 @@ class BudgetTask(Task):  # type: ignore[misc]
             operation_id=scope.operation_id,
             label=label,
         )
+        if reservation.created:
+            metrics.ADMISSIONS.labels(scope.budget).inc()
         if not reservation.created and reservation.state != "reserved":
             if reservation.state == "sending":
                 ledger.mark_unknown(key, "a later delivery found it sending: worker lost")
@@ -470,6 +482,7 @@ class BudgetTask(Task):  # type: ignore[misc]
             raise
         actual = call.actual if call.actual is not None else amount
         ledger.settle(key, actual, estimate_only=call.actual is None)
+        metrics.settled(scope.budget, amount, actual)
         if ledger.start_side_effect(scope.operation_id, record):
             ledger.finish_side_effect(scope.operation_id, record, call.result)
 

@@ -265,3 +265,71 @@ def test_whole_worker_killed_mid_call_then_a_new_worker_never_resends(
     assert attempt.state == "unknown"
     assert pg_ledger.balance("default").held == attempt.amount
     assert pg_ledger.audit() == []
+
+
+def test_metrics_scraped_from_a_worker_match_the_ledger(
+    client: Celery,
+    start_worker: Callable[..., Worker],
+    fake: FakeProvider,
+    pg_ledger: Ledger,
+    pg_url: str,
+    tmp_path: Path,
+) -> None:
+    import socket
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from budget_tasks.providers import estimates
+
+    from .worker_tasks import fixed_request
+
+    each = estimates.openai_chat(fixed_request(0)).amount
+    pg_ledger.create_budget("metered", 6 * each)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "prom").mkdir()
+    start_worker(
+        "metered",
+        concurrency=2,
+        BUDGET_TASKS_BUDGET="metered",
+        BUDGET_TASKS_METRICS_PORT=str(port),
+        PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prom"),
+    )
+    outcomes = []
+    for n in [*range(10), 0, 1]:  # ten tasks for a cap of six, then two redeliveries
+        try:
+            client.send_task("tests.fixed_cost", args=[n]).get(timeout=60)
+            outcomes.append("ok")
+        except Exception as exc:
+            outcomes.append(type(exc).__name__)
+    assert outcomes.count("BudgetExceeded") == 4
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        scraped = response.read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(scraped)
+        for s in family.samples
+    }
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    attempts = pg_ledger.attempts()
+    # pg_ledger keeps a test clock; the worker and the metrics read the real one
+    real = Ledger(pg_url)
+    bal = real.balance("metered")
+    real.dispose()
+    assert value("budget_tasks_admissions_total", budget="metered") == len(attempts) == 6
+    assert value("budget_tasks_denials_total", budget="metered", reason="exceeded") == 4
+    with pg_ledger.engine.connect() as conn:
+        replays = conn.execute(text("SELECT sum(replays) FROM operations")).scalar()
+    assert value("budget_tasks_replays_total", task="tests.fixed_cost") == replays == 2
+    assert value("budget_tasks_actual_to_estimate_ratio_count", budget="metered") == 6
+    assert value("budget_tasks_actual_to_estimate_ratio_sum", budget="metered") == 6.0
+    for name in ("cap", "spent", "held", "available"):
+        assert value(f"budget_tasks_{name}", budget="metered") == getattr(bal, name), name
+    assert bal.spent == 6 * each
+    assert len(requests_for(fake, "fixed:")) == 6

@@ -98,6 +98,17 @@ def test_every_command_names_something_that_exists(compose: dict[str, Any]) -> N
     assert "--prefetch-multiplier=1" in worker
 
 
+def test_the_worker_exposes_metrics_with_a_shared_multiprocess_directory(
+    compose: dict[str, Any],
+) -> None:
+    worker = compose["services"]["worker"]
+    env = worker["environment"]
+    assert env["CELERY_BROKER_URL"].startswith("redis://")  # the shared settings are kept
+    port = env["BUDGET_TASKS_METRICS_PORT"]
+    assert f"{port}:{port}" in worker["ports"]
+    assert any(mount.startswith(env["PROMETHEUS_MULTIPROC_DIR"]) for mount in worker["tmpfs"])
+
+
 def test_the_image_copies_what_the_services_run() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     for line in dockerfile.splitlines():

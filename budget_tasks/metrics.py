@@ -1,0 +1,140 @@
+"""Prometheus metrics for workers and beat.
+
+Counters are kept by the processes that do the work (admissions, denials, replays,
+unknown outcomes, overruns, the actual/estimate ratio, stale holds, reconciliations);
+with Celery's prefork pool, set ``PROMETHEUS_MULTIPROC_DIR`` in the worker's
+environment (an empty directory) so that the children's counts add up. Balances are
+read from the ledger when scraped (held, spent, cap, available, oldest hold), so they
+are exact whatever process or host moved them.
+
+Expose them from a worker with ``install(app)`` and the setting ``budget_metrics_port``
+(env ``BUDGET_TASKS_METRICS_PORT``; 0, the default, is off).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("budget_tasks.metrics")
+
+ADMISSIONS = Counter(
+    "budget_tasks_admissions_total", "Reservations admitted, by budget", ["budget"]
+)
+DENIALS = Counter(
+    "budget_tasks_denials_total",
+    "Reservations refused, by the budget that refused and why",
+    ["budget", "reason"],
+)
+REPLAYS = Counter(
+    "budget_tasks_replays_total", "Deliveries answered from a stored result", ["task"]
+)
+UNKNOWN_OUTCOMES = Counter(
+    "budget_tasks_unknown_outcomes_total", "Attempts whose outcome became unknown", ["task"]
+)
+OVERRUNS = Counter(
+    "budget_tasks_overruns_total", "Settlements above their reservation, by budget", ["budget"]
+)
+ACTUAL_TO_ESTIMATE = Histogram(
+    "budget_tasks_actual_to_estimate_ratio",
+    "Settled charge divided by the reserved estimate (above 1 is an overrun)",
+    ["budget"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 2.0, 5.0),
+)
+STALE_HOLDS = Counter(
+    "budget_tasks_stale_holds_total",
+    "Holds flagged as stale (sending/unknown too long)",
+    ["budget"],
+)
+RECONCILIATIONS = Counter(
+    "budget_tasks_reconciliations_total", "Provider lookups of unknown attempts", ["outcome"]
+)
+
+
+def settled(budget: str, amount: int, actual: int) -> None:
+    """Record a settlement: its ratio to the estimate, and an overrun if any."""
+    if amount > 0:
+        ACTUAL_TO_ESTIMATE.labels(budget).observe(actual / amount)
+    if actual > amount:
+        OVERRUNS.labels(budget).inc()
+
+
+class LedgerCollector(Collector):
+    """Balances and hold ages read from the ledger at each scrape."""
+
+    def __init__(self, ledger: Any) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[Metric]:
+        gauges = {
+            name: GaugeMetricFamily(f"budget_tasks_{name}", text, labels=["budget"])
+            for name, text in (
+                ("cap", "The current period's cap, in minor units"),
+                ("spent", "Spent in the current period, in minor units"),
+                ("held", "Held by open attempts in the current period, in minor units"),
+                ("available", "cap - spent - held in the current period"),
+                ("oldest_hold_seconds", "Age of the oldest open hold"),
+            )
+        }
+        holds = self.ledger.holds()
+        for info in self.ledger.budgets():
+            balance = self.ledger.balance(info.name)
+            for name in ("cap", "spent", "held", "available"):
+                gauges[name].add_metric([info.name], getattr(balance, name))
+            ages = [h.age.total_seconds() for h in holds if h.budget == info.name]
+            gauges["oldest_hold_seconds"].add_metric([info.name], max(ages, default=0.0))
+        yield from gauges.values()
+
+
+def registry_for(ledger: Any) -> CollectorRegistry:
+    """What a worker exposes: every process's counters, and the ledger's balances."""
+    registry = CollectorRegistry()
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    else:
+        for collector in (
+            ADMISSIONS,
+            DENIALS,
+            REPLAYS,
+            UNKNOWN_OUTCOMES,
+            OVERRUNS,
+            ACTUAL_TO_ESTIMATE,
+            STALE_HOLDS,
+            RECONCILIATIONS,
+        ):
+            registry.register(collector)
+    registry.register(LedgerCollector(ledger))
+    return registry
+
+
+def install(app: Any) -> None:
+    """Serve the metrics from the worker's main process when ``budget_metrics_port``
+    is set; let the pool's children report into the shared directory."""
+    from celery.signals import worker_init, worker_process_shutdown
+
+    @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _serve(sender: Any = None, **_: Any) -> None:
+        port = int(app.conf.get("budget_metrics_port") or 0)
+        if not port:
+            return
+        from .task import LEDGER_URL_ENV, LEDGER_URL_SETTING, ledger_for
+
+        url = app.conf.get(LEDGER_URL_SETTING) or os.environ.get(LEDGER_URL_ENV)
+        addr = str(app.conf.get("budget_metrics_addr") or "127.0.0.1")
+        start_http_server(port, addr=addr, registry=registry_for(ledger_for(str(url))))
+        log.info("budget-tasks metrics on http://%s:%d/metrics", addr, port)
+
+    @worker_process_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _gone(pid: int | None = None, **_: Any) -> None:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid or os.getpid())  # type: ignore[no-untyped-call]
