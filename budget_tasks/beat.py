@@ -192,12 +192,9 @@ def _client(kind: str) -> Any:
 
 
 def _ledger(task: Any) -> Ledger:
-    from .task import LEDGER_URL_ENV, LEDGER_URL_SETTING, ledger_for
+    from .task import ledger_of
 
-    url = task.app.conf.get(LEDGER_URL_SETTING) or os.environ.get(LEDGER_URL_ENV)
-    if not url:
-        raise RuntimeError(f"set {LEDGER_URL_SETTING} or {LEDGER_URL_ENV}")
-    return ledger_for(str(url))
+    return ledger_of(task.app)
 
 
 @shared_task(bind=True, name="budget_tasks.flag_stale_holds", ignore_result=False)  # type: ignore[untyped-decorator]

@@ -125,11 +125,10 @@ def install(app: Any) -> None:
         port = int(app.conf.get("budget_metrics_port") or 0)
         if not port:
             return
-        from .task import LEDGER_URL_ENV, LEDGER_URL_SETTING, ledger_for
+        from .task import ledger_of
 
-        url = app.conf.get(LEDGER_URL_SETTING) or os.environ.get(LEDGER_URL_ENV)
         addr = str(app.conf.get("budget_metrics_addr") or "127.0.0.1")
-        start_http_server(port, addr=addr, registry=registry_for(ledger_for(str(url))))
+        start_http_server(port, addr=addr, registry=registry_for(ledger_of(app)))
         log.info("budget-tasks metrics on http://%s:%d/metrics", addr, port)
 
     @worker_process_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]

@@ -68,6 +68,17 @@ def ledger_for(url: str) -> Ledger:
         return ledger
 
 
+def ledger_of(app: Any) -> Ledger:
+    """The ledger a Celery app is configured with (``budget_ledger_url``, else env
+    ``BUDGET_TASKS_LEDGER_URL``); none configured means nothing may be sent."""
+    url = app.conf.get(LEDGER_URL_SETTING) or os.environ.get(LEDGER_URL_ENV)
+    if not url:
+        raise LedgerUnavailable(
+            f"no ledger configured: set {LEDGER_URL_SETTING} (env {LEDGER_URL_ENV})"
+        )
+    return ledger_for(str(url))
+
+
 def _persist(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call a ledger write that must land, waiting out a short outage."""
     for delay in PERSIST_DELAYS:
@@ -220,12 +231,7 @@ class BudgetTask(Task):  # type: ignore[misc]
 
     @property
     def ledger(self) -> Ledger:
-        url = self.app.conf.get(LEDGER_URL_SETTING) or os.environ.get(LEDGER_URL_ENV)
-        if not url:
-            raise LedgerUnavailable(
-                f"no ledger configured: set {LEDGER_URL_SETTING} (env BUDGET_TASKS_LEDGER_URL)"
-            )
-        return ledger_for(str(url))
+        return ledger_of(self.app)
 
     @property
     def attempt(self) -> AttemptScope:
