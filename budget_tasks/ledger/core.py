@@ -382,19 +382,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
             if inserted is None:
                 return self._existing(cur, key, budget, amount, fingerprint)
             for _, period_id in holds:
-                cur.run(
-                    sql.INSERT_JOURNAL,
-                    {
-                        "attempt_id": inserted[0],
-                        "period_id": period_id,
-                        "kind": "hold",
-                        "held_delta": amount,
-                        "spent_delta": 0,
-                        "note": reason,
-                        "ref": None,
-                        "now": stamp,
-                    },
-                )
+                _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
             # The budget rows are the contended ones: lock them last, just before COMMIT.
             for budget_id, period_id in holds:
                 if cur.one(sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}):
@@ -573,19 +561,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
             raise InvalidTransition(key, current, "settle before mark_sending")
         periods = [period_id for *_, period_id in rows]
         for period_id in periods:
-            cur.run(
-                sql.INSERT_JOURNAL,
-                {
-                    "attempt_id": attempt_id,
-                    "period_id": period_id,
-                    "kind": kind,
-                    "held_delta": -amount,
-                    "spent_delta": actual,
-                    "note": note,
-                    "ref": None,
-                    "now": stamp,
-                },
-            )
+            _journal(cur, attempt_id, period_id, kind, -amount, actual, note, stamp)
         cur.run(
             sql.RESOLVE_ATTEMPT,
             {
@@ -631,19 +607,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                 )
             for *_, period_id in rows:
                 cur.run(sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id})
-                cur.run(
-                    sql.INSERT_JOURNAL,
-                    {
-                        "attempt_id": attempt_id,
-                        "period_id": period_id,
-                        "kind": "adjustment",
-                        "held_delta": 0,
-                        "spent_delta": delta,
-                        "note": reason,
-                        "ref": ref,
-                        "now": stamp,
-                    },
-                )
+                _journal(cur, attempt_id, period_id, "adjustment", 0, delta, reason, stamp, ref)
         return True
 
     # -- reporting -------------------------------------------------------------------
@@ -790,6 +754,33 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                             AuditFinding(r.name, r.period_start, counter, recorded, int(derived))
                         )
         return findings
+
+
+def _journal(
+    cur: Cursor,
+    attempt_id: int,
+    period_id: int,
+    kind: str,
+    held_delta: int,
+    spent_delta: int,
+    note: str | None,
+    stamp: Any,
+    ref: str | None = None,
+) -> None:
+    """Append one journal entry: the only way the counters' history is written."""
+    cur.run(
+        sql.INSERT_JOURNAL,
+        {
+            "attempt_id": attempt_id,
+            "period_id": period_id,
+            "kind": kind,
+            "held_delta": held_delta,
+            "spent_delta": spent_delta,
+            "note": note,
+            "ref": ref,
+            "now": stamp,
+        },
+    )
 
 
 @dataclass(frozen=True, slots=True)
