@@ -381,15 +381,39 @@ def status(ledger_url: str, as_json: bool) -> None:
     "--ledger-url",
     envvar=LEDGER_URL_ENV,
     default=None,
+    help="Run against this ledger (e.g. PostgreSQL) instead of a temporary SQLite file.",
+)
+@click.option(
+    "--broker-url",
+    envvar="CELERY_BROKER_URL",
+    default=None,
+    help="Run through this broker (e.g. redis://...) instead of a temporary SQLite one.",
+)
+@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(2, 16))
+def demo(ledger_url: str | None, broker_url: str | None, concurrency: int) -> None:
+    """Run Celery workers against two tenants' budgets, kill one mid-call, time one
+    out, reconcile both; exit 1 if an invariant broke."""
+    from .demo import run_scenario
+
+    if not run_scenario(ledger_url, broker_url, concurrency=concurrency, echo=click.echo):
+        sys.exit(1)
+
+
+@main.command()
+@click.option(
+    "--ledger-url",
+    envvar=LEDGER_URL_ENV,
+    default=None,
     help="Run against this ledger instead of a temporary SQLite file.",
 )
 @click.option("--workers", default=8, show_default=True, type=click.IntRange(3, 64))
-def demo(ledger_url: str | None, workers: int) -> None:
-    """Walk through the ledger on embedded defaults; exit 1 if an invariant broke."""
-    from . import demo as walkthrough
+def walkthrough(ledger_url: str | None, workers: int) -> None:
+    """Walk through the ledger alone (processes racing, replay, overrun, correction);
+    exit 1 if an invariant broke."""
+    from .demo import run_walkthrough
 
     _echo_logs("budget_tasks", prefix="   log: ")
-    if not walkthrough.run(ledger_url, workers=workers, echo=click.echo):
+    if not run_walkthrough(ledger_url, workers=workers, echo=click.echo):
         sys.exit(1)
 
 

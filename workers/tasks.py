@@ -41,12 +41,18 @@ def summary_request(text: str) -> dict[str, Any]:
 @app.task(
     base=BudgetTask,
     bind=True,
-    budget=BUDGET,
-    idempotency_key=lambda document_id, text: f"summarize:{document_id}",
-    estimate_cost=lambda document_id, text: estimates.openai_chat(summary_request(text)).amount,
+    # a tenant's jobs charge that tenant's budget; without one, BUDGET_TASKS_BUDGET
+    budget=lambda document_id, text, tenant=None: tenant or BUDGET,
+    idempotency_key=lambda document_id, text, tenant=None: f"summarize:{document_id}",
+    estimate_cost=lambda document_id, text, tenant=None: (
+        estimates.openai_chat(summary_request(text)).amount
+    ),
 )
-def summarize(self: BudgetTask, document_id: str, text: str) -> dict[str, Any]:
-    """Summarise one document; a second message for the same document replays."""
+def summarize(
+    self: BudgetTask, document_id: str, text: str, tenant: str | None = None
+) -> dict[str, Any]:
+    """Summarise one document for ``tenant``; a second message for the same document
+    replays."""
     # attempt= sends the attempt key as Idempotency-Key, records what the call is (for
     # reconciliation), its request id as soon as the headers arrive, and its cost.
     sent = openai_chat(client(), attempt=self.attempt, **summary_request(text))

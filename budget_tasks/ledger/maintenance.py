@@ -132,6 +132,7 @@ class MaintenanceMixin:
             replays=r.replays,
             created_at=r.created_at,
             completed_at=r.completed_at,
+            lease_owner=r.lease_owner,
         )
 
     def purge_operations(self: _LedgerBase, older_than: timedelta) -> int:

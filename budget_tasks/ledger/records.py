@@ -130,3 +130,5 @@ class Operation:
     replays: int
     created_at: datetime
     completed_at: datetime | None
+    #: ``host:pid:token`` of the delivery running it now, or that ran it last
+    lease_owner: str | None = None

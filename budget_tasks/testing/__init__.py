@@ -4,5 +4,6 @@ from .clock import ManualClock
 from .fake_provider import FakeProvider
 from .processes import race
 from .proxy import FaultProxy
+from .worker import Worker
 
-__all__ = ["FakeProvider", "FaultProxy", "ManualClock", "race"]
+__all__ = ["FakeProvider", "FaultProxy", "ManualClock", "Worker", "race"]

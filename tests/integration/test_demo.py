@@ -1,22 +1,89 @@
-"""The README's first command: the walk-through on embedded defaults, as a subprocess."""
+"""The README's first command, `budget-tasks demo`, as a user runs it (a subprocess with
+a real `celery worker`), on embedded defaults and against PostgreSQL and Redis; and the
+ledger walk-through, `budget-tasks walkthrough`."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import redis
+
+from budget_tasks import Ledger
+
+from ..conftest import empty_ledger_tables
+from ..services import REDIS_HOST, REDIS_PORT, check_redis
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_CLAIMS = 14  # every "[ok]" line the scenario prints when an invariant held
 
 
-def test_demo_runs_on_embedded_defaults_and_every_check_holds(tmp_path: object) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUDGET_TASKS_")}
-    done = subprocess.run(
-        [sys.executable, "-m", "budget_tasks.cli", "demo", "--workers", "6"],
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("BUDGET_TASKS_", "CELERY_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "budget_tasks.cli", *args],
         capture_output=True,
         text=True,
         timeout=300,
-        env=env,
+        env={**clean, **(env or {})},
+        cwd=ROOT,
         check=False,
     )
+
+
+def test_demo_on_embedded_defaults_kills_times_out_reconciles_and_holds(tmp_path: Path) -> None:
+    done = cli("demo", env={"HOME": str(tmp_path)})
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "ledger    sqlite:///" in out and "broker    sqla+sqlite:///" in out
+    assert re.search(r"SIGKILL to pool process \d+", out)
+    assert "OutcomeUnknown" in out and "APITimeoutError" in out
+    assert "2 stale holds flagged" in out and "reconcile_unknown: 2 found" in out
+    assert "[FAILED]" not in out
+    assert out.count("[ok]") == DEMO_CLAIMS
+    assert out.rstrip().endswith("all invariants held")
+    # both tenants' rows: jobs, some done and some denied, nothing held at the end
+    for tenant in ("acme", "globex"):
+        [line] = [x for x in out.splitlines() if x.split()[:1] == [tenant]]
+        cap, jobs, done_jobs, denied, _, reserved, spent, held, overrun = map(int, line.split()[1:])
+        assert jobs == done_jobs + denied and done_jobs > 0 and denied > 0
+        assert 0 < spent <= cap < reserved  # holds are estimates; the spend fits the cap
+        assert (held, overrun) == (0, 0)
+    # the demo cleaned up after itself: nothing written to the user's home
+    assert not (tmp_path / ".budget-tasks").exists() or not any(
+        (tmp_path / ".budget-tasks").iterdir()
+    )
+
+
+def test_demo_against_postgres_and_redis_leaves_a_ledger_that_audits_clean(pg_url: str) -> None:
+    check_redis()
+    redis.Redis(REDIS_HOST, REDIS_PORT, db=12).flushdb()
+    empty_ledger_tables(pg_url)
+    ledger = Ledger(pg_url)
+    ledger.create_budget("acme", 1_000)  # taken: the demo makes its own budgets beside it
+    broker = f"redis://{REDIS_HOST}:{REDIS_PORT}/12"
+    done = cli("demo", "--ledger-url", pg_url, "--broker-url", broker)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert f"ledger    {pg_url}" in out and f"broker    {broker}" in out
+    assert out.count("[ok]") == DEMO_CLAIMS and "[FAILED]" not in out
+    names = {b.name for b in ledger.budgets()}
+    [acme] = [n for n in names if n.startswith("acme-")]
+    assert "globex" in names and ledger.balance("acme").spent == 0
+    for name in (acme, "globex"):
+        balance = ledger.balance(name)
+        assert balance.held == 0 and 0 < balance.spent <= balance.cap
+        states = {a.state for a in ledger.attempts(budget=name)}
+        assert states == {"settled"}
+    assert ledger.audit() == []
+    ledger.dispose()
+
+
+def test_walkthrough_runs_on_embedded_defaults_and_every_check_holds() -> None:
+    done = cli("walkthrough", "--workers", "6")
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "ledger: sqlite:///" in out
@@ -26,19 +93,9 @@ def test_demo_runs_on_embedded_defaults_and_every_check_holds(tmp_path: object) 
     assert "all invariants held" in out
 
 
-def test_demo_against_postgres(pg_url: str) -> None:
-    from budget_tasks import Ledger
-
-    from ..conftest import empty_ledger_tables
-
+def test_walkthrough_against_postgres(pg_url: str) -> None:
     empty_ledger_tables(pg_url)
-    done = subprocess.run(
-        [sys.executable, "-m", "budget_tasks.cli", "demo", "--ledger-url", pg_url],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = cli("walkthrough", "--ledger-url", pg_url)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"ledger: {pg_url}" in done.stdout
     ledger = Ledger(pg_url)

@@ -1,4 +1,4 @@
-"""The ledger walk-through: the main job until the full Celery demo lands.
+"""The ledger walk-through (`budget-tasks walkthrough`): the ledger alone, no Celery.
 
 It runs real work on the embedded SQLite default (or any ledger URL): processes race
 for one budget, a redelivered key replays, an overrun is recorded, an unknown outcome
@@ -11,9 +11,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import BudgetExceeded, BudgetFrozen
-from .ledger import Ledger
-from .testing import race
+from ..errors import BudgetExceeded, BudgetFrozen
+from ..ledger import Ledger
+from ..testing import race
 
 Echo = Callable[[str], None]
 

@@ -1,0 +1,395 @@
+"""The main job: real Celery workers spending two tenants' budgets through one ledger.
+
+On embedded defaults it needs no services: a SQLite ledger, kombu's SQLAlchemy
+transport on SQLite as the broker, the fake provider in a thread, and a real
+``celery -A workers worker`` process (prefork pool) running the reference
+``workers.tasks.summarize``, which calls the provider through the official openai SDK.
+``ledger_url`` and ``broker_url`` run the same scenario against PostgreSQL and Redis.
+
+The scenario, each step checked against the ledger and against what the provider saw:
+a worker killed mid-call and the redelivery that does not resend; a provider timeout
+whose hold stays; concurrent admission of two tenants' jobs against caps that do not
+fit them all; duplicate enqueues that replay; the beat jobs flagging and reconciling
+the unknown outcomes; then a final table and the invariants.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..ledger import Ledger
+from ..testing import FakeProvider, Worker
+from .checks import Checks, budget_rows, render_table
+
+Echo = Callable[[str], None]
+
+PROVIDER_TIMEOUT = 2  # seconds: the SDK gives up on the stalled call after this
+STALE_AFTER = 1  # seconds: the demo's beat flags holds this old (production: 900)
+KILL_DELAY = 4  # the provider answers the killed call after this long (billing it)
+HANG = 4  # the stalled call is billed at once and answered after this long
+
+TENANT_JOBS = {"acme": 24, "globex": 16}
+#: cap in estimates: the jobs' estimates do not all fit, nor do their actual costs
+CAP_IN_ESTIMATES = {"acme": 3, "globex": 2}
+
+
+@dataclass
+class Job:
+    tenant: str
+    budget: str
+    document_id: str
+    text: str
+    result: Any = None
+    state: str = "PENDING"
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"summarize:{self.document_id}"
+
+
+@dataclass
+class Run:
+    """What the scenario set up: where things are, and the handles on them."""
+
+    home: Path
+    ledger: Ledger
+    fake: FakeProvider
+    app: Any
+    summarize: Any
+    worker: Worker
+    budgets: dict[str, str]
+    run_id: str
+    jobs: list[Job] = field(default_factory=list)
+
+
+def project_root() -> Path:
+    """Where the reference ``workers`` package is: the current directory, or the
+    checkout this package was installed from (editable install)."""
+    for candidate in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (candidate / "workers" / "__init__.py").exists():
+            return candidate
+    raise click.ClickException(
+        "the demo runs the reference Celery app in workers/: run it from the project root"
+    )
+
+
+def document(tenant: str, index: int) -> str:
+    lines = [
+        f"{tenant.title()} quarterly report, section {index}.",
+        "Revenue grew in every region; support tickets fell after the new release.",
+        "The board asks for a plan to cut cloud costs without slowing the roadmap.",
+        "Hiring stays flat until the next review.",
+    ]
+    return " ".join(lines[: 1 + index % len(lines)])
+
+
+def run(
+    ledger_url: str | None = None,
+    broker_url: str | None = None,
+    *,
+    concurrency: int = 4,
+    echo: Echo = click.echo,
+) -> bool:
+    """Run the scenario; True if every invariant it checks held."""
+    with (
+        tempfile.TemporaryDirectory(prefix="budget-tasks-demo-") as tmp,
+        _setup(Path(tmp), ledger_url, broker_url, concurrency, echo) as scenario,
+    ):
+        return _play(scenario, echo)
+
+
+@contextmanager
+def _setup(
+    home: Path, ledger_url: str | None, broker_url: str | None, concurrency: int, echo: Echo
+) -> Iterator[Run]:
+    root = project_root()
+    ledger_url = ledger_url or f"sqlite:///{home / 'ledger.db'}"
+    broker_url = broker_url or f"sqla+sqlite:///{home / 'broker.db'}"
+    redis_broker = broker_url.startswith(("redis://", "rediss://"))
+    backend_url = broker_url if redis_broker else f"db+sqlite:///{home / 'results.db'}"
+    ledger = Ledger(ledger_url)
+    ledger.create_schema()
+    run_id = uuid.uuid4().hex[:6]
+    existing = {b.name for b in ledger.budgets()}
+    # a ledger used before (PostgreSQL) keeps its budgets: this run gets its own
+    budgets = {t: t if t not in existing else f"{t}-{run_id}" for t in TENANT_JOBS}
+
+    fake = FakeProvider().start()
+    settings = {
+        "BUDGET_TASKS_HOME": str(home),
+        "CELERY_BROKER_URL": broker_url,
+        "CELERY_RESULT_BACKEND": backend_url,
+        "BUDGET_TASKS_LEDGER_URL": ledger_url,
+        "OPENAI_BASE_URL": fake.openai_base_url,
+        "BUDGET_TASKS_PROVIDER_TIMEOUT": str(PROVIDER_TIMEOUT),
+        "BUDGET_TASKS_STALE_AFTER": str(STALE_AFTER),
+        "BUDGET_TASKS_RECONCILE_MARGIN": "0",
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))}
+    env.update(settings)
+    # This process is the producer, with the same app and settings as the worker.
+    os.environ.update(settings)
+    sys.path.insert(0, str(root))
+    for module in ("celeryconfig", "workers", "workers.tasks"):
+        sys.modules.pop(module, None)
+    # imported by name: the reference app is a deployment, not part of this package
+    app = importlib.import_module("workers").app
+    summarize = importlib.import_module("workers.tasks").summarize
+
+    echo("budget-tasks demo: Celery workers spend two tenants' budgets through one ledger")
+    echo(f"  ledger    {_redact(ledger_url)}")
+    echo(f"  broker    {_redact(broker_url)}  (acks_late, prefetch 1)")
+    echo(f"  provider  fake OpenAI API at {fake.url}, called with the official openai SDK")
+    started = time.monotonic()
+    worker = Worker(env, f"demo-{run_id}", home, concurrency, include="", cwd=root)
+    try:
+        worker.wait_ready()
+        echo(
+            f"  worker    celery -A workers worker, prefork pool of {concurrency}"
+            f" (ready in {time.monotonic() - started:.1f}s)"
+        )
+        yield Run(home, ledger, fake, app, summarize, worker, budgets, run_id)
+    except BaseException:
+        echo(f"\nworker log ({worker.log_path}):\n{worker.log_path.read_text()[-3000:]}")
+        raise
+    finally:
+        # every job has finished; kombu's SQLite transport can take long to shut down
+        worker.stop(timeout=5)
+        fake.stop()
+        app.close()
+        ledger.dispose()
+
+
+def _redact(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest and ":" in rest.split("@", 1)[0]:
+        user = rest.split("@", 1)[0].split(":", 1)[0]
+        return f"{scheme}{sep}{user}:***@{rest.split('@', 1)[1]}"
+    return url
+
+
+def _play(run: Run, echo: Echo) -> bool:
+    checks = Checks(echo)
+    ledger, fake = run.ledger, run.fake
+    estimate = int(run.summarize.estimate_cost("probe", document("acme", 3)))
+    for tenant, budget in run.budgets.items():
+        cap = CAP_IN_ESTIMATES[tenant] * estimate + estimate // 2
+        ledger.create_budget(budget, cap, tenant=tenant)
+    echo(
+        f"\nbudgets: {', '.join(f'{b} cap {ledger.budget(b).cap}' for b in run.budgets.values())}"
+        f" micro-USD; a summary reserves up to {estimate} before it is sent"
+    )
+
+    # 1. A worker killed mid-call --------------------------------------------------
+    echo("\n1. a worker process is killed while its request is at the provider")
+    killed = _job(run, "acme", f"acme-{run.run_id}-killed", 0)
+    fake.plan(f"delay={KILL_DELAY}", path="/chat/completions")
+    handle = _send(run, killed)
+    _wait_until(lambda: _requests(fake, killed.key), "the request to reach the provider")
+    pid = _running_pid(ledger, killed.key)
+    os.kill(pid, signal.SIGKILL)
+    echo(f"   SIGKILL to pool process {pid}; Celery requeues the message (acks_late)")
+    _collect(run, [(killed, handle)], "   waiting for the redelivery", echo)
+    attempt = ledger.attempt(f"{killed.key}#1")
+    echo(f"   redelivery: {killed.error}")
+    checks.expect(
+        "the redelivery did not resend: one request reached the provider",
+        len(_requests(fake, killed.key)) == 1,
+    )
+    checks.expect(
+        f"the killed call's hold of {attempt.amount} is kept (attempt '{attempt.state}')",
+        attempt.state == "unknown" and ledger.balance(killed.budget).held == attempt.amount,
+    )
+
+    # 2. A provider timeout ----------------------------------------------------------
+    echo(f"\n2. the provider bills a call, then stalls past the {PROVIDER_TIMEOUT}s SDK timeout")
+    slow = _job(run, "globex", f"globex-{run.run_id}-slow", 1)
+    fake.plan(f"hang={HANG}", path="/chat/completions")
+    _collect(run, [(slow, _send(run, slow))], "   waiting for the timeout", echo)
+    timed_out = ledger.attempt(f"{slow.key}#1")
+    echo(f"   task failed: {slow.error}")
+    checks.expect(
+        f"the timeout released nothing: hold of {timed_out.amount} kept, no SDK retry",
+        timed_out.state == "unknown"
+        and ledger.balance(slow.budget).held == timed_out.amount
+        and len(_requests(fake, slow.key)) == 1,
+    )
+
+    # 3. Concurrent admission --------------------------------------------------------
+    total = sum(TENANT_JOBS.values())
+    echo(f"\n3. {total} jobs for two tenants are enqueued at once, {TENANT_JOBS}")
+    load: list[Job] = []
+    for index in range(max(TENANT_JOBS.values())):
+        for tenant, count in TENANT_JOBS.items():
+            if index < count:
+                load.append(_job(run, tenant, f"{tenant}-{run.run_id}-{index:02d}", index))
+    _collect(run, [(job, _send(run, job)) for job in load], "   running", echo)
+    for tenant in TENANT_JOBS:
+        mine = [j for j in load if j.tenant == tenant]
+        done = sum(j.state == "SUCCESS" for j in mine)
+        denied = sum(j.state == "DENIED" for j in mine)
+        echo(f"   {tenant}: {done} summarised, {denied} denied (BudgetExceeded)")
+    checks.expect(
+        "every job either ran or was denied before any request",
+        all(j.state in ("SUCCESS", "DENIED") for j in load)
+        and all(not _requests(fake, j.key) for j in load if j.state == "DENIED"),
+    )
+    checks.expect(
+        "both caps bound: each tenant had jobs denied",
+        all(any(j.tenant == t and j.state == "DENIED" for j in load) for t in TENANT_JOBS),
+    )
+
+    # 4. Duplicate enqueues ----------------------------------------------------------
+    again = [j for j in load if j.state == "SUCCESS"][:6]
+    echo(f"\n4. {len(again)} finished jobs are enqueued again (same business keys)")
+    before = len(fake.served())
+    copies = [Job(j.tenant, j.budget, j.document_id, j.text) for j in again]
+    _collect(run, [(c, _send(run, c)) for c in copies], "   running", echo)
+    checks.expect(
+        "each replayed its stored summary; no new request reached the provider",
+        all(c.result == j.result for c, j in zip(copies, again, strict=True))
+        and len(fake.served()) == before,
+    )
+
+    # 5. Beat: flag, then reconcile ------------------------------------------------
+    echo("\n5. the beat jobs run (here sent by the demo; in production by celery beat)")
+    unknown = [attempt.key, timed_out.key]
+    # Production reconciles minutes later; here, wait until the provider has finished
+    # (and billed) both calls, as it will have by then.
+    _wait_until(lambda: all(fake.billed_for(k) for k in unknown), "the provider to finish")
+    flagged = run.app.send_task("budget_tasks.flag_stale_holds").get(timeout=60)
+    echo(f"   budget_tasks.flag_stale_holds: {flagged} stale holds flagged for an operator")
+    found = _reconcile(run, unknown, echo)
+    for key in unknown:
+        a = ledger.attempt(key)
+        echo(f"   {key}: held {a.amount}, provider billed {fake.billed_for(key)}, {a.state}")
+    checks.expect(
+        "the unknown holds were flagged, then settled at what the provider billed",
+        flagged >= 2
+        and found
+        and all(
+            ledger.attempt(k).state == "settled" and ledger.attempt(k).actual == fake.billed_for(k)
+            for k in unknown
+        ),
+    )
+    resent = Job(killed.tenant, killed.budget, killed.document_id, killed.text)
+    _collect(run, [(resent, _send(run, resent))], "   the killed job, enqueued again", echo)
+    checks.expect(
+        "the killed job now replays the reconciled answer, still one request",
+        resent.state == "SUCCESS" and len(_requests(fake, killed.key)) == 1,
+    )
+
+    # 6. The books ------------------------------------------------------------------
+    rows = budget_rows(ledger, run.budgets, run.jobs)
+    echo("\n" + render_table(rows))
+    billed = sum(
+        fake.billed_for(a.key) for b in run.budgets.values() for a in ledger.attempts(budget=b)
+    )
+    spent = sum(r.spent for r in rows)
+    echo(f"   provider billed {billed}; ledger spent {spent}")
+    checks.invariants(ledger, fake, run.budgets, rows, billed)
+    echo("\nall invariants held" if checks.ok else "\nSOME INVARIANTS FAILED")
+    return checks.ok
+
+
+def _job(run: Run, tenant: str, document_id: str, index: int) -> Job:
+    job = Job(tenant, run.budgets[tenant], document_id, document(tenant, index))
+    run.jobs.append(job)
+    return job
+
+
+def _send(run: Run, job: Job) -> Any:
+    if job not in run.jobs:
+        run.jobs.append(job)
+    return run.summarize.apply_async(
+        args=[job.document_id, job.text], kwargs={"tenant": job.budget}
+    )
+
+
+def _requests(fake: FakeProvider, key: str) -> list[Any]:
+    return [
+        s
+        for s in fake.served()
+        if s.method == "POST" and (s.idempotency_key or "").startswith(key + "#")
+    ]
+
+
+def _running_pid(ledger: Ledger, key: str) -> int:
+    """The pool process running ``key``: its lease names it (``host:pid:token``)."""
+    owner = _wait_until(lambda: ledger.operation(key).lease_owner, "the lease")
+    return int(str(owner).split(":")[1])
+
+
+def _wait_until(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise click.ClickException(f"timed out waiting for {what}")
+
+
+def _collect(
+    run: Run, pending: list[tuple[Job, Any]], label: str, echo: Echo, timeout: float = 180.0
+) -> None:
+    """Wait for every job's result, with a progress bar; record each outcome."""
+    from ..errors import BudgetExceeded
+
+    deadline = time.monotonic() + timeout
+    left = list(pending)
+    # the bar only on a terminal; a log gets the one line printed at the end
+    hidden = not sys.stdout.isatty()
+    with click.progressbar(length=len(pending), label=label, width=30, hidden=hidden) as bar:
+        while left and time.monotonic() < deadline:
+            still = []
+            for job, handle in left:
+                if not handle.ready():
+                    still.append((job, handle))
+                    continue
+                if handle.successful():
+                    job.state, job.result = "SUCCESS", handle.result
+                else:
+                    error = handle.result
+                    job.state = "DENIED" if isinstance(error, BudgetExceeded) else "FAILED"
+                    job.error = f"{type(error).__name__}: {error}"
+                bar.update(1)
+            left = still
+            if left:
+                time.sleep(0.1)
+    if left:
+        raise click.ClickException(f"{len(left)} jobs did not finish in {timeout:.0f}s")
+    elapsed = timeout - (deadline - time.monotonic())
+    echo(f"{label}: {len(pending)} finished in {elapsed:.1f}s")
+
+
+def _reconcile(run: Run, keys: list[str], echo: Echo, timeout: float = 60.0) -> bool:
+    """Send reconcile_unknown as beat would, until every key is resolved (a lookup that
+    finds the call still running answers 'pending' and backs off)."""
+    deadline = time.monotonic() + timeout
+    totals: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        counts = run.app.send_task("budget_tasks.reconcile_unknown").get(timeout=60)
+        for name, n in counts.items():
+            totals[name] = totals.get(name, 0) + n
+        if all(run.ledger.attempt(k).state != "unknown" for k in keys):
+            run.ledger.dispose()
+            shown = ", ".join(f"{n} {name}" for name, n in totals.items() if n)
+            echo(f"   budget_tasks.reconcile_unknown: {shown}")
+            return True
+        time.sleep(1.0)
+    return False

@@ -1,0 +1,79 @@
+"""A real ``celery worker`` process, started and stopped from a test or the demo."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class Worker:
+    """``celery -A <app> worker`` (prefork pool) in its own process group.
+
+    ``include`` names extra task modules (``-I``); the log goes to
+    ``log_dir/<name>.log``. ``cwd`` is where the app module is importable from.
+    """
+
+    def __init__(
+        self,
+        env: dict[str, str],
+        name: str,
+        log_dir: Path,
+        concurrency: int = 1,
+        include: str = "tests.integration.worker_tasks",
+        *,
+        app: str = "workers",
+        cwd: Path | None = None,
+    ):
+        self.log_path = log_dir / f"{name}.log"
+        self.log = self.log_path.open("w")
+        args = [sys.executable, "-m", "celery", "-A", app, "worker", "--loglevel=INFO"]
+        args += [f"--concurrency={concurrency}", "--pool=prefork", "-n", f"{name}@%h"]
+        args += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+        if include:
+            args += ["-I", include]
+        self.proc = subprocess.Popen(
+            args,
+            cwd=cwd or Path.cwd(),
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 90.0) -> Worker:
+        """Block until the worker logs ``ready.``; RuntimeError with its log if it dies."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "ready." in self.log_path.read_text():
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"worker did not start:\n{self.log_path.read_text()[-3000:]}")
+
+    def children(self) -> list[int]:
+        """Pool process ids (children of the main worker process)."""
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid:
+                found.append(int(stat.parent.name))
+        return found
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the process group (warm shutdown), SIGKILL it after ``timeout``."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.log.close()
