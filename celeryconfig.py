@@ -27,12 +27,16 @@ worker_prefetch_multiplier = 1
 # Redis redelivers an unacked message after this long, even while a worker still runs
 # it; keep it well above the longest job. The ledger makes a redelivery replay, not
 # resend, but a long visibility timeout keeps replays rare.
-broker_transport_options = {
-    "visibility_timeout": int(os.environ.get("BUDGET_TASKS_VISIBILITY_TIMEOUT", 3600)),
-    # How often a worker looks for unacked messages past their visibility timeout.
-    "unacked_restore_interval": int(os.environ.get("BUDGET_TASKS_RESTORE_INTERVAL", 10)),
-    "unacked_restore_throttle": 1,
-}
+broker_transport_options: dict[str, object] = {}
+if broker_url.startswith(("redis://", "rediss://", "redis+socket://", "sentinel://")):
+    # Only for Redis: kombu's SQLAlchemy transport hands its options to create_engine(),
+    # which refuses these names.
+    broker_transport_options = {
+        "visibility_timeout": int(os.environ.get("BUDGET_TASKS_VISIBILITY_TIMEOUT", 3600)),
+        # How often a worker looks for unacked messages past their visibility timeout.
+        "unacked_restore_interval": int(os.environ.get("BUDGET_TASKS_RESTORE_INTERVAL", 10)),
+        "unacked_restore_throttle": 1,
+    }
 
 task_serializer = "json"
 result_serializer = "json"

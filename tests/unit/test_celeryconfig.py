@@ -25,6 +25,8 @@ def test_embedded_defaults_need_no_services(
     assert app.conf.task_acks_late is True
     assert app.conf.task_reject_on_worker_lost is True
     assert app.conf.worker_prefetch_multiplier == 1
+    # the SQLAlchemy transport passes these to create_engine(), which refuses them
+    assert not app.conf.broker_transport_options
 
 
 def test_environment_points_at_real_services(
