@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -51,6 +52,9 @@ _FUNCTION_OPTIONS = ("estimate_cost", "idempotency_key", "fingerprint", "budget"
 
 #: Pauses between tries of a settlement that must land after a provider call.
 PERSIST_DELAYS = (0.5, 1.0, 2.0, 4.0)
+#: Celery's ``retry(max_retries=None)`` means "the task's default" (3), not "no limit":
+#: the retries that wait for the ledger, a lease, a rate limit or budget pass this.
+NO_RETRY_LIMIT = sys.maxsize
 
 _ledgers: dict[str, Ledger] = {}
 _ledgers_lock = threading.Lock()
@@ -88,6 +92,67 @@ def _persist(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             log.warning("ledger unavailable; retrying %s in %.1fs", fn.__name__, delay)
             time.sleep(delay)
     return fn(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class _Unwritten:
+    """What a delivery could not write because the ledger was down: giving its lease
+    back (``status`` pending/failed), or its whole outcome after the provider answered
+    (``status`` succeeded, with the result and the settlements)."""
+
+    owner: str
+    status: str
+    error: str | None = None
+    result: Any = None
+    settlements: tuple[tuple[str, int, bool], ...] = ()
+
+    def write(self, ledger: Ledger, key: str) -> None:
+        if self.status == "succeeded":
+            ledger.finish_operation(key, result=self.result, settlements=self.settlements)
+        else:
+            ledger.end_operation(key, self.status, error=self.error, owner=self.owner)
+
+
+#: (ledger URL, operation key, lease owner) -> what this process still has to write. The
+#: lease names this process, which is alive: no other delivery may run the operation
+#: until the lease expires, so this process writes it at its next delivery instead.
+_unwritten: dict[tuple[str, str, str], _Unwritten] = {}
+_unwritten_lock = threading.Lock()
+
+
+def _ledger_id(ledger: Ledger) -> str:
+    return ledger.engine.url.render_as_string(hide_password=False)
+
+
+def _keep_unwritten(ledger: Ledger, key: str, entry: _Unwritten) -> None:
+    with _unwritten_lock:
+        _unwritten[(_ledger_id(ledger), key, entry.owner)] = entry
+
+
+def catch_up(ledger: Ledger) -> int:
+    """Write what this process kept while the ledger was down (leases to give back,
+    outcomes of calls that were answered); returns how many were written. Stops at the
+    first LedgerUnavailable and keeps the rest for the next delivery."""
+    if not _unwritten:
+        return 0
+    ledger_id = _ledger_id(ledger)
+    with _unwritten_lock:
+        pending = [(k, v) for k, v in _unwritten.items() if k[0] == ledger_id]
+    written = 0
+    for slot, entry in pending:
+        try:
+            entry.write(ledger, slot[1])
+        except LedgerUnavailable:
+            return written
+        except BudgetTasksError as exc:  # e.g. settled since by an operator: theirs stands
+            log.error("operation %s: dropped what the outage kept back: %s", slot[1], exc)
+        else:
+            written += 1
+            log.info("operation %s: wrote what the outage kept back (%s)", slot[1], entry.status)
+        with _unwritten_lock:
+            if _unwritten.get(slot) is entry:
+                del _unwritten[slot]
+    return written
 
 
 def close_ledgers() -> None:
@@ -264,18 +329,23 @@ class BudgetTask(Task):  # type: ignore[misc]
         fingerprint = self._fingerprint(args, kwargs)
         budget = self._budget(args, kwargs)
         ledger = self.ledger
+        owner = owner_id()
         try:
+            catch_up(ledger)
             start = ledger.begin_operation(
                 key,
                 fingerprint=fingerprint,
-                owner=owner_id(),
+                owner=owner,
                 lease=timedelta(seconds=self.lease_seconds),
                 max_runs=self.max_deliveries,
                 task=self.name,
                 payload={"args": list(args), "kwargs": kwargs},
             )
         except LedgerUnavailable as exc:
-            # Fail closed: no reservation, no send. The message comes back later.
+            # Fail closed: no reservation, no send. The message comes back later. The
+            # lease may have been taken all the same (a COMMIT whose answer was lost):
+            # give it back once the ledger answers.
+            _keep_unwritten(ledger, key, _Unwritten(owner, "pending", str(exc)))
             raise self._later(exc, self.ledger_unavailable_countdown) from exc
         if start.decision is Decision.REPLAY:
             log.info("operation %s replayed: no provider call, no charge", key)
@@ -288,28 +358,30 @@ class BudgetTask(Task):  # type: ignore[misc]
             raise PoisonMessage(key, start.error)
         if start.decision is Decision.IN_PROGRESS:
             raise self._later(OperationInProgress(key), self.in_progress_countdown)
-        return self._run_operation(ledger, start, budget, fingerprint, args, kwargs)
+        return self._run_operation(ledger, start, owner, budget, fingerprint, args, kwargs)
 
     def _later(self, exc: BaseException, countdown: float) -> BaseException:
-        """A retry of the same message later (same task id); eager mode just raises."""
+        """A retry of the same message later (same task id), with no retry limit;
+        eager mode just raises."""
         if self.request.called_directly or self.request.is_eager:
             return exc
-        return self.retry(exc=exc, countdown=countdown, max_retries=None)  # type: ignore[no-any-return]
+        return self.retry(exc=exc, countdown=countdown, max_retries=NO_RETRY_LIMIT)  # type: ignore[no-any-return]
 
     def _run_operation(
         self,
         ledger: Ledger,
         start: OperationStart,
+        owner: str,
         budget: str,
         fingerprint: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
         try:
-            scope = self._reserve(ledger, start, budget, fingerprint, args, kwargs)
+            scope = self._reserve(ledger, start, owner, budget, fingerprint, args, kwargs)
         except LedgerUnavailable as exc:
             # Nothing was sent: fail closed now, and let the message come back later.
-            self._end_quietly(ledger, start.key, "pending", str(exc))
+            self._end_quietly(ledger, start.key, owner, "pending", str(exc))
             raise self._later(exc, self.ledger_unavailable_countdown) from exc
         self._scope.current = scope
         try:
@@ -325,16 +397,23 @@ class BudgetTask(Task):  # type: ignore[misc]
             json.dumps(result)
         except (TypeError, ValueError) as exc:
             _persist(ledger.settle, scope.key, actual, estimate_only=estimate_only)
-            self._end_quietly(ledger, start.key, "failed", f"result is not JSON: {exc}")
+            self._end_quietly(ledger, start.key, owner, "failed", f"result is not JSON: {exc}")
             raise
         # The provider was called: the settlement must land, so a short outage is
-        # waited out; if it lasts, the attempt stays 'sending' and is reconciled.
-        _persist(
-            ledger.finish_operation,
-            start.key,
-            result=result,
-            settlements=[(scope.key, actual, estimate_only)],
-        )
+        # waited out. If it lasts, this process keeps the outcome and writes it at its
+        # next delivery (the lease is its own meanwhile), and the message comes back
+        # later to replay it; should this process die first, the attempt stays
+        # 'sending' and is reconciled.
+        settlements = ((scope.key, actual, estimate_only),)
+        try:
+            _persist(ledger.finish_operation, start.key, result=result, settlements=settlements)
+        except LedgerUnavailable as exc:
+            _keep_unwritten(
+                ledger,
+                start.key,
+                _Unwritten(owner, "succeeded", result=result, settlements=settlements),
+            )
+            raise self._later(exc, self.ledger_unavailable_countdown) from exc
         metrics.settled(budget, scope.amount, actual)
         return result
 
@@ -342,6 +421,7 @@ class BudgetTask(Task):  # type: ignore[misc]
         self,
         ledger: Ledger,
         start: OperationStart,
+        owner: str,
         budget: str,
         fingerprint: str,
         args: tuple[Any, ...],
@@ -365,7 +445,7 @@ class BudgetTask(Task):  # type: ignore[misc]
         try:
             estimate = check.money(self.estimate_cost(*args, **kwargs), "estimate_cost")
         except (TypeError, ValueError, NotImplementedError):
-            self._end_quietly(ledger, key, "pending", "estimate failed")
+            self._end_quietly(ledger, key, owner, "pending", "estimate failed")
             raise
         if reuse is not None and reuse.amount != estimate:
             ledger.release(reuse.key, "never sent; re-estimated on redelivery")
@@ -384,17 +464,17 @@ class BudgetTask(Task):  # type: ignore[misc]
                 )
             except BudgetExceeded as exc:
                 metrics.DENIALS.labels(exc.budget, "exceeded").inc()
-                self._end_quietly(ledger, key, "pending", str(exc))
+                self._end_quietly(ledger, key, owner, "pending", str(exc))
                 if self.retry_when_budget_frees and not self.request.is_eager:
                     raise self.retry(
-                        exc=exc, countdown=self.retry_when_budget_frees, max_retries=None
+                        exc=exc, countdown=self.retry_when_budget_frees, max_retries=NO_RETRY_LIMIT
                     ) from exc
                 raise
             except (BudgetTasksError, ValueError, TypeError) as exc:
                 if isinstance(exc, BudgetFrozen):
                     metrics.DENIALS.labels(exc.budget, "frozen").inc()
                 if not isinstance(exc, LedgerUnavailable):
-                    self._end_quietly(ledger, key, "pending", str(exc))
+                    self._end_quietly(ledger, key, owner, "pending", str(exc))
                 raise
             metrics.ADMISSIONS.labels(budget).inc()
         # The reservation is committed: this is the one grant of a send.
@@ -411,12 +491,15 @@ class BudgetTask(Task):  # type: ignore[misc]
         )
 
     @staticmethod
-    def _end_quietly(ledger: Ledger, key: str, status: str, error: str) -> None:
-        """Give the lease back; if the ledger is down, its expiry will."""
+    def _end_quietly(ledger: Ledger, key: str, owner: str, status: str, error: str) -> None:
+        """Give the lease back; if the ledger is down, this process does at its next
+        delivery (the lease names a live process: waiting for its expiry would hold
+        the message off for a whole lease)."""
         try:
-            ledger.end_operation(key, status, error=error)
+            ledger.end_operation(key, status, error=error, owner=owner)
         except LedgerUnavailable:
-            log.warning("operation %s: could not record %s (ledger down)", key, status)
+            log.warning("operation %s: could not record %s yet (ledger down)", key, status)
+            _keep_unwritten(ledger, key, _Unwritten(owner, status, error))
 
     def _settle_error(self, ledger: Ledger, scope: AttemptScope, exc: BaseException) -> None:
         """What an error from run() means for the hold (DESIGN: the task flow)."""
@@ -433,7 +516,7 @@ class BudgetTask(Task):  # type: ignore[misc]
             ledger.end_operation(key, "retryable", error=str(exc), next_reason="rate_limited_retry")
             if not (self.request.called_directly or self.request.is_eager):
                 raise self.retry(
-                    exc=exc, countdown=self.rate_limit_countdown, max_retries=None
+                    exc=exc, countdown=self.rate_limit_countdown, max_retries=NO_RETRY_LIMIT
                 ) from exc
             return
         ledger.end_operation(key, "failed", error=f"{type(exc).__name__}: {exc}")

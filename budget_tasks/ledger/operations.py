@@ -208,17 +208,33 @@ class OperationsMixin:
         error: str | None = None,
         next_reason: str | None = None,
         result: Any = None,
-    ) -> None:
-        """Give the lease back and record where the operation stands."""
+        owner: str | None = None,
+    ) -> bool:
+        """Give the lease back and record where the operation stands.
+
+        With ``owner``, only while that owner still holds the lease: returns False (and
+        changes nothing) once it does not. Without, an unknown key raises.
+        """
         if status not in ("pending", "failed", "unknown", "retryable", "succeeded"):
             raise ValueError(f"an operation cannot end as {status!r}")
+        check.optional_text(owner, "lease owner")
         stamp = self._driver.ts(self.now())
         with self._driver.transaction() as cur:
             encoded = None if result is None else json.dumps(result)
             if not _end(
-                cur, key, status, stamp, error=error, next_reason=next_reason, result=encoded
+                cur,
+                key,
+                status,
+                stamp,
+                error=error,
+                next_reason=next_reason,
+                result=encoded,
+                owner=owner,
             ):
+                if owner is not None:
+                    return False
                 raise UnknownOperation(key)
+        return True
 
     def side_effect(self: _LedgerBase, operation_id: int, name: str) -> tuple[str, Any] | None:
         """``(state, result)`` of a side effect, or None if it never started."""
@@ -264,19 +280,18 @@ def _end(
     error: str | None = None,
     next_reason: str | None = None,
     result: str | None = None,
+    owner: str | None = None,
 ) -> bool:
     done = status in ("succeeded", "failed")
-    return bool(
-        cur.run(
-            sql.END_OPERATION,
-            {
-                "status": status,
-                "result": result,
-                "error": error,
-                "next_reason": next_reason,
-                "now": stamp,
-                "completed_at": stamp if done else None,
-                "key": key,
-            },
-        )
-    )
+    params = {
+        "status": status,
+        "result": result,
+        "error": error,
+        "next_reason": next_reason,
+        "now": stamp,
+        "completed_at": stamp if done else None,
+        "key": key,
+    }
+    if owner is None:
+        return bool(cur.run(sql.END_OPERATION, params))
+    return bool(cur.run(sql.END_OWN_OPERATION, {**params, "owner": owner}))

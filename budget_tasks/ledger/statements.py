@@ -136,6 +136,10 @@ UPDATE operations SET status = :status, result = COALESCE(:result, result),
     lease_expires_at = NULL, updated_at = :now, completed_at = :completed_at
 WHERE key = :key"""
 
+#: The same, only while the lease is still this owner's (a late give-back never ends
+#: another delivery's run).
+END_OWN_OPERATION = END_OPERATION + " AND lease_owner = :owner"
+
 START_SIDE_EFFECT = """
 INSERT INTO side_effects (operation_id, name, state, created_at)
 VALUES (:operation_id, :name, 'started', :now)
