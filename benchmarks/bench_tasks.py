@@ -1,4 +1,10 @@
-"""The two tasks task_overhead.py compares: the same provider call, plain and budgeted."""
+"""The tasks the benchmarks run in a real worker (``-I benchmarks.bench_tasks``).
+
+``bench.plain`` and ``bench.budgeted`` make the same provider call, plain and budgeted
+(overhead and replay figures). ``bench.cheap`` is a BudgetTask with no provider call:
+it reserves a tiny estimate, records a usage and settles (four ledger transactions), so
+10,000 of them fit in the memory figure's time.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ REQUEST: dict[str, Any] = {
 
 
 @app.task(name="bench.plain")
-def plain(n: int) -> int:
+def plain(n: str) -> int:
     sent = openai_chat(client(), key=f"plain:{n}", store_for_lookup=False, **REQUEST)
     return sent.cost or 0
 
@@ -30,7 +36,7 @@ def plain(n: int) -> int:
     idempotency_key=lambda n: f"budgeted:{n}",
     estimate_cost=lambda n: 1_000,
 )
-def budgeted(self: BudgetTask, n: int) -> int:
+def budgeted(self: BudgetTask, n: str) -> int:
     sent = openai_chat(
         client(),
         key=self.attempt.key,
@@ -40,3 +46,16 @@ def budgeted(self: BudgetTask, n: int) -> int:
     )
     self.attempt.record(sent)
     return sent.cost or 0
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    name="bench.cheap",
+    budget="bench",
+    idempotency_key=lambda n: f"cheap:{n}",
+    estimate_cost=lambda n: 10,
+)
+def cheap(self: BudgetTask, n: str) -> int:
+    self.attempt.record_usage(7)
+    return 7

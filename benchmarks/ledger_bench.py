@@ -19,6 +19,8 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import psycopg
@@ -35,21 +37,21 @@ TARGET = 0.8
 WARMUP_S = 2.0
 
 
-def start_together(released: float, seconds: float) -> float:
+def start_together(released: float, seconds: float, warmup: float = WARMUP_S) -> float:
     """Wait out the warm-up so every process measures the same window; its deadline.
 
     ``released`` is when the barrier let this process go, the same instant for all.
     """
-    time.sleep(max(0.0, released + WARMUP_S - time.time()))
-    return released + WARMUP_S + seconds
+    time.sleep(max(0.0, released + warmup - time.time()))
+    return released + warmup + seconds
 
 
-def library_worker(url: str, tag: str, seconds: float) -> int:
+def library_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> int:
     released = time.time()
     ledger = Ledger(url)
     ledger.reserve("hot", f"{tag}-warm", 1)  # connect, cache the budget chain and period
     done = 0
-    deadline = start_together(released, seconds)
+    deadline = start_together(released, seconds, warmup)
     while time.time() < deadline:
         key = f"{tag}-{done}"
         ledger.reserve("hot", key, 1_000)
@@ -60,7 +62,7 @@ def library_worker(url: str, tag: str, seconds: float) -> int:
     return done
 
 
-def raw_worker(url: str, tag: str, seconds: float) -> int:
+def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> int:
     released = time.time()
     conn = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"))
     budget_id, period_id = conn.execute(
@@ -69,7 +71,7 @@ def raw_worker(url: str, tag: str, seconds: float) -> int:
     ).fetchone()
     conn.commit()
     done = 0
-    deadline = start_together(released, seconds)
+    deadline = start_together(released, seconds, warmup)
     while time.time() < deadline:
         key = f"{tag}-{done}"
         now = datetime.now(UTC)
@@ -124,10 +126,71 @@ def raw_worker(url: str, tag: str, seconds: float) -> int:
     return done
 
 
-def measure(url: str, worker: object, procs: int, seconds: float) -> float:
+def measure(
+    url: str, worker: Callable[..., int], procs: int, seconds: float, warmup: float = WARMUP_S
+) -> float:
     tag = uuid.uuid4().hex[:8]
-    counts = race(worker, [(url, f"{tag}-{i}", seconds) for i in range(procs)])  # type: ignore[arg-type]
-    return sum(counts) / seconds
+    counts = race(worker, [(url, f"{tag}-{i}", seconds, warmup) for i in range(procs)])
+    return float(sum(counts)) / seconds
+
+
+@dataclass
+class LedgerRow:
+    """One process count: the medians of the rounds, and every round."""
+
+    procs: int
+    raw: float
+    ledger: float
+    raw_rounds: list[float]
+    ledger_rounds: list[float]
+
+    @property
+    def ratio(self) -> float:
+        return self.ledger / self.raw
+
+
+@dataclass
+class LedgerResult:
+    rows: list[LedgerRow]
+    audit: list[str]
+
+
+def run(
+    admin_url: str = ADMIN_URL,
+    *,
+    procs: list[int],
+    seconds: float,
+    rounds: int,
+    warmup: float = WARMUP_S,
+    report: Callable[[LedgerRow], None] | None = None,
+) -> LedgerResult:
+    """Both cycles on a scratch database, alternating, for each process count."""
+    name = f"bt_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    url = admin_url.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+    url += "/" + name
+    try:
+        ledger = Ledger(url)
+        ledger.create_schema()
+        ledger.create_budget("hot", 10**15)
+        ledger.balance("hot")  # opens the period row the raw cycle uses
+        rows = []
+        for n in procs:
+            raw, lib = [], []
+            for _ in range(rounds):
+                raw.append(measure(url, raw_worker, n, seconds, warmup))
+                lib.append(measure(url, library_worker, n, seconds, warmup))
+            row = LedgerRow(n, statistics.median(raw), statistics.median(lib), raw, lib)
+            rows.append(row)
+            if report is not None:
+                report(row)
+        audit = [str(finding) for finding in ledger.audit()]
+        ledger.dispose()
+        return LedgerResult(rows, audit)
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def main() -> int:
@@ -137,39 +200,20 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
-    name = f"bt_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    url = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + "/" + name
-    try:
-        ledger = Ledger(url)
-        ledger.create_schema()
-        ledger.create_budget("hot", 10**15)
-        ledger.balance("hot")  # opens the period row the raw cycle uses
-        ledger.dispose()
-        print(
-            f"machine: {platform.machine()}, {os.cpu_count()} cores, "
-            f"Python {platform.python_version()}, PostgreSQL at {ADMIN_URL.rsplit('@', 1)[-1]}"
-        )
-        print(f"{'processes':>9}  {'raw psycopg':>12}  {'Ledger':>12}  {'ratio':>6}")
-        worst = None
-        for procs in args.procs:
-            raw, lib = [], []
-            for _ in range(args.rounds):
-                raw.append(measure(url, raw_worker, procs, args.seconds))
-                lib.append(measure(url, library_worker, procs, args.seconds))
-            base, ours = statistics.median(raw), statistics.median(lib)
-            ratio = ours / base
-            worst = ratio if worst is None else min(worst, ratio)
-            print(f"{procs:>9}  {base:>10.0f}/s  {ours:>10.0f}/s  {ratio:>6.2f}", flush=True)
-        audit = Ledger(url).audit()
-        print(f"audit after the run: {audit or 'clean'}")
-        met = worst is not None and worst >= TARGET
-        print(f"target: Ledger >= {TARGET} x raw: {'met' if met else 'NOT met'}")
-        return 0 if not audit else 1
-    finally:
-        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, PostgreSQL at {ADMIN_URL.rsplit('@', 1)[-1]}"
+    )
+    print(f"{'processes':>9}  {'raw psycopg':>12}  {'Ledger':>12}  {'ratio':>6}")
+
+    def show(row: LedgerRow) -> None:
+        print(f"{row.procs:>9}  {row.raw:>10.0f}/s  {row.ledger:>10.0f}/s  {row.ratio:>6.2f}")
+
+    result = run(procs=args.procs, seconds=args.seconds, rounds=args.rounds, report=show)
+    print(f"audit after the run: {'; '.join(result.audit) or 'clean'}")
+    met = bool(result.rows) and min(r.ratio for r in result.rows) >= TARGET
+    print(f"target: Ledger >= {TARGET} x raw: {'met' if met else 'NOT met'}")
+    return 0 if not result.audit else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ worker settings, in one run: throughput ratio and added median latency.
 
 Needs PostgreSQL (ledger) and Redis (broker, results) on 127.0.0.1; the provider is the
 fake provider in this process. Both kinds alternate in rounds so machine load affects
-both alike.
+both alike. ``services()`` and the helpers below are shared with ``run_all.py``.
 """
 
 from __future__ import annotations
@@ -18,14 +18,19 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import redis
 from celery import Celery
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 from budget_tasks import Ledger  # noqa: E402
 from budget_tasks.testing import FakeProvider  # noqa: E402
@@ -34,27 +39,150 @@ from tests.workers import Worker  # noqa: E402
 ADMIN_URL = os.environ.get(
     "BUDGET_TASKS_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
 )
+REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 REDIS_DB = 10
 TARGET = 0.85
+RESULT_TIMEOUT = 300.0
+
+
+@dataclass
+class Services:
+    """A scratch ledger database, a flushed Redis database, the fake provider, a client
+    app, and the workers started on them (stopped when the ``services()`` block ends)."""
+
+    app: Celery
+    ledger: Ledger
+    ledger_url: str
+    fake: FakeProvider
+    env: dict[str, str]
+    log_dir: Path
+    workers: list[Worker] = field(default_factory=list)
+
+    def start_worker(self, name: str, concurrency: int) -> Worker:
+        worker = Worker(
+            self.env,
+            f"{name}-{uuid.uuid4().hex[:6]}",
+            self.log_dir,
+            concurrency,
+            include="benchmarks.bench_tasks",
+        )
+        self.workers.append(worker)
+        return worker.wait_ready()
+
+    def stop_workers(self) -> None:
+        while self.workers:
+            self.workers.pop().stop()
+
+
+@contextmanager
+def services(admin_url: str = ADMIN_URL, redis_db: int = REDIS_DB) -> Iterator[Services]:
+    db = f"bt_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{db}"')
+    ledger_url = admin_url.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+    ledger_url += f"/{db}"
+    broker = f"redis://{REDIS_HOST}:{REDIS_PORT}/{redis_db}"
+    redis.Redis(REDIS_HOST, REDIS_PORT, db=redis_db).flushdb()
+    ledger = Ledger(ledger_url)
+    stack = None
+    try:
+        ledger.create_schema()
+        ledger.create_budget("bench", 10**14)
+        with FakeProvider() as fake, tempfile.TemporaryDirectory() as tmp:
+            # TCP_NODELAY, as a real provider's front end has: without it every answer
+            # (headers, then body: two writes) waits ~40 ms for the client's delayed ACK,
+            # a stall that would dominate every figure here. This instance only.
+            fake._server.RequestHandlerClass.disable_nagle_algorithm = True
+            env = {
+                **{k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))},
+                "CELERY_BROKER_URL": broker,
+                "CELERY_RESULT_BACKEND": broker,
+                "BUDGET_TASKS_LEDGER_URL": ledger_url,
+                "BUDGET_TASKS_HOME": tmp,
+                "OPENAI_BASE_URL": fake.openai_base_url,
+            }
+            app = Celery("bench-client", broker=broker, backend=broker, set_as_current=False)
+            app.conf.broker_connection_retry_on_startup = True
+            stack = Services(app, ledger, ledger_url, fake, env, Path(tmp))
+            try:
+                yield stack
+            finally:
+                stack.stop_workers()
+                app.close()
+    finally:
+        ledger.dispose()
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        redis.Redis(REDIS_HOST, REDIS_PORT, db=redis_db).flushdb()
+
+
+def run_all_of(app: Celery, name: str, keys: Sequence[str]) -> tuple[float, list[Any]]:
+    """Send one task per key at once and wait for every result: (seconds, results)."""
+    started = time.perf_counter()
+    pending = [app.send_task(name, args=[key]) for key in keys]
+    results = [r.get(timeout=RESULT_TIMEOUT) for r in pending]
+    return time.perf_counter() - started, results
 
 
 def throughput(app: Celery, name: str, tasks: int) -> float:
     tag = uuid.uuid4().hex[:8]
+    seconds, _ = run_all_of(app, name, [f"{tag}-{n}" for n in range(tasks)])
+    return tasks / seconds
+
+
+def latency(app: Celery, name: str, key: str) -> tuple[float, Any]:
+    """Enqueue to result for one task alone: (seconds, result)."""
     started = time.perf_counter()
-    results = [app.send_task(name, args=[f"{tag}-{n}"]) for n in range(tasks)]
-    for r in results:
-        r.get(timeout=300)
-    return tasks / (time.perf_counter() - started)
+    result = app.send_task(name, args=[key]).get(timeout=60)
+    return time.perf_counter() - started, result
 
 
 def latencies(app: Celery, name: str, count: int) -> list[float]:
     tag = uuid.uuid4().hex[:8]
-    out = []
-    for n in range(count):
-        started = time.perf_counter()
-        app.send_task(name, args=[f"{tag}-lat-{n}"]).get(timeout=60)
-        out.append(time.perf_counter() - started)
-    return out
+    return [latency(app, name, f"{tag}-lat-{n}")[0] for n in range(count)]
+
+
+@dataclass
+class OverheadResult:
+    """Tasks/s per round and latency samples (s), plain and BudgetTask."""
+
+    plain_tp: list[float]
+    budget_tp: list[float]
+    plain_lat: list[float]
+    budget_lat: list[float]
+
+    @property
+    def plain(self) -> float:
+        return statistics.median(self.plain_tp)
+
+    @property
+    def budgeted(self) -> float:
+        return statistics.median(self.budget_tp)
+
+    @property
+    def plain_ms(self) -> float:
+        return statistics.median(self.plain_lat) * 1e3
+
+    @property
+    def budgeted_ms(self) -> float:
+        return statistics.median(self.budget_lat) * 1e3
+
+
+def run_overhead(app: Celery, *, tasks: int, rounds: int, latency_samples: int) -> OverheadResult:
+    """On a running worker: throughput rounds alternating, then latency samples
+    alternating one plain, one BudgetTask."""
+    for name in ("bench.plain", "bench.budgeted"):  # warm both paths
+        throughput(app, name, min(20, tasks))
+    plain_tp, budget_tp = [], []
+    for _ in range(rounds):
+        plain_tp.append(throughput(app, "bench.plain", tasks))
+        budget_tp.append(throughput(app, "bench.budgeted", tasks))
+    tag = uuid.uuid4().hex[:8]
+    plain_lat, budget_lat = [], []
+    for n in range(latency_samples):
+        plain_lat.append(latency(app, "bench.plain", f"{tag}-lat-{n}")[0])
+        budget_lat.append(latency(app, "bench.budgeted", f"{tag}-lat-{n}")[0])
+    return OverheadResult(plain_tp, budget_tp, plain_lat, budget_lat)
 
 
 def main() -> int:
@@ -65,65 +193,28 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
-    db = f"bt_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{db}"')
-    ledger_url = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    ledger_url += f"/{db}"
-    broker = f"redis://127.0.0.1:6379/{REDIS_DB}"
-    redis.Redis(db=REDIS_DB).flushdb()
-    ledger = Ledger(ledger_url)
-    ledger.create_schema()
-    ledger.create_budget("bench", 10**14)
-    worker = None
-    try:
-        with FakeProvider() as fake, tempfile.TemporaryDirectory() as tmp:
-            env = {
-                **{k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))},
-                "CELERY_BROKER_URL": broker,
-                "CELERY_RESULT_BACKEND": broker,
-                "BUDGET_TASKS_LEDGER_URL": ledger_url,
-                "BUDGET_TASKS_HOME": tmp,
-                "OPENAI_BASE_URL": fake.openai_base_url,
-            }
-            worker = Worker(
-                env, "bench", Path(tmp), args.concurrency, include="benchmarks.bench_tasks"
-            ).wait_ready()
-            app = Celery("bench-client", broker=broker, backend=broker, set_as_current=False)
-            for name in ("bench.plain", "bench.budgeted"):  # warm both paths
-                throughput(app, name, 20)
-            plain_tp, budget_tp = [], []
-            for _ in range(args.rounds):
-                plain_tp.append(throughput(app, "bench.plain", args.tasks))
-                budget_tp.append(throughput(app, "bench.budgeted", args.tasks))
-            plain_lat = latencies(app, "bench.plain", args.latency_samples)
-            budget_lat = latencies(app, "bench.budgeted", args.latency_samples)
-            app.close()
-        p, b = statistics.median(plain_tp), statistics.median(budget_tp)
-        pl, bl = statistics.median(plain_lat) * 1e3, statistics.median(budget_lat) * 1e3
-        print(
-            f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
-            f"{platform.python_version()}; worker prefork concurrency {args.concurrency}, "
-            "acks_late, prefetch 1, Redis broker and results, PostgreSQL ledger"
+    with services() as stack:
+        stack.start_worker("bench", args.concurrency)
+        result = run_overhead(
+            stack.app, tasks=args.tasks, rounds=args.rounds, latency_samples=args.latency_samples
         )
-        print(f"{'':>22} {'plain task':>12} {'BudgetTask':>12} {'ratio':>7}")
-        print(f"{'throughput (tasks/s)':>22} {p:>12.1f} {b:>12.1f} {b / p:>7.2f}")
-        print(
-            f"{'median latency (ms)':>22} {pl:>12.1f} {bl:>12.1f} {'+' + format(bl - pl, '.1f'):>7}"
-        )
-        audit = ledger.audit()
-        print(f"ledger audit after the run: {audit or 'clean'}")
-        print(
-            f"target: BudgetTask >= {TARGET} x plain throughput: "
-            f"{'met' if b / p >= TARGET else 'NOT met'}"
-        )
-        return 0 if not audit else 1
-    finally:
-        if worker is not None:
-            worker.stop()
-        ledger.dispose()
-        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        audit = stack.ledger.audit()
+    p, b = result.plain, result.budgeted
+    pl, bl = result.plain_ms, result.budgeted_ms
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}; worker prefork concurrency {args.concurrency}, "
+        "acks_late, prefetch 1, Redis broker and results, PostgreSQL ledger"
+    )
+    print(f"{'':>22} {'plain task':>12} {'BudgetTask':>12} {'ratio':>7}")
+    print(f"{'throughput (tasks/s)':>22} {p:>12.1f} {b:>12.1f} {b / p:>7.2f}")
+    print(f"{'median latency (ms)':>22} {pl:>12.1f} {bl:>12.1f} {'+' + format(bl - pl, '.1f'):>7}")
+    print(f"ledger audit after the run: {audit or 'clean'}")
+    print(
+        f"target: BudgetTask >= {TARGET} x plain throughput: "
+        f"{'met' if b / p >= TARGET else 'NOT met'}"
+    )
+    return 0 if not audit else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,635 @@
+"""Every benchmark in one run, each figure beside its baseline measured in the same run;
+prints a table and rewrites benchmarks/RESULTS.md.
+
+    make bench                       # = .venv/bin/python -m benchmarks
+    .venv/bin/python -m benchmarks [--quick] [--output PATH] [--json PATH] [--redis-db N]
+
+1. Ledger reserve + mark sending + settle cycles/s against the same cycle in raw SQL,
+   8 and 32 processes on one hot budget (ledger_bench.py).
+2. BudgetTask against a plain Celery task making the same provider call: throughput and
+   median enqueue-to-result latency through a real ``celery worker`` (task_overhead.py).
+3. Replay: a message whose business key already completed (the ledger returns the
+   stored result, no provider call) against a fresh plain task and against the first run.
+4. Worker memory: VmRSS of the pool children after 10,000 BudgetTask tasks against after
+   1,000 (a ratio near 1 means no leak).
+
+Needs PostgreSQL (scratch databases, user postgres on 127.0.0.1:5432, or env
+BUDGET_TASKS_TEST_PG_URL) and Redis on 127.0.0.1:6379 (database 10, flushed). The machine
+is shared and noisy: compare the ratios, not the absolute figures, between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import celery  # noqa: E402
+import psycopg  # noqa: E402
+import redis  # noqa: E402
+
+from benchmarks import ledger_bench, task_overhead  # noqa: E402
+from benchmarks.task_overhead import Services, latency, run_all_of, services  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    ledger_procs: tuple[int, ...]
+    ledger_seconds: float
+    ledger_rounds: int
+    ledger_warmup: float
+    tasks: int  # per throughput round
+    rounds: int
+    latency_samples: int
+    replay_samples: int
+    replay_tasks: int
+    memory_checkpoints: tuple[int, int]
+    memory_batch: int
+    concurrency: int
+
+
+FULL = Sizes(
+    ledger_procs=(8, 32),
+    ledger_seconds=5.0,
+    ledger_rounds=2,
+    ledger_warmup=2.0,
+    tasks=300,
+    rounds=2,
+    latency_samples=60,
+    replay_samples=60,
+    replay_tasks=300,
+    memory_checkpoints=(1_000, 10_000),
+    memory_batch=500,
+    concurrency=2,
+)
+QUICK = Sizes(
+    ledger_procs=(2,),
+    ledger_seconds=0.5,
+    ledger_rounds=1,
+    ledger_warmup=0.5,
+    tasks=10,
+    rounds=1,
+    latency_samples=3,
+    replay_samples=3,
+    replay_tasks=10,
+    memory_checkpoints=(20, 100),
+    memory_batch=50,
+    concurrency=2,
+)
+
+
+@dataclass
+class Figure:
+    """One measured figure beside its baseline; ``ratio`` is measured / baseline."""
+
+    section: int
+    what: str
+    unit: str
+    baseline_name: str
+    baseline: float
+    name: str
+    value: float
+    reading: str
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.baseline
+
+
+@dataclass
+class Report:
+    sizes: Sizes
+    quick: bool
+    command: str
+    machine: dict[str, str]
+    started: datetime
+    figures: list[Figure] = field(default_factory=list)
+    notes: dict[int, list[str]] = field(default_factory=dict)
+    seconds: dict[int, float] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    total_seconds: float = 0.0
+
+    def note(self, section: int, text: str) -> None:
+        self.notes.setdefault(section, []).append(text)
+
+
+# -- the machine -----------------------------------------------------------------------
+
+
+def _proc_field(path: str, name: str) -> str | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
+    except OSError:
+        return None
+    return None
+
+
+def machine(admin_url: str) -> dict[str, str]:
+    ram_kb = _proc_field("/proc/meminfo", "MemTotal")
+    ram = f"{int(ram_kb.split()[0]) / 2**20:.1f} GiB" if ram_kb else "unknown"
+    with psycopg.connect(admin_url) as conn:
+        row = conn.execute("SHOW server_version").fetchone()
+        pg = str(row[0]) if row else "unknown"
+    info = redis.Redis(task_overhead.REDIS_HOST, task_overhead.REDIS_PORT).info("server")
+    try:
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        load = "unknown"
+    return {
+        "cpu": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown",
+        "cores": str(os.cpu_count()),
+        "ram": ram,
+        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "python": platform.python_version(),
+        "celery": celery.__version__,
+        "postgresql": pg,
+        "redis": str(info.get("redis_version", "unknown")),
+        "load average at start (1, 5, 15 min)": load,
+        "git commit": _git_commit(),
+    }
+
+
+def _git_commit() -> str:
+    head = ROOT / ".git" / "HEAD"
+    try:
+        ref = head.read_text().strip()
+        if ref.startswith("ref: "):
+            target = ROOT / ".git" / ref[5:]
+            if target.exists():
+                return target.read_text().strip()[:12]
+            for line in (ROOT / ".git" / "packed-refs").read_text().splitlines():
+                if line.endswith(ref[5:]):
+                    return line.split()[0][:12]
+            return "unknown"
+        return ref[:12]
+    except OSError:
+        return "unknown"
+
+
+def command_line() -> str:
+    """The command as typed, with paths inside the project made relative to it."""
+    words = []
+    for word in sys.orig_argv:
+        path = Path(word)
+        if path.is_absolute() and path.is_relative_to(ROOT):
+            word = str(path.relative_to(ROOT))
+        words.append(word)
+    if words[1:3] == ["-m", "benchmarks.run_all"]:
+        words[2] = "benchmarks"
+    return shlex.join(words)
+
+
+# -- the four sections -------------------------------------------------------------------
+
+
+def ledger_section(report: Report, admin_url: str) -> None:
+    s = report.sizes
+    result = ledger_bench.run(
+        admin_url,
+        procs=list(s.ledger_procs),
+        seconds=s.ledger_seconds,
+        rounds=s.ledger_rounds,
+        warmup=s.ledger_warmup,
+        report=lambda row: print(
+            f"  ledger, {row.procs} processes: raw {row.raw:.0f}/s, Ledger {row.ledger:.0f}/s",
+            flush=True,
+        ),
+    )
+    for row in result.rows:
+        report.figures.append(
+            Figure(
+                1,
+                f"reserve+settle cycles, {row.procs} processes, one hot budget",
+                "cycles/s",
+                "raw SQL",
+                row.raw,
+                "Ledger",
+                row.ledger,
+                "higher is better; target >= 0.8",
+            )
+        )
+        raw = ", ".join(f"{v:.0f}" for v in row.raw_rounds)
+        lib = ", ".join(f"{v:.0f}" for v in row.ledger_rounds)
+        report.note(1, f"{row.procs} processes, each round (cycles/s): raw {raw}; Ledger {lib}")
+    report.note(1, f"ledger audit after the run: {'; '.join(result.audit) or 'clean'}")
+    report.problems += [f"ledger bench audit: {finding}" for finding in result.audit]
+
+
+def overhead_section(report: Report, stack: Services) -> None:
+    s = report.sizes
+    result = task_overhead.run_overhead(
+        stack.app, tasks=s.tasks, rounds=s.rounds, latency_samples=s.latency_samples
+    )
+    report.figures += [
+        Figure(
+            2,
+            "task throughput, same provider call",
+            "tasks/s",
+            "plain task",
+            result.plain,
+            "BudgetTask",
+            result.budgeted,
+            "higher is better; target >= 0.85",
+        ),
+        Figure(
+            2,
+            "median latency, enqueue to result",
+            "ms",
+            "plain task",
+            result.plain_ms,
+            "BudgetTask",
+            result.budgeted_ms,
+            "lower is better",
+        ),
+    ]
+    plain = ", ".join(f"{v:.1f}" for v in result.plain_tp)
+    budgeted = ", ".join(f"{v:.1f}" for v in result.budget_tp)
+    report.note(2, f"each round (tasks/s): plain {plain}; BudgetTask {budgeted}")
+    report.note(
+        2,
+        f"BudgetTask adds {result.budgeted_ms - result.plain_ms:+.1f} ms median latency "
+        f"({len(result.plain_lat)} samples each, alternating)",
+    )
+
+
+def replay_section(report: Report, stack: Services) -> None:
+    s = report.sizes
+    app = stack.app
+    tag = uuid.uuid4().hex[:8]
+    plain_lat, first_lat, replay_lat = [], [], []
+    mismatches = 0
+    for n in range(s.replay_samples):
+        plain_lat.append(latency(app, "bench.plain", f"{tag}-lat-{n}")[0])
+        took, first = latency(app, "bench.budgeted", f"{tag}-lat-{n}")
+        first_lat.append(took)
+        took, again = latency(app, "bench.budgeted", f"{tag}-lat-{n}")  # the same key
+        replay_lat.append(took)
+        mismatches += again != first
+    keys = [f"{tag}-tp-{n}" for n in range(s.replay_tasks)]
+    first_s, firsts = run_all_of(app, "bench.budgeted", keys)
+    plain_s, _ = run_all_of(app, "bench.plain", [f"{tag}-tp-{n}" for n in range(s.replay_tasks)])
+    replay_s, replays = run_all_of(app, "bench.budgeted", keys)
+    mismatches += sum(a != b for a, b in zip(firsts, replays, strict=True))
+    prefix = f"budgeted:{tag}-"
+    sends = sum(1 for r in stack.fake.served() if (r.idempotency_key or "").startswith(prefix))
+    resent = sends - (s.replay_samples + s.replay_tasks)
+    ms = 1e3
+    report.figures += [
+        Figure(
+            3,
+            "median latency of a replayed delivery",
+            "ms",
+            "plain task, fresh",
+            statistics.median(plain_lat) * ms,
+            "BudgetTask replay",
+            statistics.median(replay_lat) * ms,
+            "lower is better",
+        ),
+        Figure(
+            3,
+            "median latency of a replayed delivery",
+            "ms",
+            "BudgetTask, first run",
+            statistics.median(first_lat) * ms,
+            "BudgetTask replay",
+            statistics.median(replay_lat) * ms,
+            "lower is better",
+        ),
+        Figure(
+            3,
+            "replay throughput",
+            "tasks/s",
+            "plain task, fresh",
+            s.replay_tasks / plain_s,
+            "BudgetTask replay",
+            s.replay_tasks / replay_s,
+            "higher is better",
+        ),
+    ]
+    first_tp = s.replay_tasks / first_s
+    report.note(3, f"first runs of the {s.replay_tasks} throughput keys: {first_tp:.1f} tasks/s")
+    report.note(
+        3,
+        f"provider calls made by the {s.replay_samples + s.replay_tasks} replays: {resent}; "
+        f"replayed results differing from the first run's: {mismatches}",
+    )
+    if resent or mismatches:
+        report.problems.append(f"replays resent {resent} calls, {mismatches} results differ")
+
+
+def rss_kib(pid: int, name: str = "VmRSS") -> int:
+    """A memory field of a process (VmRSS, RssAnon), in KiB, from /proc/<pid>/status."""
+    value = _proc_field(f"/proc/{pid}/status", name)
+    if value is None:
+        raise RuntimeError(f"no {name} for process {pid}")
+    return int(value.split()[0])
+
+
+def memory_section(report: Report, stack: Services) -> None:
+    s = report.sizes
+    worker = stack.start_worker("bench-mem", s.concurrency)
+    children = sorted(worker.children())
+    at_start = {pid: rss_kib(pid) for pid in children}
+    tag = uuid.uuid4().hex[:8]
+    done = 0
+    readings: dict[int, dict[int, int]] = {}
+    anon: dict[int, dict[int, int]] = {}
+    started = time.perf_counter()
+    for checkpoint in s.memory_checkpoints:
+        while done < checkpoint:
+            batch = [f"{tag}-{n}" for n in range(done, min(done + s.memory_batch, checkpoint))]
+            run_all_of(stack.app, "bench.cheap", batch)
+            done += len(batch)
+        pids = sorted(worker.children())
+        readings[checkpoint] = {pid: rss_kib(pid) for pid in pids}
+        anon[checkpoint] = {pid: rss_kib(pid, "RssAnon") for pid in pids}
+        print(f"  memory: {done} tasks, pool children VmRSS {readings[checkpoint]} KiB", flush=True)
+    took = time.perf_counter() - started
+    first, last = s.memory_checkpoints
+    before, after = sum(readings[first].values()), sum(readings[last].values())
+    report.figures.append(
+        Figure(
+            4,
+            f"worker pool RSS (VmRSS, {len(children)} children summed), BudgetTask",
+            "MiB",
+            f"after {first:,} tasks",
+            before / 1024,
+            f"after {last:,} tasks",
+            after / 1024,
+            "about 1: no leak",
+        )
+    )
+
+    def kib(values: dict[int, int]) -> str:
+        return ", ".join(str(v) for v in values.values())
+
+    report.note(
+        4,
+        f"VmRSS per pool child (KiB): at start {kib(at_start)}; after {first:,}: "
+        f"{kib(readings[first])}; after {last:,}: {kib(readings[last])}",
+    )
+    report.note(
+        4,
+        f"RssAnon per pool child (KiB): after {first:,}: {kib(anon[first])}; "
+        f"after {last:,}: {kib(anon[last])}",
+    )
+    per_task = (after - before) * 1024 / (last - first)
+    report.note(4, f"VmRSS growth between the two readings: {per_task:+.1f} bytes per task")
+    report.note(4, f"{last:,} tasks in {took:.0f} s ({last / took:.0f} tasks/s)")
+    if set(readings[first]) != set(children) or set(readings[last]) != set(children):
+        report.problems.append("a pool child was replaced during the memory run")
+        report.note(4, "a pool child was replaced during the run: the ratio is not valid")
+    worker.stop()
+    stack.workers.remove(worker)
+
+
+# -- output ------------------------------------------------------------------------------
+
+
+def _num(value: float) -> str:
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.1f}"
+
+
+def table(figures: list[Figure]) -> str:
+    head = ("#", "figure", "unit", "baseline", "value", "measured", "value", "ratio")
+    rows = [
+        (
+            str(f.section),
+            f.what,
+            f.unit,
+            f.baseline_name,
+            _num(f.baseline),
+            f.name,
+            _num(f.value),
+            f"{f.ratio:.2f}",
+        )
+        for f in figures
+    ]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    right = {4, 6, 7}
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, rows)])
+
+
+SECTIONS = {
+    1: (
+        "Ledger: reserve + mark sending + settle, one hot budget",
+        "Each process runs the cycle a BudgetTask runs per billable call (reserve: "
+        "conditional UPDATE of the period row, attempt row, hold journal entry, COMMIT; "
+        "mark sending, COMMIT; settle: lock the attempt, apply the actual, charge journal "
+        "entry, resolve, COMMIT) on one budget, through `Ledger` and as the same "
+        "statements in the same three transactions written by hand with psycopg. The two "
+        "alternate in rounds (the median is shown); every process measures the same window "
+        "after a warm-up.",
+    ),
+    2: (
+        "BudgetTask vs a plain Celery task, the same provider call",
+        "One real `celery worker` (prefork, acks_late, prefetch 1), Redis broker and result "
+        "backend, PostgreSQL ledger, the fake provider over HTTP through the official "
+        "openai SDK; the fake answers at once, with TCP_NODELAY set (without it, each "
+        "answer waits ~40 ms for a delayed ACK, which hid most of the overhead in earlier "
+        "figures), so the ratios show the bookkeeping against the cheapest possible call: "
+        "against a real provider call of hundreds of milliseconds, read the added "
+        "milliseconds instead. Throughput: a batch sent at once, until every result is "
+        "back; plain and BudgetTask rounds alternate. Latency: one task at a time, enqueue to "
+        "result, alternating. `bench.budgeted` makes six short ledger transactions per "
+        "task: operation lease, reserve, mark sending, the provider's request id and "
+        "response id as they arrive (for reconciliation), settle + store the result.",
+    ),
+    3: (
+        "Replay of a delivery whose business key already completed",
+        "The same worker. Each sample sends a plain task, a BudgetTask (first run), then "
+        "the BudgetTask again with the same arguments: its business key completed, so the "
+        "ledger returns the stored result with no reservation and no provider call. This "
+        "is what a redelivered message costs (the key comes from the arguments, not the "
+        "task id). Throughput: a batch of keys run once, a batch of plain tasks, then "
+        "the same keys again.",
+    ),
+    4: (
+        "Worker memory over many BudgetTask tasks",
+        "A fresh worker runs `bench.cheap`, a BudgetTask that reserves a tiny estimate, "
+        "records a usage and settles without a provider call (the full ledger flow), sent "
+        "in batches; VmRSS of its pool children is read from /proc/<pid>/status at each "
+        "checkpoint (RssAnon, the private heap part, is in the notes). The children must "
+        "be the same processes at both readings.",
+    ),
+}
+
+
+def markdown(report: Report) -> str:
+    m = report.machine
+    out = [
+        "# Benchmark results",
+        "",
+        "Generated by `benchmarks/run_all.py`; do not edit by hand. Every figure is beside",
+        "its baseline measured in the same run (ratio = measured / baseline): the machine",
+        "is shared, so compare ratios between runs, not absolute figures.",
+        "",
+        f"- Command: `{report.command}`" + (" (via `make bench`)" if _via_make() else ""),
+        f"- Date: {report.started:%Y-%m-%d %H:%M} UTC; the run took "
+        f"{report.total_seconds / 60:.1f} min"
+        + (" (**--quick smoke run: tiny sizes, not figures**)" if report.quick else ""),
+        f"- CPU: {m['cpu']}, {m['cores']} cores; RAM {m['ram']}; {m['os']}",
+        f"- Python {m['python']}, Celery {m['celery']}, PostgreSQL {m['postgresql']}, "
+        f"Redis {m['redis']} (both on 127.0.0.1)",
+        f"- Load average at start: {m['load average at start (1, 5, 15 min)']}; "
+        f"HEAD at run time {m['git commit']}",
+        "",
+        "Re-run with `make bench` (about 5 minutes; `.venv/bin/python -m benchmarks --quick`",
+        "is a smoke run). It needs PostgreSQL on 127.0.0.1:5432 (scratch databases) and",
+        "Redis on 127.0.0.1:6379 (database 10, flushed).",
+        "",
+        "## Summary",
+        "",
+        "| # | figure | baseline | value | measured | value | ratio | reading |",
+        "|---|---|---|--:|---|--:|--:|---|",
+    ]
+    for f in report.figures:
+        out.append(
+            f"| {f.section} | {f.what} ({f.unit}) | {f.baseline_name} | {_num(f.baseline)} "
+            f"| {f.name} | {_num(f.value)} | {f.ratio:.2f} | {f.reading} |"
+        )
+    if report.problems:
+        out += ["", "**Problems found in this run:**", ""]
+        out += [f"- {p}" for p in report.problems]
+    for section, (title, text) in SECTIONS.items():
+        out += ["", f"## {section}. {title}", ""]
+        out += _wrap(text)
+        took = report.seconds.get(section)
+        if section in report.notes or took is not None:
+            out.append("")
+        out += [f"- {n}" for n in report.notes.get(section, [])]
+        if took is not None:
+            out.append(f"- section time: {took:.0f} s")
+    s = report.sizes
+    out += [
+        "",
+        "## Sizes",
+        "",
+        f"ledger: {', '.join(map(str, s.ledger_procs))} processes, {s.ledger_seconds:g} s "
+        f"x {s.ledger_rounds} rounds after {s.ledger_warmup:g} s warm-up; tasks: "
+        f"{s.tasks} per throughput round x {s.rounds}, {s.latency_samples} latency "
+        f"samples; replay: {s.replay_samples} samples, {s.replay_tasks} throughput "
+        f"tasks; memory: checkpoints {s.memory_checkpoints[0]} and "
+        f"{s.memory_checkpoints[1]}, batches of {s.memory_batch}; worker concurrency "
+        f"{s.concurrency}.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _wrap(text: str, width: int = 88) -> list[str]:
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return [*lines, line] if line else lines
+
+
+def _via_make() -> bool:
+    return "MAKELEVEL" in os.environ
+
+
+def as_json(report: Report) -> dict[str, Any]:
+    return {
+        "command": report.command,
+        "quick": report.quick,
+        "date": report.started.isoformat(),
+        "total_seconds": report.total_seconds,
+        "machine": report.machine,
+        "sizes": asdict(report.sizes),
+        "figures": [{**asdict(f), "ratio": f.ratio} for f in report.figures],
+        "notes": {str(k): v for k, v in report.notes.items()},
+        "section_seconds": {str(k): v for k, v in report.seconds.items()},
+        "problems": report.problems,
+    }
+
+
+# -- main --------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=(__doc__ or "").splitlines()[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="the markdown report")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
+    parser.add_argument("--redis-db", type=int, default=task_overhead.REDIS_DB)
+    args = parser.parse_args(argv)
+
+    admin_url = ledger_bench.ADMIN_URL
+    report = Report(
+        sizes=QUICK if args.quick else FULL,
+        quick=args.quick,
+        command=command_line(),
+        machine=machine(admin_url),
+        started=datetime.now(UTC),
+    )
+    begun = time.perf_counter()
+
+    def timed(section: int, fn: Callable[[], None]) -> None:
+        print(f"[{section}] {SECTIONS[section][0]}", flush=True)
+        t0 = time.perf_counter()
+        fn()
+        report.seconds[section] = time.perf_counter() - t0
+
+    timed(1, lambda: ledger_section(report, admin_url))
+    with services(admin_url, args.redis_db) as stack:
+        stack.start_worker("bench", report.sizes.concurrency)
+        timed(2, lambda: overhead_section(report, stack))
+        timed(3, lambda: replay_section(report, stack))
+        stack.stop_workers()
+        timed(4, lambda: memory_section(report, stack))
+        audit = stack.ledger.audit()
+    report.note(4, f"ledger audit after sections 2-4: {audit or 'clean'}")
+    report.problems += [f"task ledger audit: {finding}" for finding in audit]
+    report.total_seconds = time.perf_counter() - begun
+
+    print()
+    print(table(report.figures))
+    for problem in report.problems:
+        print(f"PROBLEM: {problem}")
+    print(f"\n{len(report.figures)} figures in {report.total_seconds:.0f} s", end="")
+    args.output.write_text(markdown(report))
+    print(f"; wrote {args.output}", end="")
+    if args.json:
+        args.json.write_text(json.dumps(as_json(report), indent=2))
+        print(f" and {args.json}", end="")
+    print()
+    return 1 if report.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The benchmark runner (``python -m benchmarks``, what ``make bench`` runs) works end to
+end in its --quick mode: every section ran and every figure has a positive ratio. No
+timing is asserted: the sizes are tiny and the machine is shared."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..services import check_postgres, check_redis
+
+ROOT = Path(__file__).resolve().parents[2]
+REDIS_DB = 13  # not 10 (a full `make bench`), 9, 11 or 12 (other tests)
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis]
+
+
+def test_quick_run_reports_every_section(tmp_path: Path) -> None:
+    check_postgres()
+    check_redis()
+    report, figures = tmp_path / "RESULTS.md", tmp_path / "results.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--quick",
+            f"--output={report}",
+            f"--json={figures}",
+            f"--redis-db={REDIS_DB}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    text = report.read_text()
+    for heading in ("## Summary", "## 1. ", "## 2. ", "## 3. ", "## 4. ", "## Sizes"):
+        assert re.search(f"^{re.escape(heading)}", text, re.MULTILINE), heading
+    assert "--quick" in text  # the exact command that made it
+    for needle in ("CPU: ", "PostgreSQL ", "Redis ", "Python "):
+        assert needle in text
+
+    data = json.loads(figures.read_text())
+    assert data["problems"] == []
+    assert {f["section"] for f in data["figures"]} == {1, 2, 3, 4}
+    for figure in data["figures"]:
+        for name in ("baseline", "value", "ratio"):
+            assert math.isfinite(figure[name]) and figure[name] > 0, figure
+        assert f"| {figure['ratio']:.2f} |" in text
