@@ -89,10 +89,6 @@ def services(admin_url: str = ADMIN_URL, redis_db: int = REDIS_DB) -> Iterator[S
         ledger.create_schema()
         ledger.create_budget("bench", 10**14)
         with FakeProvider() as fake, tempfile.TemporaryDirectory() as tmp:
-            # TCP_NODELAY, as a real provider's front end has: without it every answer
-            # (headers, then body: two writes) waits ~40 ms for the client's delayed ACK,
-            # a stall that would dominate every figure here. This instance only.
-            fake._server.RequestHandlerClass.disable_nagle_algorithm = True
             env = {
                 **{k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))},
                 "CELERY_BROKER_URL": broker,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -92,3 +94,31 @@ def test_served_counted_and_faults_planned_over_http(process: str) -> None:
     assert sorted(state["by_body"].values()) == [1, 2]
     control(process, "reset", {})
     assert control(process, "state")["requests"] == []
+
+
+def test_answers_on_a_kept_alive_connection_do_not_wait_for_a_delayed_ack(process: str) -> None:
+    """TCP_NODELAY on the fake's side: an answer goes out as two writes (headers, then
+    body), and with Nagle on the second waits for the client's delayed ACK, ~40 ms on
+    every request after the first on a connection. The fastest of several requests
+    shows it: load can slow a request down, never make one skip the stall."""
+    parts = urlsplit(process)
+    body = json.dumps(
+        {
+            "model": "gpt-4o-mini",
+            "max_completion_tokens": 16,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+    )
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=5)
+    took = []
+    try:
+        for _ in range(8):
+            started = time.perf_counter()
+            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            assert response.status == 200
+            response.read()
+            took.append(time.perf_counter() - started)
+    finally:
+        conn.close()
+    assert min(took[1:]) < 0.02, [round(t * 1e3, 1) for t in took]
