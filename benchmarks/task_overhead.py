@@ -1,11 +1,12 @@
 """BudgetTask against a plain Celery task making the same provider call, on the same
 worker settings, in one run: throughput ratio and added median latency.
 
-    .venv/bin/python benchmarks/task_overhead.py [--tasks 300] [--concurrency 2]
+    .venv/bin/python benchmarks/task_overhead.py [--tasks 300] [--concurrency 2] [--delay S]
 
 Needs PostgreSQL (ledger) and Redis (broker, results) on 127.0.0.1; the provider is the
-fake provider in this process. Both kinds alternate in rounds so machine load affects
-both alike. ``services()`` and the helpers below are shared with ``run_all.py``.
+fake provider in this process, answering at once or, with ``--delay``, after S seconds.
+Both kinds alternate in rounds so machine load affects both alike. ``services()`` and
+the helpers below are shared with ``run_all.py``.
 """
 
 from __future__ import annotations
@@ -112,30 +113,37 @@ def services(admin_url: str = ADMIN_URL, redis_db: int = REDIS_DB) -> Iterator[S
         redis.Redis(REDIS_HOST, REDIS_PORT, db=redis_db).flushdb()
 
 
-def run_all_of(app: Celery, name: str, keys: Sequence[str]) -> tuple[float, list[Any]]:
+def _kwargs(delay: float) -> dict[str, Any]:
+    """The bench tasks' keyword arguments: ``delay`` only when there is one."""
+    return {"delay": delay} if delay else {}
+
+
+def run_all_of(
+    app: Celery, name: str, keys: Sequence[str], delay: float = 0.0
+) -> tuple[float, list[Any]]:
     """Send one task per key at once and wait for every result: (seconds, results)."""
     started = time.perf_counter()
-    pending = [app.send_task(name, args=[key]) for key in keys]
+    pending = [app.send_task(name, args=[key], kwargs=_kwargs(delay)) for key in keys]
     results = [r.get(timeout=RESULT_TIMEOUT) for r in pending]
     return time.perf_counter() - started, results
 
 
-def throughput(app: Celery, name: str, tasks: int) -> float:
+def throughput(app: Celery, name: str, tasks: int, delay: float = 0.0) -> float:
     tag = uuid.uuid4().hex[:8]
-    seconds, _ = run_all_of(app, name, [f"{tag}-{n}" for n in range(tasks)])
+    seconds, _ = run_all_of(app, name, [f"{tag}-{n}" for n in range(tasks)], delay)
     return tasks / seconds
 
 
-def latency(app: Celery, name: str, key: str) -> tuple[float, Any]:
+def latency(app: Celery, name: str, key: str, delay: float = 0.0) -> tuple[float, Any]:
     """Enqueue to result for one task alone: (seconds, result)."""
     started = time.perf_counter()
-    result = app.send_task(name, args=[key]).get(timeout=60)
+    result = app.send_task(name, args=[key], kwargs=_kwargs(delay)).get(timeout=60)
     return time.perf_counter() - started, result
 
 
-def latencies(app: Celery, name: str, count: int) -> list[float]:
+def latencies(app: Celery, name: str, count: int, delay: float = 0.0) -> list[float]:
     tag = uuid.uuid4().hex[:8]
-    return [latency(app, name, f"{tag}-lat-{n}")[0] for n in range(count)]
+    return [latency(app, name, f"{tag}-lat-{n}", delay)[0] for n in range(count)]
 
 
 @dataclass
@@ -164,20 +172,30 @@ class OverheadResult:
         return statistics.median(self.budget_lat) * 1e3
 
 
-def run_overhead(app: Celery, *, tasks: int, rounds: int, latency_samples: int) -> OverheadResult:
+def run_overhead(
+    app: Celery,
+    *,
+    tasks: int,
+    rounds: int,
+    latency_samples: int,
+    delay: float = 0.0,
+    warm: bool = True,
+) -> OverheadResult:
     """On a running worker: throughput rounds alternating, then latency samples
-    alternating one plain, one BudgetTask."""
-    for name in ("bench.plain", "bench.budgeted"):  # warm both paths
-        throughput(app, name, min(20, tasks))
+    alternating one plain, one BudgetTask; every provider call takes ``delay`` seconds
+    at the fake provider. ``warm``: first a short batch of each kind (not measured)."""
+    if warm:
+        for name in ("bench.plain", "bench.budgeted"):
+            throughput(app, name, min(20, tasks), delay)
     plain_tp, budget_tp = [], []
     for _ in range(rounds):
-        plain_tp.append(throughput(app, "bench.plain", tasks))
-        budget_tp.append(throughput(app, "bench.budgeted", tasks))
+        plain_tp.append(throughput(app, "bench.plain", tasks, delay))
+        budget_tp.append(throughput(app, "bench.budgeted", tasks, delay))
     tag = uuid.uuid4().hex[:8]
     plain_lat, budget_lat = [], []
     for n in range(latency_samples):
-        plain_lat.append(latency(app, "bench.plain", f"{tag}-lat-{n}")[0])
-        budget_lat.append(latency(app, "bench.budgeted", f"{tag}-lat-{n}")[0])
+        plain_lat.append(latency(app, "bench.plain", f"{tag}-lat-{n}", delay)[0])
+        budget_lat.append(latency(app, "bench.budgeted", f"{tag}-lat-{n}", delay)[0])
     return OverheadResult(plain_tp, budget_tp, plain_lat, budget_lat)
 
 
@@ -187,12 +205,19 @@ def main() -> int:
     parser.add_argument("--latency-samples", type=int, default=60)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--delay", type=float, default=0.0, help="seconds the fake provider takes per call"
+    )
     args = parser.parse_args()
 
     with services() as stack:
         stack.start_worker("bench", args.concurrency)
         result = run_overhead(
-            stack.app, tasks=args.tasks, rounds=args.rounds, latency_samples=args.latency_samples
+            stack.app,
+            tasks=args.tasks,
+            rounds=args.rounds,
+            latency_samples=args.latency_samples,
+            delay=args.delay,
         )
         audit = stack.ledger.audit()
     p, b = result.plain, result.budgeted
@@ -200,7 +225,8 @@ def main() -> int:
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}; worker prefork concurrency {args.concurrency}, "
-        "acks_late, prefetch 1, Redis broker and results, PostgreSQL ledger"
+        "acks_late, prefetch 1, Redis broker and results, PostgreSQL ledger; provider call "
+        f"{args.delay * 1e3:.0f} ms"
     )
     print(f"{'':>22} {'plain task':>12} {'BudgetTask':>12} {'ratio':>7}")
     print(f"{'throughput (tasks/s)':>22} {p:>12.1f} {b:>12.1f} {b / p:>7.2f}")

@@ -52,6 +52,12 @@ def test_quick_run_reports_every_section(tmp_path: Path) -> None:
     data = json.loads(figures.read_text())
     assert data["problems"] == []
     assert {f["section"] for f in data["figures"]} == {1, 2, 3, 4}
+    # section 2 twice: the call answered at once, and every call held 250 ms at the fake
+    overhead = [f["what"] for f in data["figures"] if f["section"] == 2]
+    assert len(overhead) == 4, overhead
+    assert sum("answered at once" in what for what in overhead) == 2, overhead
+    assert sum("taking 250 ms" in what for what in overhead) == 2, overhead
+    assert "calls the fake held 250 ms" in text
     for figure in data["figures"]:
         for name in ("baseline", "value", "ratio"):
             assert math.isfinite(figure[name]) and figure[name] > 0, figure
