@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from typing import Any
 
 #: The largest amount accepted in one call, in minor units (10**15 micro-USD is $1e9).
 MAX_MONEY = 10**15
 MAX_KEY_LENGTH = 255
 MAX_NAME_LENGTH = 200
+#: Row ids are BIGINT.
+MAX_ID = 2**63 - 1
 
 
 def money(value: Any, name: str = "amount", *, signed: bool = False) -> int:
@@ -36,7 +39,8 @@ def count(value: Any, name: str) -> int:
 
 
 def text(value: Any, name: str, *, max_length: int = MAX_KEY_LENGTH) -> str:
-    """Return ``value`` if it is non-empty, bounded, printable text, else raise."""
+    """Return ``value`` if it is non-empty, bounded text without NUL that encodes as
+    UTF-8, else raise."""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be str, not {type(value).__name__} ({value!r})")
     if not value.strip():
@@ -45,8 +49,48 @@ def text(value: Any, name: str, *, max_length: int = MAX_KEY_LENGTH) -> str:
         raise ValueError(f"{name} is {len(value)} characters long (at most {max_length})")
     if "\x00" in value:
         raise ValueError(f"{name} must not contain NUL characters")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{name} is not valid Unicode (a lone surrogate)") from None
     return value
 
 
 def optional_text(value: Any, name: str, *, max_length: int = MAX_KEY_LENGTH) -> str | None:
     return None if value is None else text(value, name, max_length=max_length)
+
+
+def moment(value: Any, name: str) -> datetime:
+    """Return ``value`` if it is a timezone-aware datetime, else raise (a naive one
+    would be read in the machine's local time zone)."""
+    if not isinstance(value, datetime):
+        raise TypeError(f"{name} must be a datetime, not {type(value).__name__} ({value!r})")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"{name} must be timezone-aware, got {value!r}")
+    return value
+
+
+def row_id(value: Any, name: str) -> int:
+    """Return ``value`` if it is a positive int that fits a BIGINT row id, else raise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if not 0 < value <= MAX_ID:
+        raise ValueError(f"{name} {value} is not a row id")
+    return value
+
+
+def duration(value: Any, name: str, *, allow_zero: bool = False) -> timedelta:
+    """Return ``value`` if it is a positive timedelta (or zero, with ``allow_zero``)."""
+    if not isinstance(value, timedelta):
+        raise TypeError(f"{name} must be a timedelta, not {type(value).__name__} ({value!r})")
+    if value < timedelta(0) or (value == timedelta(0) and not allow_zero):
+        raise ValueError(f"{name} must be {'' if allow_zero else 'more than '}0, got {value}")
+    return value
+
+
+def positive(value: Any, name: str) -> int:
+    """Return ``value`` if it is an int of at least 1 (a limit, a number of runs)."""
+    if count(value, name) < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return int(value)

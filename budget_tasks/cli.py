@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
@@ -71,6 +72,17 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+#: The longest --age a timedelta can hold, in seconds (about 31,000 years).
+MAX_AGE_SECONDS = 10**12
+
+
+def _duration(seconds: float) -> float:
+    """A number of seconds that is a duration: finite, not negative, in range."""
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_AGE_SECONDS):
+        raise click.BadParameter(f"{seconds} is not a duration in seconds (0 to {MAX_AGE_SECONDS})")
+    return seconds
 
 
 def _emit(as_json: bool, data: Any, render: Callable[[], str]) -> None:
@@ -232,6 +244,7 @@ def budget_unfreeze(ledger_url: str, name: str) -> None:
     type=float,
     default=900.0,
     show_default=True,
+    callback=lambda ctx, param, value: _duration(value),
     help="Seconds after which such a hold counts as stale.",
 )
 @click.option("--budget", "budget_name", default=None)

@@ -133,6 +133,9 @@ class PriceTable:
         if max_output_tokens == 0:
             raise EstimateRefused("max_output_tokens must be positive")
         texts = list(prompt)
+        for text in texts:
+            if not isinstance(text, str):
+                raise TypeError(f"prompt texts must be str, not {type(text).__name__} ({text!r})")
         input_tokens = REQUEST_OVERHEAD_TOKENS + sum(
             len(text.encode("utf-8")) + MESSAGE_OVERHEAD_TOKENS for text in texts
         )
@@ -156,9 +159,19 @@ def load_prices(path: str | Path | None = None) -> PriceTable:
 
 
 def parse_prices(data: Mapping[str, Any]) -> PriceTable:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"a price table is a JSON object, not {type(data).__name__}")
     version = check.text(data.get("version"), "price table version")
+    raw = data.get("models", {})
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"the price table's models are an object, not {type(raw).__name__}")
     models = {}
-    for name, entry in dict(data.get("models", {})).items():
+    for name, entry in raw.items():
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"the prices of {name!r} are an object, not {type(entry).__name__}")
+        for required in ("input", "output"):
+            if required not in entry:
+                raise ValueError(f"the prices of {name!r} have no {required!r} price")
         models[name] = ModelPrice(
             input=check.money(entry["input"], f"{name} input price"),
             cached_input=check.money(

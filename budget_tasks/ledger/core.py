@@ -38,6 +38,7 @@ from ..errors import (
     SettlementConflict,
     UnknownAttempt,
     UnknownBudget,
+    UnknownOperation,
 )
 from . import statements as sql
 from .engine import build_engine, transaction
@@ -311,7 +312,8 @@ class Ledger(OperationsMixin, MaintenanceMixin):
 
     def open_period(self, budget: str, at: datetime | None = None) -> Balance:
         """Open (if not yet open) the budget's period containing ``at`` (default: now)."""
-        at = self.now() if at is None else at
+        check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+        at = self.now() if at is None else check.moment(at, "at")
         budget_id, _, period = self._chain(budget)[0]
         self._period_id(budget_id, period_start(period, at))  # type: ignore[arg-type]
         return self.balance(budget, at=at)
@@ -351,6 +353,8 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         check.optional_text(fingerprint, "fingerprint")
         check.optional_text(price_version, "price_version", max_length=64)
         check.optional_text(label, "label", max_length=100)
+        if operation_id is not None:
+            check.row_id(operation_id, "operation_id")
         if reason not in ATTEMPT_REASONS:
             raise ValueError(f"reason must be one of {ATTEMPT_REASONS}, not {reason!r}")
         chain = self._chain(budget)
@@ -362,35 +366,43 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         )
         names = {budget_id: name for budget_id, name, _ in chain}
         stamp = self._driver.ts(now)
-        with self._driver.transaction() as cur:
-            # The attempt row goes first: a key that exists stops here, before any hold.
-            inserted = cur.one(
-                sql.INSERT_ATTEMPT,
-                {
-                    "key": key,
-                    "budget_id": chain[0][0],
-                    "period_id": dict(holds)[chain[0][0]],
-                    "fingerprint": fingerprint,
-                    "reason": reason,
-                    "amount": amount,
-                    "price_version": price_version,
-                    "operation_id": operation_id,
-                    "label": label,
-                    "now": stamp,
-                },
-            )
-            if inserted is None:
-                return self._existing(cur, key, budget, amount, fingerprint)
-            for _, period_id in holds:
-                _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
-            # The budget rows are the contended ones: lock them last, just before COMMIT.
-            for budget_id, period_id in holds:
-                if cur.one(sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}):
-                    continue
-                available, frozen = cur.one(sql.REFUSAL, {"period_id": period_id}) or (0, True)
-                if frozen:
-                    raise BudgetFrozen(names[budget_id])
-                raise BudgetExceeded(names[budget_id], amount, int(available))
+        try:
+            with self._driver.transaction() as cur:
+                # The attempt row goes first: a key that exists stops here, before any hold.
+                inserted = cur.one(
+                    sql.INSERT_ATTEMPT,
+                    {
+                        "key": key,
+                        "budget_id": chain[0][0],
+                        "period_id": dict(holds)[chain[0][0]],
+                        "fingerprint": fingerprint,
+                        "reason": reason,
+                        "amount": amount,
+                        "price_version": price_version,
+                        "operation_id": operation_id,
+                        "label": label,
+                        "now": stamp,
+                    },
+                )
+                if inserted is None:
+                    return self._existing(cur, key, budget, amount, fingerprint)
+                for _, period_id in holds:
+                    _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
+                # The budget rows are the contended ones: lock them last, just before COMMIT.
+                for budget_id, period_id in holds:
+                    if cur.one(
+                        sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}
+                    ):
+                        continue
+                    available, frozen = cur.one(sql.REFUSAL, {"period_id": period_id}) or (0, True)
+                    if frozen:
+                        raise BudgetFrozen(names[budget_id])
+                    raise BudgetExceeded(names[budget_id], amount, int(available))
+        except self._driver.integrity as exc:
+            if operation_id is None:
+                raise
+            # the one reference the caller gives: an operation that does not exist
+            raise UnknownOperation(f"id {operation_id}") from exc
         return Reservation(key, budget, amount, start, "reserved", reason, fingerprint, True)
 
     def _existing(
@@ -615,8 +627,9 @@ class Ledger(OperationsMixin, MaintenanceMixin):
     def balance(self, budget: str, *, at: datetime | None = None) -> Balance:
         """The budget's counters for the period containing ``at`` (default: now)."""
         check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+        at = self.now() if at is None else check.moment(at, "at")
         budget_id, name, period = self._chain(budget)[0]
-        start = period_start(period, self.now() if at is None else at)  # type: ignore[arg-type]
+        start = period_start(period, at)  # type: ignore[arg-type]
         period_id = self._period_id(budget_id, start)
         with self._driver.transaction() as cur:
             row = cur.one(sql.BALANCE, {"period_id": period_id})
@@ -668,6 +681,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         if keys is not None:
             query = query.where(attempts.c.key.in_(list(keys)))
         if older_than is not None:
+            check.duration(older_than, "older_than", allow_zero=True)
             query = query.where(attempts.c.created_at <= now - older_than)
         if budget is not None:
             query = query.where(budgets.c.name == budget)

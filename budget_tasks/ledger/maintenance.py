@@ -61,6 +61,7 @@ class MaintenanceMixin:
     def flag_stale(self: Any, older_than: timedelta) -> list[Hold]:
         """Flag, once, every hold in sending/unknown older than ``older_than``; return
         the holds flagged by this call (a concurrent call flags the others)."""
+        check.duration(older_than, "older_than", allow_zero=True)
         now = self.now()
         with transaction(self.engine) as conn:
             keys = list(
@@ -90,6 +91,9 @@ class MaintenanceMixin:
         """Claim unknown attempts due for a provider lookup, and push each one's next
         lookup back (doubling, up to ``max_backoff``). Rows another claimer holds are
         skipped, so concurrent reconcilers never look up the same attempt at once."""
+        check.positive(limit, "limit")
+        check.duration(backoff, "backoff")
+        check.duration(max_backoff, "max_backoff")
         now = self.now()
         with transaction(self.engine) as conn:
             rows = conn.execute(
@@ -116,6 +120,7 @@ class MaintenanceMixin:
 
     def operation(self: _LedgerBase, key: str) -> Operation:
         """One operation by its idempotency key."""
+        check.text(key, "idempotency key")
         with transaction(self.engine) as conn:
             r = conn.execute(select(operations).where(operations.c.key == key)).first()
         if r is None:
@@ -138,6 +143,7 @@ class MaintenanceMixin:
     def purge_operations(self: _LedgerBase, older_than: timedelta) -> int:
         """Drop the stored results and payloads of operations completed longer than
         ``older_than`` ago. Attempts and the journal are kept forever."""
+        check.duration(older_than, "older_than", allow_zero=True)
         cutoff = self.now() - older_than
         with transaction(self.engine) as conn:
             done = conn.execute(

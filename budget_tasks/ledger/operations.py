@@ -103,6 +103,9 @@ class OperationsMixin:
         check.text(key, "idempotency key")
         check.text(fingerprint, "fingerprint")
         check.text(owner, "lease owner")
+        check.duration(lease, "lease")
+        check.positive(max_runs, "max_runs")
+        check.optional_text(task, "task name")
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
@@ -184,6 +187,7 @@ class OperationsMixin:
     ) -> None:
         """Settle ``(attempt key, actual, estimate_only)`` for each attempt and store the
         operation's result, in one transaction: a later delivery replays it."""
+        check.text(key, "idempotency key")
         encoded = json.dumps(result)
         stamp = self._driver.ts(self.now())
         with self._driver.transaction() as cur:
@@ -217,6 +221,7 @@ class OperationsMixin:
         """
         if status not in ("pending", "failed", "unknown", "retryable", "succeeded"):
             raise ValueError(f"an operation cannot end as {status!r}")
+        check.text(key, "idempotency key")
         check.optional_text(owner, "lease owner")
         stamp = self._driver.ts(self.now())
         with self._driver.transaction() as cur:

@@ -177,6 +177,7 @@ class Driver:
             dbapi.OperationalError,
             dbapi.InterfaceError,
         )
+        self.integrity: type[Exception] = dbapi.IntegrityError
         self._sql: dict[str, str] = {}
         self._local = threading.local()
         self._kept: list[Any] = []

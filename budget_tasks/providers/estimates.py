@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..errors import EstimateRefused
 from ..pricing import Estimate, PriceTable, default_prices
 
 
@@ -34,11 +35,17 @@ def _message_texts(messages: Iterable[Any]) -> list[str]:
     return ["".join(_texts(m.get("content") if isinstance(m, Mapping) else m)) for m in messages]
 
 
+def _model(params: Mapping[str, Any]) -> str:
+    if "model" not in params:
+        raise EstimateRefused("the request names no model: nothing to price it by")
+    return params["model"]  # type: ignore[no-any-return]
+
+
 def openai_chat(params: Mapping[str, Any], prices: PriceTable | None = None) -> Estimate:
     """Estimate ``chat.completions.create(**params)``."""
     limit = params.get("max_completion_tokens", params.get("max_tokens"))
     return (prices or default_prices()).estimate(
-        params["model"], _message_texts(params.get("messages", [])), limit
+        _model(params), _message_texts(params.get("messages", [])), limit
     )
 
 
@@ -49,7 +56,7 @@ def openai_response(params: Mapping[str, Any], prices: PriceTable | None = None)
     if params.get("instructions"):
         texts.append(str(params["instructions"]))
     return (prices or default_prices()).estimate(
-        params["model"], texts, params.get("max_output_tokens")
+        _model(params), texts, params.get("max_output_tokens")
     )
 
 
@@ -58,4 +65,4 @@ def anthropic_message(params: Mapping[str, Any], prices: PriceTable | None = Non
     texts = _message_texts(params.get("messages", []))
     if params.get("system"):
         texts.append("".join(_texts(params["system"])))
-    return (prices or default_prices()).estimate(params["model"], texts, params.get("max_tokens"))
+    return (prices or default_prices()).estimate(_model(params), texts, params.get("max_tokens"))
