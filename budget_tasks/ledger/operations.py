@@ -152,6 +152,7 @@ class OperationsMixin:
                         "now": stamp,
                         "completed_at": stamp,
                         "key": key,
+                        "run_ended": 0,  # the dead runs stay counted
                     },
                 )
                 return delivered(Decision.POISONED, error=error)
@@ -296,6 +297,7 @@ def _end(
         "now": stamp,
         "completed_at": stamp if done else None,
         "key": key,
+        "run_ended": 1,
     }
     if owner is None:
         return bool(cur.run(sql.END_OPERATION, params))

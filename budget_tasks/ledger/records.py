@@ -125,6 +125,8 @@ class Operation:
     result: Any
     error: str | None
     payload: Any
+    #: runs that took the lease and never recorded their end (killed workers): a
+    #: delivery finding ``max_deliveries`` of them stops the message as poison
     runs: int
     deliveries: int
     replays: int

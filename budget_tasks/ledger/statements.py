@@ -130,10 +130,15 @@ UPDATE operations SET status = 'running', lease_owner = :owner, lease_expires_at
     runs = runs + 1, deliveries = deliveries + 1, updated_at = :now
 WHERE id = :operation_id"""
 
+#: ``runs`` counts runs that took the lease and never recorded their end (what poison
+#: detection counts): a run that ends here, holding the lease, is taken off it. SET
+#: expressions read the row as it was, so ``lease_owner`` is the run's own.
 END_OPERATION = """
 UPDATE operations SET status = :status, result = COALESCE(:result, result),
     error = :error, next_reason = :next_reason, lease_owner = NULL,
-    lease_expires_at = NULL, updated_at = :now, completed_at = :completed_at
+    lease_expires_at = NULL, updated_at = :now, completed_at = :completed_at,
+    runs = CASE WHEN :run_ended = 1 AND lease_owner IS NOT NULL AND runs > 0
+                THEN runs - 1 ELSE runs END
 WHERE key = :key"""
 
 #: The same, only while the lease is still this owner's (a late give-back never ends

@@ -1,0 +1,52 @@
+"""Operations and their leases, through the ledger: what counts towards a poison
+message is a run that never recorded its end, not a run that handed the message back."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from budget_tasks import Ledger
+from budget_tasks.ledger.operations import Decision
+from budget_tasks.testing import ManualClock
+
+LEASE = timedelta(minutes=10)
+
+
+def begin(ledger: Ledger, owner: str, max_runs: int = 3) -> Decision:
+    start = ledger.begin_operation(
+        "job:1", fingerprint="fp", owner=owner, lease=LEASE, max_runs=max_runs, task="t"
+    )
+    return start.decision
+
+
+def test_runs_that_hand_the_message_back_are_never_poison(ledger: Ledger) -> None:
+    # budget-frees retries, 429s, a ledger outage: each run ends cleanly as pending
+    for n in range(10):
+        owner = f"otherhost:{n}:tok"
+        assert begin(ledger, owner) is Decision.RUN
+        assert ledger.end_operation("job:1", "pending", error="retry later", owner=owner)
+    assert ledger.operation("job:1").runs == 0
+    assert ledger.operation("job:1").deliveries == 10
+
+
+def test_runs_that_died_are_counted_until_poison(ledger: Ledger, clock: ManualClock) -> None:
+    # another host's runs whose lease expired without an end: killed workers
+    for n in range(3):
+        assert begin(ledger, f"otherhost:{n}:tok") is Decision.RUN
+        clock.advance(LEASE + timedelta(seconds=1))
+    assert ledger.operation("job:1").runs == 3
+    assert begin(ledger, "otherhost:9:tok") is Decision.POISONED
+    operation = ledger.operation("job:1")
+    assert (operation.status, operation.runs) == ("failed", 3)
+    assert "3 runs" in str(operation.error)
+
+
+def test_a_clean_end_between_deaths_is_not_counted(ledger: Ledger, clock: ManualClock) -> None:
+    assert begin(ledger, "otherhost:1:tok") is Decision.RUN  # dies
+    clock.advance(LEASE + timedelta(seconds=1))
+    assert begin(ledger, "otherhost:2:tok") is Decision.RUN
+    ledger.end_operation("job:1", "pending", owner="otherhost:2:tok")
+    assert ledger.operation("job:1").runs == 1
+    # a give-back from someone who no longer holds the lease changes nothing
+    assert not ledger.end_operation("job:1", "pending", owner="otherhost:1:tok")
+    assert ledger.operation("job:1").runs == 1
