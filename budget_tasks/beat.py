@@ -111,11 +111,15 @@ def reconcile_unknown(
     limit: int = 50,
     requeue: Requeue | None = None,
 ) -> dict[str, int]:
-    """Look up unknown attempts that are due (each backs off between lookups):
+    """First make 'unknown' the attempts left 'sending' by a run that is gone (no live
+    lease on their operation). Then look up unknown attempts that are due (each backs
+    off between lookups):
     Found settles the provider's charge and stores the result on the operation;
     NotFound releases the hold and makes the operation retryable (and enqueues it again
     with ``requeue``); Pending and Unknowable leave the hold as it is."""
     counts = {"found": 0, "not_found": 0, "pending": 0, "unknowable": 0}
+    for key in ledger.mark_orphans_unknown():
+        log.warning("attempt %s was left sending by a run that is gone: now unknown", key)
     for attempt in ledger.claim_unknown(limit=limit):
         try:
             outcome = look_up(attempt, clients, margin)

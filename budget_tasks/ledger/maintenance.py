@@ -14,8 +14,9 @@ from typing import Any, Protocol
 from sqlalchemy import Engine, select, update
 
 from .. import _validate as check
-from ..errors import UnknownAttempt, UnknownOperation
+from ..errors import InvalidTransition, UnknownAttempt, UnknownOperation
 from .engine import transaction
+from .operations import lease_is_live
 from .records import Attempt, Hold, Operation
 from .schema import attempts, operations
 
@@ -80,6 +81,33 @@ class MaintenanceMixin:
             return []
         holds: list[Hold] = self.holds(states=STALE_STATES, keys=keys)
         return holds
+
+    def mark_orphans_unknown(self: Any, *, limit: int = 100) -> list[str]:
+        """Make 'unknown' every attempt left 'sending' by a run that is gone: its
+        operation's lease is not live (the worker died and no delivery came back to say
+        so, e.g. its message was lost with the broker). Reconciliation then asks the
+        provider about it. Returns the keys it changed."""
+        check.positive(limit, "limit")
+        now = self.now()
+        with transaction(self.engine) as conn:
+            rows = conn.execute(
+                select(attempts.c.key, operations.c.lease_owner, operations.c.lease_expires_at)
+                .join(operations, operations.c.id == attempts.c.operation_id)
+                .where(attempts.c.state == "sending")
+                .order_by(attempts.c.id)
+                .limit(limit)
+            ).all()
+        orphans = []
+        for key, owner, expires in rows:
+            # A run that outlives its lease is marked too: its settlement still lands
+            # (settle accepts 'unknown'), and nothing is resent either way.
+            if not lease_is_live(owner, expires, now):
+                try:
+                    if self.mark_unknown(key, "its run is gone (no live lease): worker lost"):
+                        orphans.append(key)
+                except InvalidTransition:
+                    pass  # settled or released since the read: nothing to adopt
+        return orphans
 
     def claim_unknown(
         self: Any,

@@ -4,6 +4,9 @@ provider billed, periods renewed by their written policy, old payloads purged.""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -313,4 +316,45 @@ def test_two_renewals_at_once_open_each_period_once(
             text("SELECT budget_id, count(*) FROM budget_periods GROUP BY budget_id")
         ).all()
     assert sorted(count for _, count in rows) == [2] * 10  # yesterday's and today's, once
+    assert pg_ledger.audit() == []
+
+
+def test_a_send_left_sending_by_a_run_that_is_gone_is_reconciled(
+    pg_ledger: Ledger, fake: FakeProvider, clock: ManualClock
+) -> None:
+    """A worker died mid-call and its message was lost with the broker: no delivery
+    comes back to mark the attempt unknown. Reconciliation adopts it once no run holds
+    its operation, and settles it at the provider's bill."""
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
+    pg_ledger.create_budget("team", 1_000_000)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a process id on this host that no longer runs
+    here = socket.gethostname()
+    owners = {
+        "dead": f"{here}:{dead.pid}:tok",  # this host, process gone: not live at once
+        "alive": f"{here}:{os.getpid()}:tok",  # this very process: still running
+        "away": "other-host:77:tok",  # another host: live until its lease expires
+    }
+    for name, owner in owners.items():
+        lease = timedelta(minutes=60 if name == "alive" else 5)
+        start = pg_ledger.begin_operation(
+            f"op-{name}", fingerprint="f", owner=owner, lease=lease, max_runs=3
+        )
+        key = f"op-{name}#1"
+        pg_ledger.reserve("team", key, 10_000, operation_id=start.operation_id)
+        pg_ledger.describe_attempt(key, lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
+        pg_ledger.mark_sending(key, provider="openai")
+        openai_chat(client, key=key, **PROMPT)  # reached the provider; the run died after
+    counts = reconcile_unknown(pg_ledger, lambda kind: client, margin=timedelta(0))
+    assert counts["found"] == 1
+    dead_attempt = pg_ledger.attempt("op-dead#1")
+    assert (dead_attempt.state, dead_attempt.actual) == ("settled", fake.billed_for("op-dead#1"))
+    assert pg_ledger.operation("op-dead").status == "succeeded"
+    assert pg_ledger.attempt("op-alive#1").state == "sending"
+    assert pg_ledger.attempt("op-away#1").state == "sending"
+    clock.advance(timedelta(minutes=6))  # the other host's lease has expired
+    assert reconcile_unknown(pg_ledger, lambda kind: client, margin=timedelta(0))["found"] == 1
+    assert pg_ledger.attempt("op-away#1").state == "settled"
+    assert pg_ledger.attempt("op-alive#1").state == "sending"  # never taken from a live lease
+    assert pg_ledger.balance("team").held == 10_000
     assert pg_ledger.audit() == []
