@@ -387,7 +387,16 @@ class BudgetTask(Task):  # type: ignore[misc]
         try:
             result = self.run(*args, **kwargs)
         except BaseException as exc:
-            self._settle_error(ledger, scope, exc)
+            try:
+                self._settle_error(ledger, scope, exc)
+            except LedgerUnavailable as down:
+                # The ledger went down with the run (run() met it too, or it failed
+                # now). What the error meant is not written: the attempt stays
+                # 'sending', so the next delivery finds it and keeps its hold as
+                # unknown. Give the lease back once the ledger answers, and bring the
+                # message back rather than lose it.
+                _keep_unwritten(ledger, start.key, _Unwritten(owner, "pending", str(down)))
+                raise self._later(down, self.ledger_unavailable_countdown) from exc
             raise
         finally:
             self._scope.current = None

@@ -3,11 +3,14 @@ and it recovers on its own when the database is back."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 
 import pytest
+from celery import Celery
 
-from budget_tasks import Ledger, LedgerUnavailable
+from budget_tasks import BudgetTask, Ledger, LedgerUnavailable, OutcomeUnknown
+from budget_tasks.task import close_ledgers
 from budget_tasks.testing import FaultProxy
 
 from ..services import PG_ADMIN_URL
@@ -85,3 +88,54 @@ def test_stale_pool_after_a_restart_is_replaced_transparently(
     assert ledger.reserve("acme", "b", 10).created
     assert [b.name for b in ledger.budgets()] == ["acme"]
     assert ledger.balance("acme").held == 20
+
+
+def test_ledger_lost_inside_run_keeps_the_hold_and_gives_the_lease_back_later(
+    proxied: tuple[FaultProxy, Ledger], pg_ledger: Ledger, pg_url: str
+) -> None:
+    """run() meets the outage after its send was granted: what the error meant cannot be
+    written, so the attempt stays 'sending' (held), the task fails with
+    LedgerUnavailable (a worker retries the message), and once the ledger answers the
+    next delivery gives the lease back and keeps the hold as unknown: no resend."""
+    proxy, _ = proxied
+    pg_ledger.create_budget("acme", 1_000)
+    database = pg_url.rsplit("/", 1)[1]
+    app = Celery("outage-in-run", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        task_eager_propagates=True,
+        budget_ledger_url=f"postgresql+psycopg://postgres@127.0.0.1:{proxy.port}/{database}",
+    )
+    sent: list[str] = []
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="acme",
+        name=f"outage{uuid.uuid4().hex[:8]}",
+        idempotency_key=lambda n: f"job:{n}",
+        estimate_cost=lambda n: 100,
+    )
+    def job(self: BudgetTask, n: int) -> int:
+        sent.append(self.attempt.key)  # stands for the provider call
+        proxy.cut()  # the ledger goes away while the call is out
+        self.attempt.record_request_id("req_1")
+        return n
+
+    try:
+        with pytest.raises(LedgerUnavailable):
+            job.delay(1).get()
+        attempt = pg_ledger.attempt("job:1#1")
+        assert attempt.state == "sending" and pg_ledger.balance("acme").held == 100
+        proxy.restore()
+        with pytest.raises(OutcomeUnknown):  # the next delivery: no resend, hold kept
+            job.delay(1).get()
+        assert sent == ["job:1#1"]
+        assert pg_ledger.attempt("job:1#1").state == "unknown"
+        operation = pg_ledger.operation("job:1")
+        assert operation.status == "unknown" and operation.lease_owner is None
+        assert operation.runs == 0  # both runs recorded their end: not poison
+        assert pg_ledger.balance("acme").held == 100 and pg_ledger.audit() == []
+    finally:
+        close_ledgers()
+        app.close()
