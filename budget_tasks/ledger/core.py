@@ -472,19 +472,20 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         """Store the provider's request id (as soon as it is known, for reconciliation)."""
         check.text(key, "key")
         check.text(request_id, "request_id")
-        with transaction(self.engine) as conn:
-            row = self._lock_attempt(conn, key)
-            if row.request_id == request_id:
+        with self._driver.transaction() as cur:
+            if cur.one(sql.RECORD_REQUEST_ID, {"key": key, "request_id": request_id}):
                 return
-            if row.request_id is not None:
-                raise InvalidTransition(
-                    key, row.state, f"replace request id {row.request_id!r} by {request_id!r}"
-                )
-            if row.state == "reserved":
-                raise InvalidTransition(key, row.state, "record a request id before sending")
-            conn.execute(
-                update(attempts).where(attempts.c.id == row.id).values(request_id=request_id)
+            row = cur.one(sql.ATTEMPT_REQUEST_ID, {"key": key})
+        if row is None:
+            raise UnknownAttempt(key)
+        state, recorded = row
+        if recorded == request_id:
+            return
+        if recorded is not None:
+            raise InvalidTransition(
+                key, state, f"replace request id {recorded!r} by {request_id!r}"
             )
+        raise InvalidTransition(key, state, "record a request id before sending")
 
     def _lock_attempt(self, conn: Connection, key: str) -> Row[Any]:
         row = conn.execute(select(attempts).where(attempts.c.key == key).with_for_update()).first()

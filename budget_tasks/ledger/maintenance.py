@@ -15,6 +15,7 @@ from sqlalchemy import Engine, select, update
 
 from .. import _validate as check
 from ..errors import InvalidTransition, UnknownAttempt, UnknownOperation
+from . import statements as sql
 from .engine import transaction
 from .operations import lease_is_live
 from .records import Attempt, Hold, Operation
@@ -25,6 +26,7 @@ STALE_STATES = ("sending", "unknown")
 
 class _LedgerBase(Protocol):
     engine: Engine
+    _driver: sql.Driver
 
     def now(self) -> datetime: ...
 
@@ -54,9 +56,10 @@ class MaintenanceMixin:
         }
         if not values:
             return
-        with transaction(self.engine) as conn:
-            done = conn.execute(update(attempts).where(attempts.c.key == key).values(**values))
-        if not done.rowcount:
+        params = {"key": key, "lookup": None, "model": None, "response_id": None, **values}
+        with self._driver.transaction() as cur:
+            changed = cur.run(sql.DESCRIBE_ATTEMPT, params)
+        if not changed:
             raise UnknownAttempt(key)
 
     def flag_stale(self: Any, older_than: timedelta) -> list[Hold]:

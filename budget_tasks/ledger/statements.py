@@ -69,6 +69,20 @@ RETURNING id"""
 
 ATTEMPT_STATE = "SELECT state FROM attempts WHERE key = :key"
 
+#: Written while a call is out (what it is, its request id): on the hot path, so
+#: prebuilt here rather than through SQLAlchemy Core, which pings per transaction.
+DESCRIBE_ATTEMPT = """
+UPDATE attempts SET lookup = COALESCE(:lookup, lookup), model = COALESCE(:model, model),
+    response_id = COALESCE(:response_id, response_id)
+WHERE key = :key"""
+
+RECORD_REQUEST_ID = """
+UPDATE attempts SET request_id = :request_id
+WHERE key = :key AND request_id IS NULL AND state <> 'reserved'
+RETURNING id"""
+
+ATTEMPT_REQUEST_ID = "SELECT state, request_id FROM attempts WHERE key = :key"
+
 # The attempt row, locked, with each period row it holds: one row per period, in the
 # order reserve locked them (budget id), so settlement takes locks in the same order.
 LOCK_ATTEMPT = """

@@ -134,6 +134,12 @@ REFUSALS: list[tuple[str, Callable[[Ledger], Any], type[Exception]]] = [
     ("settle unknown attempt", lambda lg: lg.settle("nope", 10), UnknownAttempt),
     ("release unknown attempt", lambda lg: lg.release("nope", "x"), UnknownAttempt),
     ("adjust unknown attempt", lambda lg: lg.adjust("nope", 1, "x"), UnknownAttempt),
+    ("request id of unknown attempt", lambda lg: lg.record_request_id("nope", "r"), UnknownAttempt),
+    (
+        "describe unknown attempt",
+        lambda lg: lg.describe_attempt("nope", model="gpt-4o-mini"),
+        UnknownAttempt,
+    ),
     ("conflicting settlement", lambda lg: lg.settle("done", 81), SettlementConflict),
     ("release after charge", lambda lg: lg.release("done", "x"), SettlementConflict),
     ("second send", lambda lg: lg.mark_sending("sent"), InvalidTransition),
