@@ -393,9 +393,9 @@ class BudgetTask(Task):  # type: ignore[misc]
                 # The ledger went down with the run (run() met it too, or it failed
                 # now). What the error meant is not written: the attempt stays
                 # 'sending', so the next delivery finds it and keeps its hold as
-                # unknown. Give the lease back once the ledger answers, and bring the
-                # message back rather than lose it.
-                _keep_unwritten(ledger, start.key, _Unwritten(owner, "pending", str(down)))
+                # unknown. Give the lease back (now, or once the ledger answers), and
+                # bring the message back rather than lose it.
+                self._end_quietly(ledger, start.key, owner, "pending", str(down))
                 raise self._later(down, self.ledger_unavailable_countdown) from exc
             raise
         finally:
