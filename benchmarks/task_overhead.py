@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from budget_tasks import Ledger  # noqa: E402
-from budget_tasks.testing import FakeProvider  # noqa: E402
+from budget_tasks.testing import FakeProvider, worker_env  # noqa: E402
 from tests.workers import Worker  # noqa: E402
 
 ADMIN_URL = os.environ.get(
@@ -90,14 +90,9 @@ def services(admin_url: str = ADMIN_URL, redis_db: int = REDIS_DB) -> Iterator[S
         ledger.create_schema()
         ledger.create_budget("bench", 10**14)
         with FakeProvider() as fake, tempfile.TemporaryDirectory() as tmp:
-            env = {
-                **{k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))},
-                "CELERY_BROKER_URL": broker,
-                "CELERY_RESULT_BACKEND": broker,
-                "BUDGET_TASKS_LEDGER_URL": ledger_url,
-                "BUDGET_TASKS_HOME": tmp,
-                "OPENAI_BASE_URL": fake.openai_base_url,
-            }
+            env = worker_env(
+                broker=broker, ledger=ledger_url, home=tmp, provider=fake.openai_base_url
+            )
             app = Celery("bench-client", broker=broker, backend=broker, set_as_current=False)
             app.conf.broker_connection_retry_on_startup = True
             stack = Services(app, ledger, ledger_url, fake, env, Path(tmp))

@@ -31,7 +31,7 @@ from typing import Any
 import click
 
 from ..ledger import Ledger
-from ..testing import FakeProvider, Worker
+from ..testing import FakeProvider, Worker, wait_for, worker_env
 from .checks import Checks, budget_rows, render_table
 
 Echo = Callable[[str], None]
@@ -109,7 +109,10 @@ def run(
         tempfile.TemporaryDirectory(prefix="budget-tasks-demo-") as tmp,
         _setup(Path(tmp), ledger_url, broker_url, concurrency, echo) as scenario,
     ):
-        return _play(scenario, echo)
+        try:
+            return _play(scenario, echo)
+        except TimeoutError as exc:
+            raise click.ClickException(str(exc)) from exc
 
 
 @contextmanager
@@ -129,20 +132,18 @@ def _setup(
     budgets = {t: t if t not in existing else f"{t}-{run_id}" for t in TENANT_JOBS}
 
     fake = FakeProvider().start()
-    settings = {
-        "BUDGET_TASKS_HOME": str(home),
-        "CELERY_BROKER_URL": broker_url,
-        "CELERY_RESULT_BACKEND": backend_url,
-        "BUDGET_TASKS_LEDGER_URL": ledger_url,
-        "OPENAI_BASE_URL": fake.openai_base_url,
-        "BUDGET_TASKS_PROVIDER_TIMEOUT": str(PROVIDER_TIMEOUT),
-        "BUDGET_TASKS_STALE_AFTER": str(STALE_AFTER),
-        "BUDGET_TASKS_RECONCILE_MARGIN": "0",
-    }
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))}
-    env.update(settings)
+    env = worker_env(
+        broker=broker_url,
+        backend=backend_url,
+        ledger=ledger_url,
+        home=home,
+        provider=fake.openai_base_url,
+        BUDGET_TASKS_PROVIDER_TIMEOUT=str(PROVIDER_TIMEOUT),
+        BUDGET_TASKS_STALE_AFTER=str(STALE_AFTER),
+        BUDGET_TASKS_RECONCILE_MARGIN="0",
+    )
     # This process is the producer, with the same app and settings as the worker.
-    os.environ.update(settings)
+    os.environ.update(env)
     sys.path.insert(0, str(root))
     for module in ("celeryconfig", "workers", "workers.tasks"):
         sys.modules.pop(module, None)
@@ -199,7 +200,7 @@ def _play(run: Run, echo: Echo) -> bool:
     killed = _job(run, "acme", f"acme-{run.run_id}-killed", 0)
     fake.plan(f"delay={KILL_DELAY}", path="/chat/completions")
     handle = _send(run, killed)
-    _wait_until(lambda: _requests(fake, killed.key), "the request to reach the provider")
+    wait_for(lambda: _requests(fake, killed.key), what="the request to reach the provider")
     pid = _running_pid(ledger, killed.key)
     os.kill(pid, signal.SIGKILL)
     echo(f"   SIGKILL to pool process {pid}; Celery requeues the message (acks_late)")
@@ -270,7 +271,7 @@ def _play(run: Run, echo: Echo) -> bool:
     unknown = [attempt.key, timed_out.key]
     # Production reconciles minutes later; here, wait until the provider has finished
     # (and billed) both calls, as it will have by then.
-    _wait_until(lambda: all(fake.billed_for(k) for k in unknown), "the provider to finish")
+    wait_for(lambda: all(fake.billed_for(k) for k in unknown), what="the provider to finish")
     flagged = run.app.send_task("budget_tasks.flag_stale_holds").get(timeout=60)
     echo(f"   budget_tasks.flag_stale_holds: {flagged} stale holds flagged for an operator")
     found = _reconcile(run, unknown, echo)
@@ -330,18 +331,8 @@ def _requests(fake: FakeProvider, key: str) -> list[Any]:
 
 def _running_pid(ledger: Ledger, key: str) -> int:
     """The pool process running ``key``: its lease names it (``host:pid:token``)."""
-    owner = _wait_until(lambda: ledger.operation(key).lease_owner, "the lease")
+    owner = wait_for(lambda: ledger.operation(key).lease_owner, what="the lease")
     return int(str(owner).split(":")[1])
-
-
-def _wait_until(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise click.ClickException(f"timed out waiting for {what}")
 
 
 def _collect(

@@ -7,7 +7,48 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+
+def worker_env(
+    *,
+    broker: str,
+    ledger: str,
+    home: Path | str,
+    provider: str | None = None,
+    backend: str | None = None,
+    **settings: str,
+) -> dict[str, str]:
+    """The environment for a ``celery -A workers worker``: this process's, without its
+    own ``CELERY_*``/``BUDGET_*`` variables, plus the reference app's settings under
+    celeryconfig.py's names (results on the broker unless ``backend`` is given; the
+    OpenAI-compatible ``provider`` URL; any more ``settings`` as they are)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))}
+    env.update(
+        CELERY_BROKER_URL=broker,
+        CELERY_RESULT_BACKEND=backend or broker,
+        BUDGET_TASKS_LEDGER_URL=ledger,
+        BUDGET_TASKS_HOME=str(home),
+    )
+    if provider is not None:
+        env["OPENAI_BASE_URL"] = provider
+    env.update(settings)
+    return env
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:
+    """Poll ``condition`` every 50 ms until it returns something true, and return that;
+    TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(0.05)
 
 
 class Worker:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ import pytest
 from celery import Celery
 
 from budget_tasks import Ledger
-from budget_tasks.testing import FakeProvider
+from budget_tasks.testing import FakeProvider, worker_env
 
 from ..services import missing
 from ..workers import Worker
@@ -47,18 +46,6 @@ def _failed(request: pytest.FixtureRequest) -> bool:
         getattr(getattr(request.node, f"chaos_report_{when}", None), "failed", False)
         for when in ("setup", "call")
     )
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:
-    """Poll ``condition`` every 50 ms until it returns something true; fail at timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
-        time.sleep(0.05)
 
 
 def live_children(worker: Worker) -> list[int]:
@@ -146,17 +133,13 @@ def start_worker(
     started: list[Worker] = []
 
     def start(name: str = "chaos", concurrency: int = 1, **env: str) -> Worker:
-        full_env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))},
-            "CELERY_BROKER_URL": redis_server.url,
-            "CELERY_RESULT_BACKEND": redis_server.url,
-            "BUDGET_TASKS_LEDGER_URL": pg_url,
-            "BUDGET_TASKS_HOME": str(tmp_path / "home"),
-            "OPENAI_BASE_URL": fake.openai_base_url,
-            "BUDGET_TASKS_PROVIDER_TIMEOUT": "30",
-            "CHAOS_MARKER_DIR": str(markers),
-            **env,
-        }
+        full_env = worker_env(
+            broker=redis_server.url,
+            ledger=pg_url,
+            home=tmp_path / "home",
+            provider=fake.openai_base_url,
+            **{"BUDGET_TASKS_PROVIDER_TIMEOUT": "30", "CHAOS_MARKER_DIR": str(markers), **env},
+        )
         worker = Worker(
             full_env, f"{name}-{uuid.uuid4().hex[:6]}", tmp_path, concurrency, include=CHAOS_TASKS
         )

@@ -13,7 +13,6 @@ outcome their process kept when the outage outlasted that wait.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import uuid
@@ -30,7 +29,7 @@ from celery import Celery
 from budget_tasks import Ledger
 from budget_tasks.providers import estimates
 from budget_tasks.task import PERSIST_DELAYS
-from budget_tasks.testing import FakeProvider
+from budget_tasks.testing import FakeProvider, worker_env
 
 from ..integration.worker_tasks import fixed_request
 from ..services import REDIS_HOST, REDIS_PORT, check_redis
@@ -89,16 +88,13 @@ def workers(
     started: list[Worker] = []
 
     def start(count: int, concurrency: int, **env: str) -> list[Worker]:
-        full_env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))},
-            "CELERY_BROKER_URL": broker,
-            "CELERY_RESULT_BACKEND": broker,
-            "BUDGET_TASKS_LEDGER_URL": ledger_url,
-            "BUDGET_TASKS_HOME": str(tmp_path / "home"),
-            "OPENAI_BASE_URL": fake.openai_base_url,
-            "BUDGET_TASKS_PROVIDER_TIMEOUT": "30",
-            **env,
-        }
+        full_env = worker_env(
+            broker=broker,
+            ledger=ledger_url,
+            home=tmp_path / "home",
+            provider=fake.openai_base_url,
+            **{"BUDGET_TASKS_PROVIDER_TIMEOUT": "30", **env},
+        )
         batch = [
             Worker(full_env, f"pg{i}-{uuid.uuid4().hex[:6]}", tmp_path, concurrency)
             for i in range(count)

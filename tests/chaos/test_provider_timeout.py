@@ -24,10 +24,10 @@ from celery import Celery
 from sqlalchemy import text
 
 from budget_tasks import Ledger
-from budget_tasks.testing import FakeProvider
+from budget_tasks.testing import FakeProvider, wait_for
 
 from ..workers import Worker
-from .conftest import outcome, sigkill, wait_for
+from .conftest import outcome, sigkill
 from .invariants import check_all
 from .worker_tasks import estimate
 

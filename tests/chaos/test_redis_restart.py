@@ -22,10 +22,10 @@ from celery import Celery
 from sqlalchemy import text
 
 from budget_tasks import Ledger
-from budget_tasks.testing import FakeProvider
+from budget_tasks.testing import FakeProvider, wait_for
 
 from ..workers import Worker
-from .conftest import celery_client, outcome, wait_for
+from .conftest import celery_client, outcome
 from .invariants import check_all
 from .redis_server import RedisServer
 from .worker_tasks import estimate

@@ -43,10 +43,10 @@ from sqlalchemy import text
 
 from budget_tasks import Ledger
 from budget_tasks.cli import main as cli
-from budget_tasks.testing import FakeProvider
+from budget_tasks.testing import FakeProvider, wait_for
 
 from ..workers import Worker
-from .conftest import celery_client, live_children, outcome, sigkill, wait_for
+from .conftest import celery_client, live_children, outcome, sigkill
 from .invariants import check_all
 from .redis_server import RedisServer
 from .worker_tasks import KILL_POINTS, estimate, marker

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from celery import Celery
 from sqlalchemy import text
 
 from budget_tasks import Ledger
-from budget_tasks.testing import FakeProvider
+from budget_tasks.testing import FakeProvider, wait_for, worker_env
 
 from ..services import REDIS_HOST, REDIS_PORT, check_redis
 from ..workers import Worker
@@ -48,16 +47,13 @@ def start_worker(
     started: list[Worker] = []
 
     def start(name: str = "w1", concurrency: int = 1, **env: str) -> Worker:
-        full_env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))},
-            "CELERY_BROKER_URL": broker,
-            "CELERY_RESULT_BACKEND": broker,
-            "BUDGET_TASKS_LEDGER_URL": pg_url,
-            "BUDGET_TASKS_HOME": str(tmp_path / "home"),
-            "OPENAI_BASE_URL": fake.openai_base_url,
-            "BUDGET_TASKS_PROVIDER_TIMEOUT": "30",
-            **env,
-        }
+        full_env = worker_env(
+            broker=broker,
+            ledger=pg_url,
+            home=tmp_path / "home",
+            provider=fake.openai_base_url,
+            **{"BUDGET_TASKS_PROVIDER_TIMEOUT": "30", **env},
+        )
         worker = Worker(full_env, f"{name}-{uuid.uuid4().hex[:6]}", tmp_path, concurrency)
         started.append(worker)
         return worker.wait_ready()
@@ -65,16 +61,6 @@ def start_worker(
     yield start
     for worker in started:
         worker.stop()
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what or condition}")
 
 
 def operation_counts(ledger: Ledger, key: str) -> tuple[int, int]:
