@@ -174,7 +174,7 @@ def run(
         ledger = Ledger(url)
         ledger.create_schema()
         ledger.create_budget("hot", 10**15)
-        ledger.balance("hot")  # opens the period row the raw cycle uses
+        ledger.open_period("hot")  # the period row the raw cycle uses
         rows = []
         for n in procs:
             raw, lib = [], []

@@ -125,6 +125,25 @@ class SettlementConflict(LedgerError):
         )
 
 
+class UsageRecorded(LedgerError):
+    """The attempt's run recorded usage, which is proof of billing: it cannot be
+    released, nor settled below that usage."""
+
+    key: str
+    recorded: int
+    requested: int
+
+    def __init__(self, key: str, recorded: int, requested: int) -> None:
+        super().__init__(
+            f"attempt {key!r} recorded usage of {recorded}, so it was billed: it cannot be "
+            f"{'released' if requested == 0 else f'settled at {requested}'}; settle it at "
+            f"{recorded} or more",
+            key=key,
+            recorded=recorded,
+            requested=requested,
+        )
+
+
 class InvalidTransition(LedgerError):
     """The attempt's state does not allow this step (e.g. a second mark_sending)."""
 
@@ -243,6 +262,20 @@ class SideEffectUncertain(BudgetTasksError):
             "recorded; it is not run twice",
             key=key,
             name=name,
+        )
+
+
+class StepNotReplayable(BudgetTasksError):
+    """A labelled call of this operation was billed and its result was not stored (its
+    run failed after the call): running it again would send it again, so it is not
+    (a task with ``rerun_billed=True`` allows it)."""
+
+    def __init__(self, key: str, attempt: str) -> None:
+        super().__init__(
+            f"operation {key!r}: call {attempt!r} was billed and its result is not stored; "
+            "it is not sent again (rerun_billed=True allows it)",
+            key=key,
+            attempt=attempt,
         )
 
 

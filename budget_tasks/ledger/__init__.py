@@ -2,7 +2,7 @@
 
 from .core import Ledger
 from .periods import PERIODS, RENEWALS, Period, Renewal, period_start
-from .records import Attempt, AuditFinding, Balance, BudgetInfo, Hold, Reservation
+from .records import Attempt, AuditFinding, Balance, BudgetInfo, Hold, Reservation, Resolved
 
 __all__ = [
     "PERIODS",
@@ -16,5 +16,6 @@ __all__ = [
     "Period",
     "Renewal",
     "Reservation",
+    "Resolved",
     "period_start",
 ]

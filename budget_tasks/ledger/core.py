@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -35,10 +36,12 @@ from ..errors import (
     BudgetFrozen,
     IdempotencyConflict,
     InvalidTransition,
+    LedgerUnavailable,
     SettlementConflict,
     UnknownAttempt,
     UnknownBudget,
     UnknownOperation,
+    UsageRecorded,
 )
 from . import statements as sql
 from .engine import build_engine, transaction
@@ -71,6 +74,10 @@ log = logging.getLogger("budget_tasks.ledger")
 Clock = Callable[[], datetime]
 
 
+#: How often the ledger measures this host's clock against the database's.
+CLOCK_CHECK_SECONDS = 60.0
+
+
 def _utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -85,12 +92,17 @@ class Ledger(OperationsMixin, MaintenanceMixin):
     def __init__(self, url: str, *, clock: Clock | None = None, **engine_options: Any) -> None:
         self.engine = build_engine(url, **engine_options)
         self.url = self.engine.url.render_as_string(hide_password=True)
-        self._clock = clock or _utcnow
+        self._clock = clock
+        #: The database's clock minus this host's, measured now and then: the ledger
+        #: keeps time by the database, so that hosts whose clocks disagree still agree
+        #: on which period a reservation falls in.
+        self._offset: timedelta | None = None
+        self._offset_at = 0.0
         self._lock = threading.Lock()
         # Budgets are never deleted or re-parented, and period rows never move, so
         # their ids are safe to cache for the life of the process.
         self._chains: dict[str, tuple[tuple[int, str, str], ...]] = {}
-        self._period_ids: dict[tuple[int, datetime], int] = {}
+        self._period_ids: dict[tuple[int, datetime], tuple[int, datetime]] = {}
         self._dialect = self.engine.dialect.name
         self._driver = Driver(self.engine)
 
@@ -111,10 +123,32 @@ class Ledger(OperationsMixin, MaintenanceMixin):
             metadata.create_all(conn)
 
     def now(self) -> datetime:
+        """The current time: the ``clock`` given, else the database's (this host's
+        clock corrected by its offset from the database, measured every minute)."""
+        if self._clock is None:
+            return self._database_now()
         now = self._clock()
         if now.tzinfo is None:
             raise ValueError("the ledger clock must return timezone-aware datetimes")
         return now.astimezone(UTC)
+
+    def _database_now(self) -> datetime:
+        local = _utcnow()
+        if self._dialect == "sqlite":
+            return local  # the database is a file on this host: its clock is this one
+        since = time.monotonic() - self._offset_at
+        if self._offset is None or since > CLOCK_CHECK_SECONDS:
+            try:
+                with transaction(self.engine) as conn:
+                    theirs = conn.execute(select(func.now())).scalar_one()
+                mid = _utcnow()
+                self._offset = theirs.astimezone(UTC) - (local + (mid - local) / 2)
+                self._offset_at = time.monotonic()
+            except LedgerUnavailable:
+                if self._offset is None:
+                    raise
+        assert self._offset is not None
+        return local + self._offset
 
     # -- budgets ---------------------------------------------------------------------
 
@@ -260,37 +294,58 @@ class Ledger(OperationsMixin, MaintenanceMixin):
 
     # -- periods ---------------------------------------------------------------------
 
-    def _period_id(self, budget_id: int, start: datetime) -> int:
-        """The id of the budget's period row starting at ``start``, opening it if new."""
+    def _period_id(self, budget_id: int, start: datetime) -> tuple[int, datetime]:
+        """The id and start of the period admission uses when the clock says ``start``:
+        that period, opened if new (closing every earlier one first); or, if a later
+        period is open already (this host's clock is behind), that later one."""
         cached = self._period_ids.get((budget_id, start))
         if cached is not None:
             return cached
         with transaction(self.engine) as conn:
-            period_id = self._open_period(conn, budget_id, start)
+            found = self._open_period(conn, budget_id, start)
         with self._lock:
-            self._period_ids[(budget_id, start)] = period_id
-        return period_id
+            self._period_ids[(budget_id, start)] = found
+        return found
 
-    def _open_period(self, conn: Connection, budget_id: int, start: datetime) -> int:
-        existing = conn.execute(
-            select(budget_periods.c.id).where(
-                budget_periods.c.budget_id == budget_id, budget_periods.c.period_start == start
-            )
-        ).scalar()
-        if existing is not None:
-            return int(existing)
+    def _forget_periods(self, budget_ids: Iterable[int]) -> None:
+        ids = set(budget_ids)
+        with self._lock:
+            for slot in [slot for slot in self._period_ids if slot[0] in ids]:
+                del self._period_ids[slot]
+
+    def _open_period(
+        self, conn: Connection, budget_id: int, start: datetime
+    ) -> tuple[int, datetime]:
+        p = budget_periods.c
+        latest = conn.execute(
+            select(p.id, p.period_start)
+            .where(p.budget_id == budget_id, p.period_start >= start)
+            .order_by(p.period_start.desc())
+            .limit(1)
+        ).first()
+        if latest is not None:
+            return int(latest.id), latest.period_start
         b = conn.execute(select(budgets).where(budgets.c.id == budget_id)).one()
-        previous = None
+        # Close before carrying (compare-and-set on closed_at): once closed, a period
+        # admits nothing, so what it leaves unused cannot be spent there and carried too.
+        closed = conn.execute(
+            update(budget_periods)
+            .where(p.budget_id == budget_id, p.period_start < start, p.closed_at.is_(None))
+            .values(closed_at=self.now())
+            .returning(p.id, p.period_start, p.cap, p.spent, p.held)
+        ).all()
         prev_start = previous_period_start(b.period, start)
-        if prev_start is not None:
-            prev = conn.execute(
-                select(budget_periods.c.cap, budget_periods.c.spent, budget_periods.c.held).where(
-                    budget_periods.c.budget_id == budget_id,
-                    budget_periods.c.period_start == prev_start,
-                )
-            ).first()
-            previous = None if prev is None else (prev.cap, prev.spent, prev.held)
-        cap = opening_cap(b.cap, b.renewal, b.rollover_ceiling, previous)
+        previous = next((r for r in closed if r.period_start == prev_start), None)
+        cap = opening_cap(
+            b.cap,
+            b.renewal,
+            b.rollover_ceiling,
+            None if previous is None else (previous.cap, previous.spent, previous.held),
+        )
+        if previous is not None and cap > b.cap:
+            conn.execute(
+                update(budget_periods).where(p.id == previous.id).values(carried_out=cap - b.cap)
+            )
         values = {
             "budget_id": budget_id,
             "period_start": start,
@@ -298,20 +353,20 @@ class Ledger(OperationsMixin, MaintenanceMixin):
             "spent": 0,
             "held": 0,
             "opened_at": self.now(),
+            "carried_out": 0,
         }
-        # Two openers may race; the unique (budget_id, period_start) picks one.
+        # Two openers may race: the loser's close finds nothing left to close (it
+        # carries nothing), and the unique (budget_id, period_start) keeps the winner's.
         conn.execute(self._insert_ignore(budget_periods, ("budget_id", "period_start")), values)
-        return int(
-            conn.execute(
-                select(budget_periods.c.id).where(
-                    budget_periods.c.budget_id == budget_id,
-                    budget_periods.c.period_start == start,
-                )
-            ).scalar_one()
-        )
+        row = conn.execute(
+            select(p.id).where(p.budget_id == budget_id, p.period_start == start)
+        ).scalar_one()
+        return int(row), start
 
     def open_period(self, budget: str, at: datetime | None = None) -> Balance:
-        """Open (if not yet open) the budget's period containing ``at`` (default: now)."""
+        """Open (if not yet open) the budget's period containing ``at`` (default: now),
+        closing the periods before it: the one just before carries what it left unused
+        into it, by the budget's renewal policy."""
         check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
         at = self.now() if at is None else check.moment(at, "at")
         budget_id, _, period = self._chain(budget)[0]
@@ -335,6 +390,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         price_version: str | None = None,
         operation_id: int | None = None,
         label: str | None = None,
+        step: str | None = None,
     ) -> Reservation:
         """Hold ``amount`` on ``budget`` and every ancestor for the attempt ``key``.
 
@@ -353,17 +409,39 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         check.optional_text(fingerprint, "fingerprint")
         check.optional_text(price_version, "price_version", max_length=64)
         check.optional_text(label, "label", max_length=100)
+        check.optional_text(step, "step")
         if operation_id is not None:
             check.row_id(operation_id, "operation_id")
         if reason not in ATTEMPT_REASONS:
             raise ValueError(f"reason must be one of {ATTEMPT_REASONS}, not {reason!r}")
         chain = self._chain(budget)
+        row = {
+            "key": key,
+            "budget_id": chain[0][0],
+            "fingerprint": fingerprint,
+            "reason": reason,
+            "amount": amount,
+            "price_version": price_version,
+            "operation_id": operation_id,
+            "label": label,
+            "step": step,
+        }
+        try:
+            return self._reserve(chain, row)
+        except _PeriodClosed:
+            # This host's clock is behind a period that another host opened (closing
+            # this one): admission goes to that later period.
+            self._forget_periods(budget_id for budget_id, _, _ in chain)
+            return self._reserve(chain, row)
+
+    def _reserve(self, chain: tuple[tuple[int, str, str], ...], row: dict[str, Any]) -> Reservation:
+        key, amount, reason = row["key"], row["amount"], row["reason"]
         now = self.now()
-        start = period_start(chain[0][2], now)  # type: ignore[arg-type]
-        holds = sorted(
-            (budget_id, self._period_id(budget_id, period_start(period, now)))  # type: ignore[arg-type]
+        periods = {
+            budget_id: self._period_id(budget_id, period_start(period, now))  # type: ignore[arg-type]
             for budget_id, _, period in chain
-        )
+        }
+        holds = sorted((budget_id, found[0]) for budget_id, found in periods.items())
         names = {budget_id: name for budget_id, name, _ in chain}
         stamp = self._driver.ts(now)
         try:
@@ -371,21 +449,10 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                 # The attempt row goes first: a key that exists stops here, before any hold.
                 inserted = cur.one(
                     sql.INSERT_ATTEMPT,
-                    {
-                        "key": key,
-                        "budget_id": chain[0][0],
-                        "period_id": dict(holds)[chain[0][0]],
-                        "fingerprint": fingerprint,
-                        "reason": reason,
-                        "amount": amount,
-                        "price_version": price_version,
-                        "operation_id": operation_id,
-                        "label": label,
-                        "now": stamp,
-                    },
+                    {**row, "period_id": periods[chain[0][0]][0], "now": stamp},
                 )
                 if inserted is None:
-                    return self._existing(cur, key, budget, amount, fingerprint)
+                    return self._existing(cur, key, chain[0][1], amount, row["fingerprint"])
                 for _, period_id in holds:
                     _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
                 # The budget rows are the contended ones: lock them last, just before COMMIT.
@@ -394,16 +461,25 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                         sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}
                     ):
                         continue
-                    available, frozen = cur.one(sql.REFUSAL, {"period_id": period_id}) or (0, True)
+                    available, frozen, closed = cur.one(sql.REFUSAL, {"period_id": period_id}) or (
+                        0,
+                        True,
+                        None,
+                    )
+                    if closed is not None:
+                        raise _PeriodClosed(period_id)
                     if frozen:
                         raise BudgetFrozen(names[budget_id])
                     raise BudgetExceeded(names[budget_id], amount, int(available))
         except self._driver.integrity as exc:
-            if operation_id is None:
+            if row["operation_id"] is None:
                 raise
             # the one reference the caller gives: an operation that does not exist
-            raise UnknownOperation(f"id {operation_id}") from exc
-        return Reservation(key, budget, amount, start, "reserved", reason, fingerprint, True)
+            raise UnknownOperation(f"id {row['operation_id']}") from exc
+        start = periods[chain[0][0]][1]
+        return Reservation(
+            key, chain[0][1], amount, start, "reserved", reason, row["fingerprint"], True
+        )
 
     def _existing(
         self,
@@ -449,24 +525,60 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                     raise UnknownAttempt(key)
                 raise InvalidTransition(key, state[0], "mark sending")
 
-    def mark_unknown(self, key: str, reason: str) -> bool:
+    def mark_unknown(self, key: str, reason: str, *, recorded_actual: int | None = None) -> bool:
         """sending -> unknown: the outcome is unknown and the hold stays.
 
-        Returns False if the attempt was already unknown.
+        ``recorded_actual`` is usage the run recorded before the outcome became unknown
+        (proof of billing: the attempt is never resolved below it). Returns False if the
+        attempt was already unknown; raises InvalidTransition from any other state.
         """
         check.text(key, "key")
         check.text(reason, "reason", max_length=10_000)
-        with transaction(self.engine) as conn:
-            row = self._lock_attempt(conn, key)
-            if row.state == "unknown":
-                return False
-            if row.state != "sending":
-                raise InvalidTransition(key, row.state, "mark unknown")
-            conn.execute(
-                update(attempts).where(attempts.c.id == row.id).values(state="unknown", note=reason)
-            )
-        log.warning("attempt %s outcome unknown, hold of %d kept: %s", key, row.amount, reason)
-        return True
+        if recorded_actual is not None:
+            check.money(recorded_actual, "recorded_actual")
+        with self._driver.transaction() as cur:
+            changed = self._mark_unknown_in(cur, key, reason, recorded_actual)
+        return changed
+
+    def _mark_unknown_in(
+        self, cur: Cursor, key: str, reason: str, recorded_actual: int | None
+    ) -> bool:
+        params = {"key": key, "note": reason, "recorded": recorded_actual}
+        if cur.one(sql.MARK_UNKNOWN, params) is not None:
+            log.warning("attempt %s outcome unknown, its hold kept: %s", key, reason)
+            return True
+        state = cur.one(sql.ATTEMPT_STATE, {"key": key})
+        if state is None:
+            raise UnknownAttempt(key)
+        if state[0] != "unknown":
+            raise InvalidTransition(key, state[0], "mark unknown")
+        return False
+
+    def record_call(
+        self,
+        key: str,
+        *,
+        request_id: str | None = None,
+        response_id: str | None = None,
+        cost: int | None = None,
+    ) -> None:
+        """Record what a finished call reported, at once and in one statement: its
+        request and response ids and its priced usage, added to the attempt's recorded
+        usage (a recorded actual is proof of billing: the attempt is never released, and
+        never settled below it)."""
+        check.text(key, "key")
+        check.optional_text(request_id, "request_id")
+        check.optional_text(response_id, "response_id")
+        if cost is not None:
+            check.money(cost, "cost")
+        params = {"key": key, "request_id": request_id, "response_id": response_id, "cost": cost}
+        with self._driver.transaction() as cur:
+            if cur.one(sql.RECORD_CALL, params) is not None:
+                return
+            state = cur.one(sql.ATTEMPT_STATE, {"key": key})
+        if state is None:
+            raise UnknownAttempt(key)
+        raise InvalidTransition(key, state[0], "record a call's outcome")
 
     def record_request_id(self, key: str, request_id: str) -> None:
         """Store the provider's request id (as soon as it is known, for reconciliation)."""
@@ -487,29 +599,31 @@ class Ledger(OperationsMixin, MaintenanceMixin):
             )
         raise InvalidTransition(key, state, "record a request id before sending")
 
-    def _lock_attempt(self, conn: Connection, key: str) -> Row[Any]:
-        row = conn.execute(select(attempts).where(attempts.c.key == key).with_for_update()).first()
-        if row is None:
-            raise UnknownAttempt(key)
-        return row
-
     # -- settlement ------------------------------------------------------------------
 
     def settle(
-        self, key: str, actual: int, *, estimate_only: bool = False, note: str | None = None
+        self,
+        key: str,
+        actual: int,
+        *,
+        estimate_only: bool = False,
+        note: str | None = None,
+        expected: str | None = None,
     ) -> bool:
         """Replace the hold by the actual charge: ``held -= reserved; spent += actual``.
 
         True if applied; False if already settled with this actual. Another actual
         raises SettlementConflict. An actual above the reservation is recorded as it
-        is and logged as an overrun. ``note`` goes into the journal entry (an
-        operator's resolution says so there).
+        is and logged as an overrun; one below the usage the run recorded raises
+        UsageRecorded. ``note`` goes into the journal entry (an operator's resolution
+        says so there). With ``expected``, only from that state (compare-and-set: the
+        state the caller read); another raises InvalidTransition.
         """
         check.text(key, "key")
         check.money(actual, "actual")
         check.optional_text(note, "note", max_length=10_000)
         applied, amount = self._resolve(
-            key, actual, "settled", "charge", note, estimate_only=estimate_only
+            key, actual, "settled", "charge", note, estimate_only=estimate_only, expected=expected
         )
         if applied and actual > amount:
             self._log_overrun(key, amount, actual)
@@ -524,11 +638,17 @@ class Ledger(OperationsMixin, MaintenanceMixin):
             actual - amount,
         )
 
-    def release(self, key: str, reason: str) -> bool:
-        """Drop the hold without a charge (settle at 0). False if already released."""
+    def release(self, key: str, reason: str, *, expected: str | None = None) -> bool:
+        """Drop the hold without a charge (settle at 0). False if already released.
+
+        Refused (UsageRecorded) for an attempt whose run recorded usage: a recorded
+        actual is proof of billing."""
         check.text(key, "key")
         check.text(reason, "reason", max_length=10_000)
-        return self._resolve(key, 0, "released", "release", reason)[0]
+        return self._resolve(key, 0, "released", "release", reason, expected=expected)[0]
+
+    def _release_in(self, cur: Cursor, key: str, note: str, stamp: Any) -> _Resolution:
+        return self._resolve_in(cur, key, 0, "released", "release", note, stamp)
 
     def _resolve(
         self,
@@ -539,11 +659,20 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         note: str | None,
         *,
         estimate_only: bool = False,
+        expected: str | None = None,
     ) -> tuple[bool, int]:
         stamp = self._driver.ts(self.now())
         with self._driver.transaction() as cur:
             resolution = self._resolve_in(
-                cur, key, actual, state, kind, note, stamp, estimate_only=estimate_only
+                cur,
+                key,
+                actual,
+                state,
+                kind,
+                note,
+                stamp,
+                estimate_only=estimate_only,
+                expected=expected,
             )
             resolution.apply(cur)
         return resolution.applied, resolution.amount
@@ -559,23 +688,44 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         stamp: Any,
         *,
         estimate_only: bool = False,
+        expected: str | None = None,
+        if_resolved: str = "raise",
+        answer: str | None = None,
     ) -> _Resolution:
-        """Journal and resolve the attempt; the caller applies the counters last."""
+        """Journal and resolve the attempt (compare-and-set on the state read under its
+        row lock); the caller applies the counters last.
+
+        ``if_resolved="top_up"``: an attempt resolved meanwhile (by reconciliation, an
+        operator) keeps its charge, raised to ``actual`` by an adjustment entry if that
+        is more; a run's proof of billing is never lost to an earlier resolution."""
         rows = cur.all(sql.LOCK_ATTEMPT, {"key": key})
         if not rows:
             raise UnknownAttempt(key)
-        attempt_id, amount, recorded, current, _ = rows[0]
+        attempt_id, amount, charged, current, recorded_usage, _ = rows[0]
+        periods = [period_id for *_, period_id in rows]
         if current in ("settled", "released"):
-            if recorded == actual:
-                return _Resolution(False, amount, actual, [])
-            raise SettlementConflict(key, recorded, actual)
+            if charged == actual:
+                return _Resolution(False, amount, actual, [], key)
+            if if_resolved == "top_up":
+                if actual > charged:
+                    delta = actual - charged
+                    why = f"a run reported {actual} after the attempt was {current} at {charged}"
+                    for period_id in periods:
+                        _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id})
+                        _journal(cur, attempt_id, period_id, "adjustment", 0, delta, why, stamp)
+                    log.warning("attempt %s: %s; +%d as an adjustment", key, why, delta)
+                return _Resolution(False, amount, charged, [], key)
+            raise SettlementConflict(key, charged, actual)
+        if expected is not None and current != expected:
+            raise InvalidTransition(key, current, f"{state} it as {expected} (it changed)")
         allowed = ("sending", "unknown") if state == "settled" else HOLDING_STATES
         if current not in allowed:
             raise InvalidTransition(key, current, "settle before mark_sending")
-        periods = [period_id for *_, period_id in rows]
+        if recorded_usage is not None and actual < recorded_usage:
+            raise UsageRecorded(key, recorded_usage, actual)
         for period_id in periods:
             _journal(cur, attempt_id, period_id, kind, -amount, actual, note, stamp)
-        cur.run(
+        done = cur.run(
             sql.RESOLVE_ATTEMPT,
             {
                 "state": state,
@@ -583,10 +733,13 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                 "now": stamp,
                 "note": note,
                 "estimate_only": estimate_only,
+                "answer": answer,
                 "attempt_id": attempt_id,
+                "expected": current,
             },
         )
-        return _Resolution(True, int(amount), actual, periods)
+        assert done == 1  # the row is locked (SQLite: the whole database is)
+        return _Resolution(True, int(amount), actual, periods, key)
 
     def adjust(self, key: str, delta: int, reason: str, *, ref: str | None = None) -> bool:
         """Add a provider correction to a settled or released attempt's charge.
@@ -606,7 +759,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
             rows = cur.all(sql.LOCK_ATTEMPT, {"key": key})
             if not rows:
                 raise UnknownAttempt(key)
-            attempt_id, _, _, state, _ = rows[0]
+            attempt_id, _, _, state, _, _ = rows[0]
             if state not in ("settled", "released"):
                 raise InvalidTransition(key, state, "adjust before settlement")
             if ref is not None and cur.one(
@@ -619,19 +772,50 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                     f"adjustment {delta} would take attempt {key!r} below zero (charged {charged})"
                 )
             for *_, period_id in rows:
-                cur.run(sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id})
+                _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id})
                 _journal(cur, attempt_id, period_id, "adjustment", 0, delta, reason, stamp, ref)
         return True
 
     # -- reporting -------------------------------------------------------------------
 
     def balance(self, budget: str, *, at: datetime | None = None) -> Balance:
-        """The budget's counters for the period containing ``at`` (default: now)."""
+        """The budget's counters for the period containing ``at`` (default: now).
+
+        A read opens nothing: for a period not open yet, it shows what the period would
+        open with now (its renewal applied to the period before, as that stands)."""
         check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
         at = self.now() if at is None else check.moment(at, "at")
         budget_id, name, period = self._chain(budget)[0]
         start = period_start(period, at)  # type: ignore[arg-type]
-        period_id = self._period_id(budget_id, start)
+        cached = self._period_ids.get((budget_id, start))
+        p = budget_periods.c
+        period_id: int | None
+        with transaction(self.engine) as conn:
+            if cached is not None and cached[1] == start:
+                period_id = cached[0]
+            else:
+                period_id = conn.execute(
+                    select(p.id).where(p.budget_id == budget_id, p.period_start == start)
+                ).scalar()
+            if period_id is None:
+                b = conn.execute(select(budgets).where(budgets.c.id == budget_id)).one()
+                prev_start = previous_period_start(b.period, start)
+                prev = None
+                if prev_start is not None:
+                    prev = conn.execute(
+                        select(p.cap, p.spent, p.held).where(
+                            p.budget_id == budget_id,
+                            p.period_start == prev_start,
+                            p.closed_at.is_(None),
+                        )
+                    ).first()
+                cap = opening_cap(
+                    b.cap,
+                    b.renewal,
+                    b.rollover_ceiling,
+                    None if prev is None else (prev.cap, prev.spent, prev.held),
+                )
+                return Balance(name, cap, 0, 0, cap, start)
         with self._driver.transaction() as cur:
             row = cur.one(sql.BALANCE, {"period_id": period_id})
         assert row is not None
@@ -798,6 +982,10 @@ def _journal(
     )
 
 
+class _PeriodClosed(Exception):
+    """Admission met a closed period: a later one is open (this host's clock is behind)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Resolution:
     """A settlement written to the journal, whose counters are still to be applied."""
@@ -806,14 +994,37 @@ class _Resolution:
     amount: int
     actual: int
     periods: list[int]
+    key: str = ""
 
     def apply(self, cur: Cursor) -> None:
         # The budget rows are the contended ones: lock them last, just before COMMIT.
         for period_id in self.periods:
-            cur.run(
+            _apply(
+                cur,
                 sql.APPLY_SETTLEMENT,
                 {"amount": self.amount, "actual": self.actual, "period_id": period_id},
             )
+
+
+def _apply(cur: Cursor, statement: str, params: dict[str, Any]) -> None:
+    """Apply a change to a period's counters. If the period is closed and carried what
+    it left unused, and the change leaves it less unused than it carried (an overrun
+    settled late, a provider correction), the difference comes off the period it
+    carried into: no money is spent in one period and carried into the next too."""
+    row = cur.one(statement, params)
+    if row is None:
+        return
+    carried, available = row
+    if carried > 0 and available < carried:
+        deficit = carried - max(available, 0)
+        cur.run(sql.TAKE_BACK_CARRY, {"period_id": params["period_id"], "deficit": deficit})
+        cur.run(sql.LOWER_NEXT_CAP, {"period_id": params["period_id"], "deficit": deficit})
+        log.warning(
+            "period %s spent %d of what it carried into the next after closing: "
+            "that amount comes off the next period's cap",
+            params["period_id"],
+            deficit,
+        )
 
 
 def _attempt(r: Row[Any]) -> Attempt:
@@ -841,4 +1052,7 @@ def _attempt(r: Row[Any]) -> Attempt:
         lookups=r.lookups,
         flagged_at=r.flagged_at,
         operation_key=r.operation_key,
+        recorded_actual=r.recorded_actual,
+        step=r.step,
+        timeout_ms=r.timeout_ms,
     )

@@ -8,17 +8,18 @@ processes running the same job at once never act on the same row twice.
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import Engine, select, update
 
 from .. import _validate as check
-from ..errors import InvalidTransition, UnknownAttempt, UnknownOperation
+from ..errors import InvalidTransition, UnknownAttempt, UnknownOperation, UsageRecorded
 from . import statements as sql
 from .engine import transaction
-from .operations import lease_is_live
-from .records import Attempt, Hold, Operation
+from .leases import lease_is_live
+from .records import Attempt, Hold, Operation, Resolved
 from .schema import attempts, operations
 
 STALE_STATES = ("sending", "unknown")
@@ -41,10 +42,19 @@ class MaintenanceMixin:
         lookup: str | None = None,
         model: str | None = None,
         response_id: str | None = None,
+        timeout: float | None = None,
     ) -> None:
         """Record what a call is (which lookup finds it, the model it is priced at, the
-        provider's response id), for reconciliation if its outcome becomes unknown."""
+        provider's response id, the client timeout it is sent with), for reconciliation
+        if its outcome becomes unknown."""
         check.text(key, "key")
+        timeout_ms = None
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+                raise TypeError(f"timeout must be seconds, not {type(timeout).__name__}")
+            if not 0 < timeout < 10**7:
+                raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
+            timeout_ms = math.ceil(timeout * 1000)
         values = {
             name: check.text(value, name, max_length=limit)
             for name, value, limit in (
@@ -54,9 +64,16 @@ class MaintenanceMixin:
             )
             if value is not None
         }
-        if not values:
+        if not values and timeout_ms is None:
             return
-        params = {"key": key, "lookup": None, "model": None, "response_id": None, **values}
+        params = {
+            "key": key,
+            "lookup": None,
+            "model": None,
+            "response_id": None,
+            "timeout_ms": timeout_ms,
+            **values,
+        }
         with self._driver.transaction() as cur:
             changed = cur.run(sql.DESCRIBE_ATTEMPT, params)
         if not changed:
@@ -85,32 +102,104 @@ class MaintenanceMixin:
         holds: list[Hold] = self.holds(states=STALE_STATES, keys=keys)
         return holds
 
-    def mark_orphans_unknown(self: Any, *, limit: int = 100) -> list[str]:
-        """Make 'unknown' every attempt left 'sending' by a run that is gone: its
-        operation's lease is not live (the worker died and no delivery came back to say
-        so, e.g. its message was lost with the broker). Reconciliation then asks the
-        provider about it. Returns the keys it changed."""
+    def mark_orphans_unknown(self: Any, *, limit: int = 500) -> list[str]:
+        """Adopt what runs that are gone left behind (no live lease on their operation:
+        a worker died and no delivery came back to say so, e.g. its message was lost
+        with the broker): an attempt left ``sending`` becomes ``unknown`` (reconciliation
+        then asks the provider), one left ``reserved`` was never sent and is released,
+        and the operation is concluded from its attempts. Returns the keys made unknown."""
         check.positive(limit, "limit")
         now = self.now()
-        with transaction(self.engine) as conn:
-            rows = conn.execute(
-                select(attempts.c.key, operations.c.lease_owner, operations.c.lease_expires_at)
-                .join(operations, operations.c.id == attempts.c.operation_id)
-                .where(attempts.c.state == "sending")
-                .order_by(attempts.c.id)
-                .limit(limit)
-            ).all()
-        orphans = []
-        for key, owner, expires in rows:
-            # A run that outlives its lease is marked too: its settlement still lands
-            # (settle accepts 'unknown'), and nothing is resent either way.
-            if not lease_is_live(owner, expires, now):
-                try:
+        with self._driver.transaction() as cur:
+            rows = cur.all(sql.ORPHAN_CANDIDATES, {"limit": limit})
+        orphans: list[str] = []
+        operations_touched: set[str] = set()
+        for key, state, op_key, owner, expires, status in rows:
+            expires_at = None if expires is None else self._driver.from_ts(expires)
+            if status == "running" and lease_is_live(owner, expires_at, now):
+                continue
+            try:
+                if state == "sending":
+                    # A run that outlives its lease is marked too: its settlement still
+                    # lands (settle accepts 'unknown'), and nothing is resent either way.
                     if self.mark_unknown(key, "its run is gone (no live lease): worker lost"):
                         orphans.append(key)
-                except InvalidTransition:
-                    pass  # settled or released since the read: nothing to adopt
+                else:
+                    self.release(key, "never sent: its run is gone", expected="reserved")
+            except (InvalidTransition, UsageRecorded):
+                continue  # moved on since the read: whoever moved it decided
+            operations_touched.add(op_key)
+        for op_key in operations_touched:
+            self.conclude_operation(op_key, fallback="pending")
         return orphans
+
+    def resolve_attempt(
+        self: Any,
+        key: str,
+        actual: int,
+        *,
+        note: str,
+        by: str,
+        answer: Any = None,
+        expected: str | None = None,
+    ) -> Resolved:
+        """Resolve an attempt from outside its run: settle it at ``actual`` (release it
+        at 0), then conclude its operation, in one transaction.
+
+        ``by`` is ``reconcile`` or ``operator``. ``answer`` (reconciliation: what the
+        provider answered) is kept on the attempt for its operation to adopt.
+        ``expected`` is the state the caller read: the resolution applies only from it
+        (compare-and-set). The operation is touched only while this attempt is still
+        the latest of its call, the operation is unfinished and no live run leases it;
+        when its attempts leave it open it becomes retryable, or, for an operator's
+        charge without an answer, failed (the answer is lost)."""
+        check.text(key, "key")
+        check.money(actual, "actual")
+        check.text(note, "note", max_length=10_000)
+        if by not in ("reconcile", "operator"):
+            raise ValueError(f"by must be reconcile or operator, not {by!r}")
+        encoded = None if answer is None else json.dumps(answer)
+        now = self.now()
+        stamp = self._driver.ts(now)
+        state = "released" if actual == 0 and answer is None else "settled"
+        kind = "release" if state == "released" else "charge"
+        recorded = f"{by}: {note}"
+        with self._driver.transaction() as cur:
+            position = cur.one(sql.ATTEMPT_POSITION, {"key": key})
+            if position is None:
+                raise UnknownAttempt(key)
+            operation_id, op_key, _label, before, latest = position
+            if before == "reserved" and state == "settled":
+                raise InvalidTransition(key, before, "charge an attempt that was never sent")
+            resolution = self._resolve_in(
+                cur, key, actual, state, kind, recorded, stamp, expected=expected, answer=encoded
+            )
+            end = None
+            if operation_id is not None and latest:
+                lost = state == "settled" and answer is None
+                error = recorded
+                if lost:
+                    error = (
+                        f"attempt {key} was charged {actual} and its answer is lost ({recorded}): "
+                        "the work is not sent again; enqueue it under a new key if it must be done"
+                    )
+                row = self._lock_operation(cur, op_id=operation_id)
+                end = self._conclude_in(
+                    cur, row, now, stamp, "failed" if lost else "retryable", error, None
+                )
+            resolution.apply(cur)
+        if resolution.applied and actual > resolution.amount:
+            self._log_overrun(key, resolution.amount, actual)
+        return Resolved(
+            key=key,
+            applied=resolution.applied,
+            state=state if resolution.applied else before,
+            actual=resolution.actual,
+            amount=resolution.amount,
+            operation=op_key,
+            operation_status=None if end is None else end.status,
+            operation_changed=end is not None and end.applied,
+        )
 
     def claim_unknown(
         self: Any,

@@ -1,18 +1,26 @@
 """Operations: one business intent per idempotency key, with a lease while a worker runs
 it and its stored outcome, so that a redelivery replays instead of resending.
 
-The decisions here are the task flow of DESIGN.md, made in one transaction with the
-operation row locked: replay a success, report a failure again, wait for a live lease,
-stop a poison message, or take the lease and say what the last attempt left behind.
+Every write here is compare-and-set: the operation row is locked, its status and lease
+owner as read are named in the UPDATE, and what an operation becomes when no run
+decides it is derived from its attempts, never from what a writer read earlier:
+
+- an attempt still open (sending, unknown) makes it ``unknown``;
+- its latest main-call attempt settled with an answer a reconciliation found makes it
+  ``succeeded`` with that answer;
+- otherwise the writer's fallback (``pending``, ``retryable``, ``failed``) applies.
+
+A run that ends gives its lease back through :meth:`OperationsMixin.end_run` or
+:meth:`OperationsMixin.finish_operation`; beat and operators conclude through
+:meth:`OperationsMixin.conclude_operation`, which never touches an operation a live
+run leases (the run adopts the outcome when it ends).
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import os
-import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -20,9 +28,19 @@ from typing import Any, Protocol
 from .. import _validate as check
 from ..errors import IdempotencyConflict, UnknownOperation
 from . import statements as sql
+from .leases import lease_is_live, owner_id
 from .statements import Cursor, Driver
+from .states import FINISHED, OPEN, AttemptState, OperationStatus
 
-_HOST = socket.gethostname()
+__all__ = [
+    "AttemptRef",
+    "Decision",
+    "OperationStart",
+    "OperationsMixin",
+    "RunEnd",
+    "lease_is_live",
+    "owner_id",
+]
 
 
 class Decision(enum.Enum):
@@ -34,11 +52,22 @@ class Decision(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class LastAttempt:
+class AttemptRef:
+    """An attempt as an operation's decisions see it."""
+
     key: str
     state: str
     amount: int
     reason: str
+    label: str | None = None
+    #: JSON text of the answer a reconciliation found, if any
+    answer: str | None = None
+    #: usage a run recorded before the attempt's outcome became unknown
+    recorded_actual: int | None = None
+
+
+#: Kept for callers of the earlier name.
+LastAttempt = AttemptRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,31 +81,42 @@ class OperationStart:
     error: str | None = None
     runs: int = 0
     lease_expires_at: datetime | None = None
-    #: the latest main-call attempt, if any, and how many there were
-    last_attempt: LastAttempt | None = None
+    #: the latest main-call attempt, if any, and how many main-call attempts there were
+    last_attempt: AttemptRef | None = None
     attempts: int = 0
     next_reason: str | None = None
+    #: labelled calls whose latest attempt may have reached the provider, unresolved
+    open_steps: tuple[AttemptRef, ...] = ()
 
 
-def owner_id() -> str:
-    """Who holds a lease: this host and process, plus a token unique to the delivery."""
-    return f"{_HOST}:{os.getpid()}:{os.urandom(4).hex()}"
+@dataclass(frozen=True, slots=True)
+class RunEnd:
+    """Where an operation stands after a write that ends a run (or concludes it).
+
+    ``applied`` says whether this write moved it; when it did not, ``status`` is what
+    the writer found (another run, beat or an operator got there first)."""
+
+    status: str
+    result: Any = None
+    error: str | None = None
+    applied: bool = True
 
 
-def lease_is_live(owner: str | None, expires: datetime | None, now: datetime) -> bool:
-    """A lease is live until it expires, unless its process, on this host, is gone."""
-    if owner is None or expires is None or expires <= now:
-        return False
-    host, _, rest = owner.partition(":")
-    pid_text = rest.partition(":")[0]
-    if host == _HOST and pid_text.isdigit():
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            return False  # a killed worker: its lease dies with it
-        except PermissionError:
-            return True
-    return True
+@dataclass(frozen=True, slots=True)
+class _Row:
+    id: int
+    fingerprint: str
+    status: str
+    result: str | None
+    error: str | None
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    runs: int
+    next_reason: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINISHED
 
 
 class _LedgerBase(Protocol):
@@ -84,12 +124,105 @@ class _LedgerBase(Protocol):
 
     def now(self) -> datetime: ...
 
+    def _release_in(self, cur: Cursor, key: str, note: str, stamp: Any) -> Any: ...
+
+
+def _decode(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
 
 class OperationsMixin:
     """The operation methods of :class:`~budget_tasks.Ledger`."""
 
-    def begin_operation(
+    # -- reading ---------------------------------------------------------------------
+
+    def _lock_operation(
+        self: _LedgerBase, cur: Cursor, *, key: str | None = None, op_id: int = 0
+    ) -> _Row:
+        if key is not None:
+            row = cur.one(sql.LOCK_OPERATION, {"key": key})
+        else:
+            row = cur.one(sql.LOCK_OPERATION_BY_ID, {"operation_id": op_id})
+        if row is None:
+            raise UnknownOperation(key if key is not None else f"id {op_id}")
+        op_id_, fp, status, result, error, owner, expires, runs, nxt = row
+        return _Row(
+            op_id_,
+            fp,
+            status,
+            result,
+            error,
+            owner,
+            None if expires is None else self._driver.from_ts(expires),
+            runs,
+            nxt,
+        )
+
+    @staticmethod
+    def _attempts_of(cur: Cursor, op_id: int) -> list[AttemptRef]:
+        return [
+            AttemptRef(*r[1:]) for r in cur.all(sql.OPERATION_ATTEMPTS, {"operation_id": op_id})
+        ]
+
+    @staticmethod
+    def _conclusion(attempts: Sequence[AttemptRef]) -> tuple[str, str | None] | None:
+        """What the attempts alone say the operation is, or None if they leave it to
+        the writer: an open attempt makes it unknown; an answer found for its latest
+        main-call attempt makes it succeeded."""
+        if any(a.state in OPEN for a in attempts):
+            return OperationStatus.UNKNOWN, None
+        main = next((a for a in attempts if a.label is None), None)
+        if main is not None and main.state == AttemptState.SETTLED and main.answer is not None:
+            return OperationStatus.SUCCEEDED, main.answer
+        return None
+
+    # -- writing ---------------------------------------------------------------------
+
+    def _set(
         self: _LedgerBase,
+        cur: Cursor,
+        row: _Row,
+        status: str,
+        stamp: Any,
+        *,
+        result: str | None = None,
+        error: str | None = None,
+        next_reason: str | None = None,
+        run_ended: bool,
+    ) -> bool:
+        """Compare-and-set the operation from the status and owner ``row`` was read
+        with; True if it applied."""
+        return bool(
+            cur.run(
+                sql.SET_OPERATION,
+                {
+                    "status": str(status),
+                    "result": result,
+                    "error": error,
+                    "next_reason": next_reason,
+                    "now": stamp,
+                    "completed_at": stamp if status in FINISHED else None,
+                    "run_ended": 1 if run_ended else 0,
+                    "operation_id": row.id,
+                    "expected": row.status,
+                    "expected_owner": row.lease_owner,
+                },
+            )
+        )
+
+    def _release_reserved(
+        self: _LedgerBase, cur: Cursor, attempts: Iterable[AttemptRef], stamp: Any
+    ) -> list[Any]:
+        """Release the holds of attempts never granted a send (state reserved): no run
+        will send them now. Returns the resolutions, whose counters the caller applies."""
+        return [
+            self._release_in(cur, a.key, "never sent: its run ended", stamp)
+            for a in attempts
+            if a.state == AttemptState.RESERVED
+        ]
+
+    def begin_operation(
+        self: Any,
         key: str,
         *,
         fingerprint: str,
@@ -99,7 +232,10 @@ class OperationsMixin:
         task: str | None = None,
         payload: Any = None,
     ) -> OperationStart:
-        """Record a delivery of ``key`` and decide what it may do (see :class:`Decision`)."""
+        """Record a delivery of ``key`` and decide what it may do (see :class:`Decision`).
+
+        The owner of a live lease may call it again (its own re-read after a lost
+        compare-and-set); it keeps the lease and is not counted as another run."""
         check.text(key, "idempotency key")
         check.text(fingerprint, "fingerprint")
         check.text(owner, "lease owner")
@@ -119,65 +255,220 @@ class OperationsMixin:
                     "now": stamp,
                 },
             )
-            row = cur.one(sql.LOCK_OPERATION, {"key": key})
-            assert row is not None
-            op_id, recorded_fp, status, result, error, lease_owner, expires, runs, nxt = row
-            if recorded_fp != fingerprint:
-                raise IdempotencyConflict(key, "fingerprint", recorded_fp, fingerprint)
-            expires_at = None if expires is None else self._driver.from_ts(expires)
+            row = self._lock_operation(cur, key=key)
+            if row.fingerprint != fingerprint:
+                raise IdempotencyConflict(key, "fingerprint", row.fingerprint, fingerprint)
 
             def delivered(decision: Decision, **facts: Any) -> OperationStart:
                 replay = 1 if decision is Decision.REPLAY else 0
-                cur.run(sql.COUNT_DELIVERY, {"replay": replay, "now": stamp, "operation_id": op_id})
-                return OperationStart(decision, op_id, key, runs=runs, **facts)
-
-            if status == "succeeded":
-                # A result purged after its retention replays as None.
-                return delivered(
-                    Decision.REPLAY, result=None if result is None else json.loads(result)
-                )
-            if status == "failed":
-                return delivered(Decision.FAILED, error=error)
-            if lease_is_live(lease_owner, expires_at, now) and lease_owner != owner:
-                return delivered(Decision.IN_PROGRESS, lease_expires_at=expires_at)
-            if runs >= max_runs:
-                error = f"poison message: {runs} runs of {key!r} never finished"
                 cur.run(
-                    sql.END_OPERATION,
+                    sql.COUNT_DELIVERY, {"replay": replay, "now": stamp, "operation_id": row.id}
+                )
+                return OperationStart(decision, row.id, key, runs=row.runs, **facts)
+
+            if row.status == OperationStatus.SUCCEEDED:
+                # A result purged after its retention replays as None.
+                return delivered(Decision.REPLAY, result=_decode(row.result))
+            if row.status == OperationStatus.FAILED:
+                return delivered(Decision.FAILED, error=row.error)
+            mine = row.lease_owner == owner and row.status == OperationStatus.RUNNING
+            if not mine and lease_is_live(row.lease_owner, row.lease_expires_at, now):
+                return delivered(Decision.IN_PROGRESS, lease_expires_at=row.lease_expires_at)
+            attempts = self._attempts_of(cur, row.id)
+            concluded = self._conclusion(attempts)
+            if concluded is not None and concluded[0] == OperationStatus.SUCCEEDED:
+                # A reconciliation found the answer while no run could take it: adopt it.
+                self._set(cur, row, concluded[0], stamp, result=concluded[1], run_ended=mine)
+                return delivered(Decision.REPLAY, result=_decode(concluded[1]))
+            if not mine and row.runs >= max_runs:
+                error = f"poison message: {row.runs} runs of {key!r} never finished"
+                resolutions = self._release_reserved(cur, attempts, stamp)
+                self._set(cur, row, OperationStatus.FAILED, stamp, error=error, run_ended=False)
+                for resolution in resolutions:
+                    resolution.apply(cur)
+                return delivered(Decision.POISONED, error=error)
+            main = [a for a in attempts if a.label is None]
+            expires_new = now + lease
+            if mine:
+                cur.run(
+                    sql.RENEW_LEASE,
+                    {"expires": self._driver.ts(expires_new), "now": stamp, "operation_id": row.id},
+                )
+                runs = row.runs
+            else:
+                cur.run(
+                    sql.TAKE_LEASE,
                     {
-                        "status": "failed",
-                        "result": None,
-                        "error": error,
-                        "next_reason": None,
+                        "owner": owner,
+                        "expires": self._driver.ts(expires_new),
                         "now": stamp,
-                        "completed_at": stamp,
-                        "key": key,
-                        "run_ended": 0,  # the dead runs stay counted
+                        "operation_id": row.id,
                     },
                 )
-                return delivered(Decision.POISONED, error=error)
-            attempts = cur.all(sql.LAST_ATTEMPT, {"operation_id": op_id})
-            last = LastAttempt(*attempts[0]) if attempts else None
-            expires_new = now + lease
-            cur.run(
-                sql.TAKE_LEASE,
-                {
-                    "owner": owner,
-                    "expires": self._driver.ts(expires_new),
-                    "now": stamp,
-                    "operation_id": op_id,
-                },
-            )
+                runs = row.runs + 1
             return OperationStart(
                 Decision.RUN,
-                op_id,
+                row.id,
                 key,
-                runs=runs + 1,
+                runs=runs,
                 lease_expires_at=expires_new,
-                last_attempt=last,
-                attempts=len(attempts),
-                next_reason=nxt,
+                last_attempt=main[0] if main else None,
+                attempts=len(main),
+                next_reason=row.next_reason,
+                open_steps=tuple(a for a in attempts if a.label is not None and a.state in OPEN),
             )
+
+    def end_run(
+        self: Any,
+        key: str,
+        *,
+        owner: str,
+        status: str | None = None,
+        error: str | None = None,
+        next_reason: str | None = None,
+        fallback: str = OperationStatus.PENDING,
+    ) -> RunEnd:
+        """Give back ``owner``'s lease on ``key``, ending the run.
+
+        ``status`` ``failed`` ends the operation for good (the run knows it failed).
+        Otherwise what it becomes is derived from its attempts (see the module), with
+        ``fallback`` (``pending`` or ``retryable``) when they leave it open. Holds never
+        granted a send are released. If the lease is no longer ``owner``'s, nothing
+        changes while another run holds it live; once none does, the operation is
+        concluded as beat would. Returns where the operation stands."""
+        check.text(key, "idempotency key")
+        check.text(owner, "lease owner")
+        if status is not None and status not in (
+            OperationStatus.FAILED,
+            OperationStatus.RETRYABLE,
+            OperationStatus.PENDING,
+        ):
+            raise ValueError(f"a run cannot end its operation as {status!r}")
+        if fallback not in (OperationStatus.PENDING, OperationStatus.RETRYABLE):
+            raise ValueError(f"fallback must be pending or retryable, not {fallback!r}")
+        now = self.now()
+        stamp = self._driver.ts(now)
+        with self._driver.transaction() as cur:
+            row = self._lock_operation(cur, key=key)
+            end: RunEnd = self._end_in(
+                cur,
+                row,
+                now,
+                stamp,
+                owner=owner,
+                status=status,
+                error=error,
+                next_reason=next_reason,
+                fallback=fallback,
+            )
+            return end
+
+    def _end_in(
+        self: Any,
+        cur: Cursor,
+        row: _Row,
+        now: datetime,
+        stamp: Any,
+        *,
+        owner: str | None,
+        status: str | None,
+        error: str | None,
+        next_reason: str | None,
+        fallback: str,
+    ) -> RunEnd:
+        if row.finished:
+            return RunEnd(row.status, _decode(row.result), row.error, applied=False)
+        mine = owner is not None and row.lease_owner == owner
+        mine = mine and row.status == OperationStatus.RUNNING
+        if not mine and lease_is_live(row.lease_owner, row.lease_expires_at, now):
+            return RunEnd(row.status, None, row.error, applied=False)
+        attempts = self._attempts_of(cur, row.id)
+        resolutions = self._release_reserved(cur, attempts, stamp)
+        concluded = self._conclusion(attempts)
+        result = None
+        target: str
+        if status == OperationStatus.FAILED and mine:
+            target = OperationStatus.FAILED
+        elif concluded is not None:
+            target, result = concluded
+            error = error if target != OperationStatus.SUCCEEDED else None
+        else:
+            target = status if (status is not None and mine) else fallback
+        if target == OperationStatus.RETRYABLE:
+            next_reason = next_reason or "redelivery"
+        elif target != OperationStatus.PENDING:
+            next_reason = None
+        applied = self._set(
+            cur,
+            row,
+            target,
+            stamp,
+            result=result,
+            error=error,
+            next_reason=next_reason,
+            run_ended=mine,
+        )
+        for resolution in resolutions:
+            resolution.apply(cur)
+        return RunEnd(target, _decode(result), error, applied=applied)
+
+    def conclude_operation(
+        self: Any,
+        key: str,
+        *,
+        fallback: str = OperationStatus.RETRYABLE,
+        error: str | None = None,
+        next_reason: str | None = None,
+    ) -> RunEnd:
+        """Bring an operation no live run holds in line with its attempts (beat and
+        operators, after resolving one of its attempts). ``fallback`` (``retryable``,
+        ``pending`` or ``failed``) applies when its attempts leave it open."""
+        check.text(key, "idempotency key")
+        now = self.now()
+        stamp = self._driver.ts(now)
+        with self._driver.transaction() as cur:
+            row = self._lock_operation(cur, key=key)
+            end: RunEnd = self._conclude_in(cur, row, now, stamp, fallback, error, next_reason)
+            return end
+
+    def _conclude_in(
+        self: Any,
+        cur: Cursor,
+        row: _Row,
+        now: datetime,
+        stamp: Any,
+        fallback: str,
+        error: str | None,
+        next_reason: str | None,
+    ) -> RunEnd:
+        if fallback == OperationStatus.FAILED:
+            # Failing for good is a run's or an operator's decision, never a fallback
+            # over an open attempt or a found answer: derive first.
+            attempts = self._attempts_of(cur, row.id)
+            concluded = self._conclusion(attempts)
+            if concluded is None and not row.finished:
+                if lease_is_live(row.lease_owner, row.lease_expires_at, now):
+                    return RunEnd(row.status, None, row.error, applied=False)
+                resolutions = self._release_reserved(cur, attempts, stamp)
+                applied = self._set(
+                    cur, row, OperationStatus.FAILED, stamp, error=error, run_ended=False
+                )
+                for resolution in resolutions:
+                    resolution.apply(cur)
+                return RunEnd(OperationStatus.FAILED, None, error, applied=applied)
+            fallback = OperationStatus.RETRYABLE
+        end: RunEnd = self._end_in(
+            cur,
+            row,
+            now,
+            stamp,
+            owner=None,
+            status=None,
+            error=error,
+            next_reason=next_reason,
+            fallback=fallback,
+        )
+        return end
 
     def finish_operation(
         self: Any,
@@ -185,62 +476,142 @@ class OperationsMixin:
         *,
         result: Any,
         settlements: Sequence[tuple[str, int, bool]] = (),
-    ) -> None:
-        """Settle ``(attempt key, actual, estimate_only)`` for each attempt and store the
-        operation's result, in one transaction: a later delivery replays it."""
+        owner: str | None = None,
+        attempt: str | None = None,
+        left_open: Sequence[tuple[str, str]] = (),
+        encoded: str | None = None,
+    ) -> RunEnd:
+        """Settle ``(attempt key, actual, estimate_only)`` for each attempt, keep the
+        holds of ``left_open`` ``(attempt key, why)`` open as unknown (a call whose usage
+        is only known later), and store the operation's result, in one transaction: a
+        later delivery replays it.
+
+        With ``owner``, the result is stored while that owner still holds the lease; if
+        it does not, it is stored only if no live run holds the operation, it is
+        unfinished and ``attempt`` is still its latest main-call attempt. A settlement
+        always lands: an attempt resolved meanwhile keeps the larger of the two charges
+        (the difference as an adjustment)."""
         check.text(key, "idempotency key")
-        encoded = json.dumps(result)
-        stamp = self._driver.ts(self.now())
+        if encoded is None:
+            encoded = json.dumps(result)
+        now = self.now()
+        stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
             resolutions = [
                 self._resolve_in(
-                    cur, akey, actual, "settled", "charge", None, stamp, estimate_only=estimate_only
+                    cur,
+                    akey,
+                    actual,
+                    "settled",
+                    "charge",
+                    None,
+                    stamp,
+                    estimate_only=estimate_only,
+                    if_resolved="top_up",
                 )
                 for akey, actual, estimate_only in settlements
             ]
-            _end(cur, key, "succeeded", stamp, result=encoded)
+            for akey, why in left_open:
+                self._mark_unknown_in(cur, akey, why, None)
+            row = self._lock_operation(cur, key=key)
+            end: RunEnd = self._store_result_in(cur, row, now, stamp, owner, attempt, encoded)
             for resolution in resolutions:
                 resolution.apply(cur)
         for resolution in resolutions:
             if resolution.applied and resolution.actual > resolution.amount:
-                self._log_overrun(key, resolution.amount, resolution.actual)
+                self._log_overrun(resolution.key, resolution.amount, resolution.actual)
+        return end
 
-    def end_operation(
-        self: _LedgerBase,
+    def _store_result_in(
+        self: Any,
+        cur: Cursor,
+        row: _Row,
+        now: datetime,
+        stamp: Any,
+        owner: str | None,
+        attempt: str | None,
+        encoded: str,
+    ) -> RunEnd:
+        if row.finished:
+            return RunEnd(row.status, _decode(row.result), row.error, applied=False)
+        mine = owner is None or (row.lease_owner == owner and row.status == OperationStatus.RUNNING)
+        attempts = self._attempts_of(cur, row.id)
+        if not mine:
+            if lease_is_live(row.lease_owner, row.lease_expires_at, now):
+                return RunEnd(row.status, None, row.error, applied=False)
+            latest = next((a for a in attempts if a.label is None), None)
+            if attempt is not None and (latest is None or latest.key != attempt):
+                return RunEnd(row.status, None, row.error, applied=False)
+        resolutions = self._release_reserved(cur, attempts, stamp)
+        applied = self._set(
+            cur,
+            row,
+            OperationStatus.SUCCEEDED,
+            stamp,
+            result=encoded,
+            run_ended=mine and owner is not None,
+        )
+        for resolution in resolutions:
+            resolution.apply(cur)
+        return RunEnd(OperationStatus.SUCCEEDED, json.loads(encoded), None, applied=applied)
+
+    def fail_operation(
+        self: Any,
         key: str,
-        status: str,
         *,
-        error: str | None = None,
-        next_reason: str | None = None,
-        result: Any = None,
-        owner: str | None = None,
-    ) -> bool:
-        """Give the lease back and record where the operation stands.
-
-        With ``owner``, only while that owner still holds the lease: returns False (and
-        changes nothing) once it does not. Without, an unknown key raises.
-        """
-        if status not in ("pending", "failed", "unknown", "retryable", "succeeded"):
-            raise ValueError(f"an operation cannot end as {status!r}")
+        owner: str,
+        error: str,
+        settlements: Sequence[tuple[str, int, bool]] = (),
+    ) -> RunEnd:
+        """End ``owner``'s run as failed for good, settling what its calls billed, in one
+        transaction (see :meth:`end_run` for a lease no longer ``owner``'s)."""
         check.text(key, "idempotency key")
-        check.optional_text(owner, "lease owner")
-        stamp = self._driver.ts(self.now())
+        now = self.now()
+        stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
-            encoded = None if result is None else json.dumps(result)
-            if not _end(
+            resolutions = [
+                self._resolve_in(
+                    cur,
+                    akey,
+                    actual,
+                    "settled",
+                    "charge",
+                    None,
+                    stamp,
+                    estimate_only=estimate_only,
+                    if_resolved="top_up",
+                )
+                for akey, actual, estimate_only in settlements
+            ]
+            row = self._lock_operation(cur, key=key)
+            end: RunEnd = self._end_in(
                 cur,
-                key,
-                status,
+                row,
+                now,
                 stamp,
-                error=error,
-                next_reason=next_reason,
-                result=encoded,
                 owner=owner,
-            ):
-                if owner is not None:
-                    return False
-                raise UnknownOperation(key)
-        return True
+                status=OperationStatus.FAILED,
+                error=error,
+                next_reason=None,
+                fallback=OperationStatus.PENDING,
+            )
+            for resolution in resolutions:
+                resolution.apply(cur)
+        return end
+
+    # -- labelled calls and side effects ------------------------------------------------
+
+    def step_attempt(
+        self: _LedgerBase, operation_id: int, step: str
+    ) -> tuple[AttemptRef | None, int]:
+        """The latest attempt of a labelled call (by its position ``step``) and how
+        many attempts it has had."""
+        with self._driver.transaction() as cur:
+            row = cur.one(sql.STEP_ATTEMPT, {"operation_id": operation_id, "step": step})
+        if row is None:
+            return None, 0
+        akey, state, amount, reason, answer, recorded, count = row
+        return AttemptRef(akey, state, amount, reason, step, answer, recorded), int(count)
 
     def side_effect(self: _LedgerBase, operation_id: int, name: str) -> tuple[str, Any] | None:
         """``(state, result)`` of a side effect, or None if it never started."""
@@ -276,29 +647,48 @@ class OperationsMixin:
         with self._driver.transaction() as cur:
             cur.run(sql.FORGET_SIDE_EFFECT, {"operation_id": operation_id, "name": name})
 
-
-def _end(
-    cur: Cursor,
-    key: str,
-    status: str,
-    stamp: Any,
-    *,
-    error: str | None = None,
-    next_reason: str | None = None,
-    result: str | None = None,
-    owner: str | None = None,
-) -> bool:
-    done = status in ("succeeded", "failed")
-    params = {
-        "status": status,
-        "result": result,
-        "error": error,
-        "next_reason": next_reason,
-        "now": stamp,
-        "completed_at": stamp if done else None,
-        "key": key,
-        "run_ended": 1,
-    }
-    if owner is None:
-        return bool(cur.run(sql.END_OPERATION, params))
-    return bool(cur.run(sql.END_OWN_OPERATION, {**params, "owner": owner}))
+    def settle_step(
+        self: Any,
+        key: str,
+        actual: int,
+        *,
+        estimate_only: bool,
+        operation_id: int,
+        record: str,
+        result: Any,
+        left_open: str | None = None,
+        release: bool = False,
+        store_only: bool = False,
+    ) -> bool:
+        """Settle a labelled call at ``actual`` (or release it, never granted; or keep its
+        hold open as unknown, ``left_open`` saying why; or touch nothing,
+        ``store_only``) and store its result for replay, in one transaction."""
+        encoded = json.dumps(result)
+        stamp = self._driver.ts(self.now())
+        resolution = None
+        with self._driver.transaction() as cur:
+            if left_open is not None:
+                self._mark_unknown_in(cur, key, left_open, None)
+            elif release:
+                resolution = self._release_in(cur, key, "no call made", stamp)
+            elif not store_only:
+                resolution = self._resolve_in(
+                    cur,
+                    key,
+                    actual,
+                    "settled",
+                    "charge",
+                    None,
+                    stamp,
+                    estimate_only=estimate_only,
+                    if_resolved="top_up",
+                )
+            cur.run(
+                sql.STORE_SIDE_EFFECT,
+                {"operation_id": operation_id, "name": record, "result": encoded, "now": stamp},
+            )
+            if resolution is not None:
+                resolution.apply(cur)
+        if resolution is not None and resolution.applied and actual > resolution.amount:
+            self._log_overrun(key, resolution.amount, actual)
+        return resolution is None or resolution.applied

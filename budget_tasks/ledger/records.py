@@ -79,6 +79,12 @@ class Attempt:
     lookups: int = 0
     flagged_at: datetime | None = None
     operation_key: str | None = None
+    #: usage the run recorded (proof of billing), before the attempt was resolved
+    recorded_actual: int | None = None
+    #: a labelled call's position in its operation (its first attempt's key)
+    step: str | None = None
+    #: the client timeout the call was sent with, in milliseconds
+    timeout_ms: int | None = None
 
     @property
     def overrun(self) -> int:
@@ -134,3 +140,19 @@ class Operation:
     completed_at: datetime | None
     #: ``host:pid:token`` of the delivery running it now, or that ran it last
     lease_owner: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """What resolving an attempt from outside its run did, to it and its operation."""
+
+    key: str
+    #: False when the attempt was already resolved with the same charge
+    applied: bool
+    state: str
+    actual: int
+    amount: int
+    operation: str | None = None
+    #: where the operation stands now (None: not touched, e.g. a later attempt exists)
+    operation_status: str | None = None
+    operation_changed: bool = False

@@ -106,6 +106,10 @@ budget_periods = Table(
     Column("spent", BigInteger, nullable=False),
     Column("held", BigInteger, nullable=False),
     Column("opened_at", UTCDateTime, nullable=False),
+    # Added in migration 0005: a period closes (admits nothing more) before the next one
+    # carries what it left unused; ``carried_out`` is what it gave the next period.
+    Column("closed_at", UTCDateTime, nullable=True),
+    Column("carried_out", BigInteger, nullable=False, server_default="0"),
     UniqueConstraint("budget_id", "period_start"),
     CheckConstraint("cap >= 0", name="cap_not_negative"),
     CheckConstraint("held >= 0", name="held_not_negative"),
@@ -148,6 +152,14 @@ attempts = Table(
     Column("lookups", Integer, nullable=False, server_default="0"),
     Column("next_lookup_at", UTCDateTime, nullable=True),
     Column("flagged_at", UTCDateTime, nullable=True),
+    # Added in migration 0005: a labelled call's position (its first attempt's key; a
+    # later attempt of the same call shares it), the usage a run recorded (proof of
+    # billing: never released below it), the answer a reconciliation found (for the
+    # operation to adopt), and the client timeout the call was sent with.
+    Column("step", String(255), nullable=True),
+    Column("recorded_actual", BigInteger, nullable=True),
+    Column("answer", Text, nullable=True),
+    Column("timeout_ms", BigInteger, nullable=True),
     UniqueConstraint("key"),
     CheckConstraint("amount >= 0", name="amount_not_negative"),
     CheckConstraint("actual IS NULL OR actual >= 0", name="actual_not_negative"),

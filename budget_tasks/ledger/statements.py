@@ -29,24 +29,26 @@ AVAILABLE = "(cap - spent - held)"
 INSERT_ATTEMPT = """
 INSERT INTO attempts
     (key, budget_id, period_id, fingerprint, reason, amount, price_version, operation_id,
-     label, state, created_at)
+     label, step, state, created_at)
 VALUES
     (:key, :budget_id, :period_id, :fingerprint, :reason, :amount, :price_version,
-     :operation_id, :label, 'reserved', :now)
+     :operation_id, :label, :step, 'reserved', :now)
 ON CONFLICT (key) DO NOTHING
 RETURNING id"""
 
 # Check and write in one statement: the row lock taken by the UPDATE makes the check
 # and the increment one atomic step, and the frozen flag is read in the same statement.
+# A closed period admits nothing: what it left unused may have been carried already.
 ADMIT = f"""
 UPDATE budget_periods SET held = held + :amount
 WHERE id = :period_id
   AND {AVAILABLE} >= :amount
+  AND closed_at IS NULL
   AND budget_id IN (SELECT id FROM budgets WHERE frozen = :false)
 RETURNING id"""
 
 REFUSAL = f"""
-SELECT {AVAILABLE}, (SELECT frozen FROM budgets WHERE budgets.id = budget_id)
+SELECT {AVAILABLE}, (SELECT frozen FROM budgets WHERE budgets.id = budget_id), closed_at
 FROM budget_periods WHERE id = :period_id"""
 
 EXISTING_ATTEMPT = """
@@ -73,7 +75,8 @@ ATTEMPT_STATE = "SELECT state FROM attempts WHERE key = :key"
 #: prebuilt here rather than through SQLAlchemy Core, which pings per transaction.
 DESCRIBE_ATTEMPT = """
 UPDATE attempts SET lookup = COALESCE(:lookup, lookup), model = COALESCE(:model, model),
-    response_id = COALESCE(:response_id, response_id)
+    response_id = COALESCE(:response_id, response_id),
+    timeout_ms = COALESCE(CAST(:timeout_ms AS BIGINT), timeout_ms)
 WHERE key = :key"""
 
 RECORD_REQUEST_ID = """
@@ -86,16 +89,29 @@ ATTEMPT_REQUEST_ID = "SELECT state, request_id FROM attempts WHERE key = :key"
 # The attempt row, locked, with each period row it holds: one row per period, in the
 # order reserve locked them (budget id), so settlement takes locks in the same order.
 LOCK_ATTEMPT = """
-SELECT a.id, a.amount, a.actual, a.state, j.period_id
+SELECT a.id, a.amount, a.actual, a.state, a.recorded_actual, j.period_id
 FROM attempts a
 JOIN journal j ON j.attempt_id = a.id AND j.kind = 'hold'
 JOIN budget_periods p ON p.id = j.period_id
 WHERE a.key = :key
 ORDER BY p.budget_id{for_update}"""
 
-APPLY_SETTLEMENT = """
+APPLY_SETTLEMENT = f"""
 UPDATE budget_periods SET held = held - :amount, spent = spent + :actual
-WHERE id = :period_id"""
+WHERE id = :period_id
+RETURNING carried_out, {AVAILABLE}"""
+
+TAKE_BACK_CARRY = """
+UPDATE budget_periods SET carried_out = carried_out - :deficit WHERE id = :period_id"""
+
+#: The period right after the given one, of the same budget: where its carry went.
+LOWER_NEXT_CAP = """
+UPDATE budget_periods SET cap = cap - :deficit
+WHERE id = (
+    SELECT n.id FROM budget_periods n JOIN budget_periods o ON o.budget_id = n.budget_id
+    WHERE o.id = :period_id AND n.period_start > o.period_start
+    ORDER BY n.period_start LIMIT 1
+)"""
 
 ADJUSTMENT_SEEN = """
 SELECT 1 FROM journal WHERE attempt_id = :attempt_id AND ref = :ref"""
@@ -105,13 +121,34 @@ ATTEMPT_CHARGED = """
 SELECT COALESCE(SUM(j.spent_delta), 0) FROM journal j JOIN attempts a ON a.id = j.attempt_id
 WHERE j.attempt_id = :attempt_id AND j.period_id = a.period_id"""
 
-APPLY_ADJUSTMENT = """
-UPDATE budget_periods SET spent = spent + :delta WHERE id = :period_id"""
+APPLY_ADJUSTMENT = f"""
+UPDATE budget_periods SET spent = spent + :delta WHERE id = :period_id
+RETURNING carried_out, {AVAILABLE}"""
 
 RESOLVE_ATTEMPT = """
 UPDATE attempts SET state = :state, actual = :actual, resolved_at = :now,
-    note = COALESCE(:note, note), estimate_only = :estimate_only
-WHERE id = :attempt_id"""
+    note = COALESCE(:note, note), estimate_only = :estimate_only,
+    answer = COALESCE(:answer, answer)
+WHERE id = :attempt_id AND state = :expected"""
+
+#: sending -> unknown, compare-and-set; the usage a run recorded stays as proof of billing.
+MARK_UNKNOWN = """
+UPDATE attempts SET state = 'unknown', note = :note,
+    recorded_actual = CASE WHEN CAST(:recorded AS BIGINT) IS NULL THEN recorded_actual
+                           ELSE CAST(:recorded AS BIGINT) END
+WHERE key = :key AND state = 'sending'
+RETURNING id"""
+
+#: What a finished call reported, in one statement: the request and response ids, and
+#: its priced usage added to what the attempt recorded (proof of billing, written as
+#: soon as it is known so that no crash after it can drop it).
+RECORD_CALL = """
+UPDATE attempts SET request_id = COALESCE(request_id, :request_id),
+    response_id = COALESCE(:response_id, response_id),
+    recorded_actual = CASE WHEN CAST(:cost AS BIGINT) IS NULL THEN recorded_actual
+                           ELSE COALESCE(recorded_actual, 0) + CAST(:cost AS BIGINT) END
+WHERE key = :key AND state IN ('sending', 'unknown')
+RETURNING id"""
 
 BALANCE = f"""
 SELECT cap, spent, held, {AVAILABLE} FROM budget_periods WHERE id = :period_id"""
@@ -129,10 +166,26 @@ SELECT id, fingerprint, status, result, error, lease_owner, lease_expires_at, ru
        next_reason
 FROM operations WHERE key = :key{for_update_plain}"""
 
-LAST_ATTEMPT = """
-SELECT key, state, amount, reason FROM attempts
-WHERE operation_id = :operation_id AND label IS NULL
+LOCK_OPERATION_BY_ID = """
+SELECT id, fingerprint, status, result, error, lease_owner, lease_expires_at, runs,
+       next_reason
+FROM operations WHERE id = :operation_id{for_update_plain}"""
+
+#: The operation's main-call attempts and its labelled calls not yet resolved, newest
+#: first: what a delivery or a conclusion decides from.
+OPERATION_ATTEMPTS = """
+SELECT id, key, state, amount, reason, label, answer, recorded_actual FROM attempts
+WHERE operation_id = :operation_id
+  AND (label IS NULL OR state IN ('reserved', 'sending', 'unknown'))
 ORDER BY id DESC"""
+
+#: The latest attempt of one labelled call, and how many it has had.
+STEP_ATTEMPT = """
+SELECT key, state, amount, reason, answer, recorded_actual,
+       (SELECT COUNT(*) FROM attempts s WHERE s.operation_id = :operation_id AND s.step = :step)
+FROM attempts
+WHERE operation_id = :operation_id AND step = :step
+ORDER BY id DESC LIMIT 1"""
 
 COUNT_DELIVERY = """
 UPDATE operations SET deliveries = deliveries + 1, replays = replays + :replay,
@@ -144,20 +197,17 @@ UPDATE operations SET status = 'running', lease_owner = :owner, lease_expires_at
     runs = runs + 1, deliveries = deliveries + 1, updated_at = :now
 WHERE id = :operation_id"""
 
-#: ``runs`` counts runs that took the lease and never recorded their end (what poison
-#: detection counts): a run that ends here, holding the lease, is taken off it. SET
-#: expressions read the row as it was, so ``lease_owner`` is the run's own.
-END_OPERATION = """
+#: Move an operation from the status (and lease owner) its writer read to another, and
+#: give the lease back. ``runs`` counts runs that took the lease and never recorded
+#: their end (what poison detection counts): a run ending itself (``run_ended``) is
+#: taken off it. SET expressions read the row as it was.
+SET_OPERATION = """
 UPDATE operations SET status = :status, result = COALESCE(:result, result),
     error = :error, next_reason = :next_reason, lease_owner = NULL,
     lease_expires_at = NULL, updated_at = :now, completed_at = :completed_at,
-    runs = CASE WHEN :run_ended = 1 AND lease_owner IS NOT NULL AND runs > 0
-                THEN runs - 1 ELSE runs END
-WHERE key = :key"""
-
-#: The same, only while the lease is still this owner's (a late give-back never ends
-#: another delivery's run).
-END_OWN_OPERATION = END_OPERATION + " AND lease_owner = :owner"
+    runs = CASE WHEN :run_ended = 1 AND runs > 0 THEN runs - 1 ELSE runs END
+WHERE id = :operation_id AND status = :expected
+  AND COALESCE(lease_owner, '') = COALESCE(:expected_owner, '')"""
 
 START_SIDE_EFFECT = """
 INSERT INTO side_effects (operation_id, name, state, created_at)
@@ -171,6 +221,38 @@ SELECT state, result FROM side_effects WHERE operation_id = :operation_id AND na
 FINISH_SIDE_EFFECT = """
 UPDATE side_effects SET state = 'done', result = :result, completed_at = :now
 WHERE operation_id = :operation_id AND name = :name"""
+
+#: Where an attempt sits in its operation, and whether it is still the latest attempt
+#: of its call (the main call, or one labelled call).
+ATTEMPT_POSITION = """
+SELECT a.operation_id, o.key, a.label, a.state,
+    CASE WHEN EXISTS (
+        SELECT 1 FROM attempts b
+        WHERE b.operation_id = a.operation_id AND b.id > a.id
+          AND ((a.label IS NULL AND b.label IS NULL) OR (a.step IS NOT NULL AND b.step = a.step))
+    ) THEN 0 ELSE 1 END
+FROM attempts a LEFT JOIN operations o ON o.id = a.operation_id
+WHERE a.key = :key"""
+
+#: Attempts held by runs that may be gone: open (sending) or never granted (reserved),
+#: under an operation, with that operation's lease to check.
+ORPHAN_CANDIDATES = """
+SELECT a.key, a.state, o.key, o.lease_owner, o.lease_expires_at, o.status
+FROM attempts a JOIN operations o ON o.id = a.operation_id
+WHERE a.state IN ('reserved', 'sending')
+ORDER BY a.id
+LIMIT :limit"""
+
+STORE_SIDE_EFFECT = """
+INSERT INTO side_effects (operation_id, name, state, result, created_at, completed_at)
+VALUES (:operation_id, :name, 'done', :result, :now, :now)
+ON CONFLICT (operation_id, name) DO UPDATE
+SET state = 'done', result = excluded.result, completed_at = excluded.completed_at"""
+
+RENEW_LEASE = """
+UPDATE operations SET lease_expires_at = :expires, deliveries = deliveries + 1,
+    updated_at = :now
+WHERE id = :operation_id"""
 
 FORGET_SIDE_EFFECT = """
 DELETE FROM side_effects WHERE operation_id = :operation_id AND name = :name

@@ -248,10 +248,11 @@ def test_rollover_renewal_carries_unused_up_to_the_ceiling(
         sent(ledger, name, f"{name}-1", 30)
         ledger.settle(f"{name}-1", 30)
     clock.advance(days=1)
-    assert ledger.balance("daily").cap == 170  # 100 + 70 unused
-    assert ledger.balance("plain").cap == 100  # reset
+    assert ledger.balance("daily").cap == 170  # what it would open with: 100 + 70 unused
+    assert ledger.open_period("daily").cap == 170  # opened (closing day 1): the same
+    assert ledger.open_period("plain").cap == 100  # reset
     clock.advance(days=1)
-    assert ledger.balance("daily").cap == 250  # 100 + 170, capped at 250
+    assert ledger.open_period("daily").cap == 250  # 100 + 170, capped at 250
 
 
 def test_duplicate_and_unknown_budgets(ledger: Ledger) -> None:

@@ -57,7 +57,8 @@ class LedgerMachine(RuleBasedStateMachine):
                 renewal=renewal,
                 rollover_ceiling=ceiling,  # type: ignore[arg-type]
             )
-        self.periods: dict[tuple[str, datetime], list[int]] = {}  # cap, spent, held
+        # cap, spent, held, carried_out, closed (0/1)
+        self.periods: dict[tuple[str, datetime], list[int]] = {}
         self.attempts: dict[str, dict[str, Any]] = {}
         self.frozen: set[str] = set()
         self.count = 0
@@ -71,17 +72,35 @@ class LedgerMachine(RuleBasedStateMachine):
         return period_start(BUDGETS[name][1], self.clock())  # type: ignore[arg-type]
 
     def open(self, name: str) -> list[int]:
+        """Admission opens the budget's current period, closing the earlier ones; the
+        one just before carries what it left unused, by the renewal policy."""
         key = (name, self.start(name))
         if key not in self.periods:
             allowance, period, _, renewal, ceiling = BUDGETS[name]
             cap = allowance
             prev_at = key[1] - timedelta(microseconds=1)
-            prev = self.periods.get((name, period_start(period, prev_at)))  # type: ignore[arg-type]
-            if renewal == "rollover" and prev is not None:
+            prev_key = (name, period_start(period, prev_at))  # type: ignore[arg-type]
+            prev = self.periods.get(prev_key)
+            if renewal == "rollover" and prev is not None and not prev[4]:
                 unused = max(0, prev[0] - prev[1] - prev[2])
                 cap = max(allowance, min(ceiling or 3 * allowance, allowance + unused))
-            self.periods[key] = [cap, 0, 0]
+                prev[3] = cap - allowance
+            for (other, _), row in self.periods.items():
+                if other == name:
+                    row[4] = 1
+            self.periods[key] = [cap, 0, 0, 0, 0]
         return self.periods[key]
+
+    def changed(self, period: tuple[str, datetime]) -> None:
+        """A closed period that carried, now with less unused than it carried: the
+        difference comes off the next period's cap."""
+        row = self.periods[period]
+        available = row[0] - row[1] - row[2]
+        if row[3] > 0 and available < row[3]:
+            deficit = row[3] - max(available, 0)
+            row[3] -= deficit
+            later = sorted(k for k in self.periods if k[0] == period[0] and k[1] > period[1])
+            self.periods[later[0]][0] -= deficit
 
     def keys_in(self, *states: str) -> list[str]:
         return sorted(k for k, a in self.attempts.items() if a["state"] in states)
@@ -145,6 +164,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for period in a["periods"]:
             self.periods[period][2] -= a["amount"]
             self.periods[period][1] += actual
+            self.changed(period)
         a.update(state=state, actual=actual, charged=actual)
 
     @precondition(lambda self: self.keys_in("sending", "unknown"))
@@ -186,6 +206,7 @@ class LedgerMachine(RuleBasedStateMachine):
         a["charged"] += delta  # the settlement itself stays as it was
         for period in a["periods"]:
             self.periods[period][1] += delta
+            self.changed(period)
 
     @rule(name=st.sampled_from(ORDER), frozen=st.booleans())
     def freeze(self, name: str, frozen: bool) -> None:
@@ -204,9 +225,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def counters_match_the_model_and_the_journal(self) -> None:
-        for name in ORDER:
-            self.open(name)
-        for (name, start), (cap, spent, held) in self.periods.items():
+        for (name, start), (cap, spent, held, _, _) in self.periods.items():
             bal = self.ledger.balance(self.prefix + name, at=start)
             assert (bal.cap, bal.spent, bal.held) == (cap, spent, held), (name, start)
             assert bal.available == cap - spent - held

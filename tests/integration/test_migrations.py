@@ -80,7 +80,7 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
         assert a["journal"]["checks"], "the comparison must see check constraints"
         assert a["triggers"], "the append-only trigger must exist"
         assert a == b
-        assert current(migrated) == "0004"
+        assert current(migrated) == "0005"
 
 
 def test_autogenerate_sees_no_difference_after_upgrade() -> None:
@@ -107,7 +107,7 @@ def test_cli_db_upgrade_then_the_ledger_works() -> None:
             check=False,
         )
         assert done.returncode == 0, done.stderr
-        assert "revision 0004" in done.stdout
+        assert "revision 0005" in done.stdout
         ledger = Ledger(url)
         ledger.create_budget("acme", 10)
         assert ledger.reserve("acme", "k", 10).created

@@ -24,7 +24,8 @@ def test_runs_that_hand_the_message_back_are_never_poison(ledger: Ledger) -> Non
     for n in range(10):
         owner = f"otherhost:{n}:tok"
         assert begin(ledger, owner) is Decision.RUN
-        assert ledger.end_operation("job:1", "pending", error="retry later", owner=owner)
+        end = ledger.end_run("job:1", owner=owner, status="pending", error="retry later")
+        assert (end.status, end.applied) == ("pending", True)
     assert ledger.operation("job:1").runs == 0
     assert ledger.operation("job:1").deliveries == 10
 
@@ -45,8 +46,8 @@ def test_a_clean_end_between_deaths_is_not_counted(ledger: Ledger, clock: Manual
     assert begin(ledger, "otherhost:1:tok") is Decision.RUN  # dies
     clock.advance(LEASE + timedelta(seconds=1))
     assert begin(ledger, "otherhost:2:tok") is Decision.RUN
-    ledger.end_operation("job:1", "pending", owner="otherhost:2:tok")
+    ledger.end_run("job:1", owner="otherhost:2:tok", status="pending")
     assert ledger.operation("job:1").runs == 1
-    # a give-back from someone who no longer holds the lease changes nothing
-    assert not ledger.end_operation("job:1", "pending", owner="otherhost:1:tok")
-    assert ledger.operation("job:1").runs == 1
+    # a give-back from someone who no longer holds the lease takes no run off the count
+    ledger.end_run("job:1", owner="otherhost:1:tok", status="pending")
+    assert (ledger.operation("job:1").runs, ledger.operation("job:1").status) == (1, "pending")

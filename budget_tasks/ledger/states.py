@@ -1,0 +1,68 @@
+"""The states of operations and attempts, and the one table of allowed transitions.
+
+Every write of a state in the ledger is compare-and-set: it names the state it read
+(and, under a lease, its owner), and a write that finds another state changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class AttemptState(enum.StrEnum):
+    RESERVED = "reserved"  # held, never sent: releasing it is always safe
+    SENDING = "sending"  # granted: the call may be at the provider
+    SETTLED = "settled"  # charged its actual
+    RELEASED = "released"  # certainly not billed
+    UNKNOWN = "unknown"  # may have billed: the hold stays until resolved
+
+
+class OperationStatus(enum.StrEnum):
+    PENDING = "pending"  # no run holds it and nothing is open: the next delivery runs it
+    RUNNING = "running"  # a delivery holds the lease
+    SUCCEEDED = "succeeded"  # its result is stored: every delivery replays it
+    FAILED = "failed"  # failed for good: every delivery reports the error
+    UNKNOWN = "unknown"  # an attempt may have billed: reconciliation decides
+    RETRYABLE = "retryable"  # its attempts ended unbilled: the next delivery sends anew
+
+
+#: The states an attempt may move to from each state.
+ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
+    AttemptState.RESERVED: frozenset({AttemptState.SENDING, AttemptState.RELEASED}),
+    AttemptState.SENDING: frozenset(
+        {AttemptState.SETTLED, AttemptState.RELEASED, AttemptState.UNKNOWN}
+    ),
+    AttemptState.UNKNOWN: frozenset({AttemptState.SETTLED, AttemptState.RELEASED}),
+    AttemptState.SETTLED: frozenset(),
+    AttemptState.RELEASED: frozenset(),
+}
+
+_UNFINISHED = frozenset(
+    {
+        OperationStatus.PENDING,
+        OperationStatus.RUNNING,
+        OperationStatus.UNKNOWN,
+        OperationStatus.RETRYABLE,
+    }
+)
+
+#: The statuses an operation may move to from each status. A finished operation
+#: (succeeded, failed) never moves again: a replay is all that is left of it.
+OPERATION_TRANSITIONS: dict[OperationStatus, frozenset[OperationStatus]] = {
+    **{status: frozenset(OperationStatus) for status in _UNFINISHED},
+    OperationStatus.SUCCEEDED: frozenset(),
+    OperationStatus.FAILED: frozenset(),
+}
+
+HOLDING = frozenset({AttemptState.RESERVED, AttemptState.SENDING, AttemptState.UNKNOWN})
+#: An attempt in these states may have reached the provider and is not resolved.
+OPEN = frozenset({AttemptState.SENDING, AttemptState.UNKNOWN})
+FINISHED = frozenset({OperationStatus.SUCCEEDED, OperationStatus.FAILED})
+
+
+def attempt_may(current: str, target: str) -> bool:
+    return AttemptState(target) in ATTEMPT_TRANSITIONS[AttemptState(current)]
+
+
+def operation_may(current: str, target: str) -> bool:
+    return OperationStatus(target) in OPERATION_TRANSITIONS[OperationStatus(current)]
