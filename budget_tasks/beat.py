@@ -24,8 +24,10 @@ from typing import Any
 from celery import shared_task
 from celery.utils.dispatch import Signal
 
+from .config import ledger_of
+from .errors import BudgetTasksError
+from .hooks import hooks
 from .ledger import Attempt, Hold, Ledger
-from .metrics import RECONCILIATIONS, STALE_HOLDS
 from .providers import (
     Found,
     Lookup,
@@ -43,6 +45,7 @@ from .providers.calls import (
     LOOKUP_OPENAI_CHAT,
     LOOKUP_OPENAI_RESPONSES,
 )
+from .providers.clients import DEFAULT_MARGIN
 
 log = logging.getLogger("budget_tasks.beat")
 
@@ -69,12 +72,20 @@ def flag_stale_holds(ledger: Ledger, older_than: timedelta) -> list[Hold]:
             hold.request_id,
             hold.age,
         )
-        STALE_HOLDS.labels(hold.budget).inc()
+        hooks.stale(hold=hold)
         stale_hold.send(sender="flag_stale_holds", hold=hold)
     return flagged
 
 
-def look_up(attempt: Attempt, clients: Clients, margin: timedelta) -> Lookup:
+def _settle_after(attempt: Attempt, client: Any, margin: timedelta) -> timedelta:
+    """How long after its send the provider may still be working on ``attempt``: the
+    timeout it was sent with (else the lookup client's) plus ``margin``."""
+    if attempt.timeout_ms is not None:
+        return timedelta(milliseconds=attempt.timeout_ms) + margin
+    return settle_after(client, margin)
+
+
+def look_up(attempt: Attempt, clients: Clients, margin: timedelta = DEFAULT_MARGIN) -> Lookup:
     """Ask the provider about one attempt, by the lookup recorded for it."""
     if attempt.lookup is None or attempt.model is None:
         return Unknowable("the attempt never recorded which call it was")
@@ -87,7 +98,7 @@ def look_up(attempt: Attempt, clients: Clients, margin: timedelta) -> Lookup:
             completion_id=attempt.response_id,
             attempt_key=attempt.key,
             sent_at=sent_at,
-            settle_after=settle_after(client, margin),
+            settle_after=_settle_after(attempt, client, margin),
         )
     if attempt.lookup == LOOKUP_OPENAI_RESPONSES:
         client = clients("openai")
@@ -96,7 +107,7 @@ def look_up(attempt: Attempt, clients: Clients, margin: timedelta) -> Lookup:
             model=attempt.model,
             response_id=attempt.response_id,
             sent_at=sent_at,
-            settle_after=settle_after(client, margin),
+            settle_after=_settle_after(attempt, client, margin),
         )
     if attempt.lookup == LOOKUP_ANTHROPIC_MESSAGES:
         return lookup_anthropic_message()
@@ -107,57 +118,101 @@ def reconcile_unknown(
     ledger: Ledger,
     clients: Clients,
     *,
-    margin: timedelta = timedelta(minutes=5),
+    margin: timedelta = DEFAULT_MARGIN,
     limit: int = 50,
     requeue: Requeue | None = None,
 ) -> dict[str, int]:
-    """First make 'unknown' the attempts left 'sending' by a run that is gone (no live
-    lease on their operation). Then look up unknown attempts that are due (each backs
-    off between lookups):
-    Found settles the provider's charge and stores the result on the operation;
-    NotFound releases the hold and makes the operation retryable (and enqueues it again
-    with ``requeue``); Pending and Unknowable leave the hold as it is."""
-    counts = {"found": 0, "not_found": 0, "pending": 0, "unknowable": 0}
+    """First adopt what runs that are gone left behind (attempts left sending become
+    unknown, holds never sent are released). Then look up unknown attempts that are due
+    (each backs off between lookups):
+
+    - Found settles the provider's charge (never below the usage its run recorded) and
+      keeps its answer; an operation that no live run holds, whose latest attempt this
+      is, adopts the answer (a later delivery replays it);
+    - NotFound, once past the time the provider could still be working on the call,
+      releases the hold (settles it at the recorded usage, if its run recorded any) and
+      makes such an operation retryable (enqueued again with ``requeue``);
+    - Pending and Unknowable leave the hold as it is.
+
+    An attempt that moved meanwhile (an operator, a late run) keeps what they wrote:
+    one failure never stops the others."""
+    counts = {"found": 0, "not_found": 0, "pending": 0, "unknowable": 0, "failed": 0}
     for key in ledger.mark_orphans_unknown():
         log.warning("attempt %s was left sending by a run that is gone: now unknown", key)
     for attempt in ledger.claim_unknown(limit=limit):
         try:
-            outcome = look_up(attempt, clients, margin)
+            name = _reconcile_one(ledger, attempt, clients, margin, requeue)
+        except (BudgetTasksError, ValueError) as exc:
+            log.warning("reconciling %s: it moved meanwhile or was refused: %s", attempt.key, exc)
+            name = "failed"
         except Exception as exc:  # a broken lookup must not stop the others
             log.exception("lookup of %s failed: %s", attempt.key, exc)
-            continue
-        main_call = attempt.operation_key is not None and attempt.label is None
-        if isinstance(outcome, Found):
-            if main_call:
-                assert attempt.operation_key is not None
-                ledger.finish_operation(
-                    attempt.operation_key,
-                    result=outcome.result,
-                    settlements=[(attempt.key, outcome.actual, False)],
-                )
-            else:
-                ledger.settle(attempt.key, outcome.actual, note="reconciled with the provider")
-            name = "found"
-        elif isinstance(outcome, NotFound):
-            ledger.release(attempt.key, f"reconciled: {outcome.reason}")
-            if main_call:
-                assert attempt.operation_key is not None
-                ledger.end_operation(
-                    attempt.operation_key,
-                    "retryable",
-                    error=outcome.reason,
-                    next_reason="redelivery",
-                )
-                operation = ledger.operation(attempt.operation_key)
-                if requeue is not None and operation.task and operation.payload is not None:
-                    requeue(operation.task, operation.key, operation.payload)
-            name = "not_found"
-        else:
-            name = "pending" if not isinstance(outcome, Unknowable) else "unknowable"
+            name = "failed"
         counts[name] += 1
-        RECONCILIATIONS.labels(name).inc()
-        log.info("reconciled %s: %s (%s)", attempt.key, name, getattr(outcome, "reason", ""))
+        hooks.reconciled(attempt=attempt.key, outcome=name)
     return counts
+
+
+def _reconcile_one(
+    ledger: Ledger, attempt: Attempt, clients: Clients, margin: timedelta, requeue: Requeue | None
+) -> str:
+    outcome = look_up(attempt, clients, margin)
+    recorded = attempt.recorded_actual or 0
+    if isinstance(outcome, Found):
+        actual = max(outcome.actual, recorded)
+        done = ledger.resolve_attempt(
+            attempt.key,
+            actual,
+            note="found at the provider",
+            by="reconcile",
+            answer=outcome.result,
+            expected="unknown",
+        )
+        hooks.settled(
+            budget=attempt.budget,
+            attempt=attempt.key,
+            amount=attempt.amount,
+            actual=actual,
+            by="reconcile",
+        )
+        log.info(
+            "reconciled %s: found, charged %d (%s)", attempt.key, actual, done.operation_status
+        )
+        return "found"
+    if isinstance(outcome, NotFound):
+        done = ledger.resolve_attempt(
+            attempt.key,
+            recorded,  # a recorded actual is proof of billing: settled, never released
+            note=f"not found at the provider: {outcome.reason}",
+            by="reconcile",
+            expected="unknown",
+        )
+        if recorded:
+            hooks.settled(
+                budget=attempt.budget,
+                attempt=attempt.key,
+                amount=attempt.amount,
+                actual=recorded,
+                by="reconcile",
+            )
+        else:
+            hooks.released(
+                budget=attempt.budget, attempt=attempt.key, amount=attempt.amount, by="reconcile"
+            )
+        if (
+            requeue is not None
+            and done.operation is not None
+            and done.operation_changed
+            and done.operation_status == "retryable"
+        ):
+            operation = ledger.operation(done.operation)
+            if operation.task and operation.payload is not None:
+                requeue(operation.task, operation.key, operation.payload)
+        log.info("reconciled %s: not found (%s)", attempt.key, outcome.reason)
+        return "not_found"
+    name = "pending" if not isinstance(outcome, Unknowable) else "unknowable"
+    log.info("reconciled %s: %s (%s)", attempt.key, name, outcome.reason)
+    return name
 
 
 def renew_periods(ledger: Ledger) -> int:
@@ -196,8 +251,6 @@ def _client(kind: str) -> Any:
 
 
 def _ledger(task: Any) -> Ledger:
-    from .task import ledger_of
-
     return ledger_of(task.app)
 
 

@@ -13,9 +13,8 @@ from typing import Any
 
 import click
 
+from .config import LEDGER_URL_ENV
 from .errors import BudgetTasksError
-
-LEDGER_URL_ENV = "BUDGET_TASKS_LEDGER_URL"
 
 ledger_url_option = click.option(
     "--ledger-url",
@@ -296,27 +295,49 @@ def resolve(ledger_url: str, attempt: str, actual: int, note: str, as_json: bool
     """An operator's settlement (or, with --actual 0, release) of a held attempt."""
     ledger = _ledger(ledger_url)
     before = ledger.attempt(attempt)
-    recorded = f"operator: {note}"
-    if actual == 0:
-        applied = ledger.release(attempt, recorded)
-    else:
-        if before.state == "reserved":
-            raise click.UsageError(
-                f"{attempt} was never sent (reserved): it can only be released (--actual 0)"
+    if actual > 0 and before.state == "reserved":
+        raise click.UsageError(
+            f"{attempt} was never sent (reserved): it can only be released (--actual 0)"
+        )
+    # Compare-and-set on the state shown to the operator: if it moved since, nothing
+    # changes and the command says so.
+    done = ledger.resolve_attempt(attempt, actual, note=note, by="operator", expected=before.state)
+    if done.applied:
+        from .hooks import hooks
+
+        if done.state == "settled":
+            hooks.settled(
+                budget=before.budget,
+                attempt=attempt,
+                amount=before.amount,
+                actual=actual,
+                by="operator",
             )
-        applied = ledger.settle(attempt, actual, note=recorded)
-    if applied and before.operation_key and before.label is None:
-        status = "retryable" if actual == 0 else "failed"
-        ledger.end_operation(before.operation_key, status, error=recorded)
+        else:
+            hooks.released(
+                budget=before.budget, attempt=attempt, amount=before.amount, by="operator"
+            )
     after = ledger.attempt(attempt)
-    _emit(
-        as_json,
-        after,
-        lambda: (
-            f"{attempt}: {before.state} -> {after.state}, charged {after.actual}"
-            + ("" if applied else " (already so: nothing changed)")
-        ),
-    )
+
+    def text() -> str:
+        line = f"{attempt}: {before.state} -> {after.state}, charged {after.actual}"
+        if not done.applied:
+            line += " (already so: nothing changed)"
+        if done.operation is not None:
+            if done.operation_status is None:
+                line += f"; operation {done.operation} not changed (a later attempt exists)"
+            elif done.operation_changed:
+                line += f"; operation {done.operation} now {done.operation_status}"
+            else:
+                line += f"; operation {done.operation} stays {done.operation_status}"
+        return line
+
+    payload = {
+        **_plain(after),
+        "operation": done.operation,
+        "operation_status": done.operation_status,
+    }
+    _emit(as_json, payload, text)
 
 
 @main.command()

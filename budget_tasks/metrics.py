@@ -22,6 +22,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .config import ledger_of
+from .hooks import Hooks, add_sink
+
 log = logging.getLogger("budget_tasks.metrics")
 
 ADMISSIONS = Counter(
@@ -57,12 +60,36 @@ RECONCILIATIONS = Counter(
 )
 
 
-def settled(budget: str, amount: int, actual: int) -> None:
-    """Record a settlement: its ratio to the estimate, and an overrun if any."""
-    if amount > 0:
-        ACTUAL_TO_ESTIMATE.labels(budget).observe(actual / amount)
-    if actual > amount:
-        OVERRUNS.labels(budget).inc()
+class PrometheusHooks(Hooks):
+    """The hooks sink that keeps the counters above."""
+
+    def admitted(self, *, budget: str, attempt: str, amount: int) -> None:
+        ADMISSIONS.labels(budget).inc()
+
+    def denied(self, *, budget: str, reason: str, amount: int) -> None:
+        DENIALS.labels(budget, reason).inc()
+
+    def replayed(self, *, task: str, operation: str) -> None:
+        REPLAYS.labels(task).inc()
+
+    def unknown(self, *, task: str, attempt: str) -> None:
+        UNKNOWN_OUTCOMES.labels(task).inc()
+
+    def settled(self, *, budget: str, attempt: str, amount: int, actual: int, by: str) -> None:
+        if amount > 0:
+            ACTUAL_TO_ESTIMATE.labels(budget).observe(actual / amount)
+        if actual > amount:
+            OVERRUNS.labels(budget).inc()
+
+    def stale(self, *, hold: Any) -> None:
+        STALE_HOLDS.labels(hold.budget).inc()
+
+    def reconciled(self, *, attempt: str, outcome: str) -> None:
+        RECONCILIATIONS.labels(outcome).inc()
+
+
+#: The one Prometheus sink of this process: importing this module starts counting.
+SINK = add_sink(PrometheusHooks())
 
 
 class LedgerCollector(Collector):
@@ -116,8 +143,9 @@ def registry_for(ledger: Any) -> CollectorRegistry:
 
 
 def install(app: Any) -> None:
-    """Serve the metrics from the worker's main process when ``budget_metrics_port``
-    is set; let the pool's children report into the shared directory."""
+    """Count this process's events (the Prometheus hooks sink), serve the metrics from
+    the worker's main process when ``budget_metrics_port`` is set, and let the pool's
+    children report into the shared directory."""
     from celery.signals import worker_init, worker_process_shutdown
 
     @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
@@ -125,8 +153,6 @@ def install(app: Any) -> None:
         port = int(app.conf.get("budget_metrics_port") or 0)
         if not port:
             return
-        from .task import ledger_of
-
         addr = str(app.conf.get("budget_metrics_addr") or "127.0.0.1")
         start_http_server(port, addr=addr, registry=registry_for(ledger_of(app)))
         log.info("budget-tasks metrics on http://%s:%d/metrics", addr, port)

@@ -16,7 +16,7 @@ from .. import _validate as check
 from ..errors import StreamIncomplete
 from ..pricing import PriceTable, Usage, default_prices
 from . import usage as usage_of
-from .clients import require_no_retries
+from .clients import client_timeout, require_no_retries
 
 RequestIdSink = Callable[[str], None]
 #: The metadata key under which a stored chat completion carries its attempt key, so
@@ -54,11 +54,19 @@ def message_result(message: Any) -> dict[str, Any]:
 
 
 class AttemptLike(Protocol):
-    """What the call helpers use of ``attempt=`` (a BudgetTask's ``self.attempt``)."""
+    """What the call helpers use of ``attempt=`` (a BudgetTask's ``self.attempt``).
+    Reading ``key`` is what grants the send."""
 
-    key: str
+    @property
+    def key(self) -> str: ...
 
-    def describe(self, lookup: str, model: str, response_id: str | None = None) -> None: ...
+    def describe(
+        self,
+        lookup: str,
+        model: str,
+        response_id: str | None = None,
+        timeout: float | None = None,
+    ) -> None: ...
     def record_request_id(self, request_id: str) -> None: ...
     def record(self, sent: Sent) -> None: ...
 
@@ -70,25 +78,27 @@ LOOKUP_ANTHROPIC_MESSAGES = "anthropic.messages"
 
 
 def _bind(
+    client: Any,
     attempt: AttemptLike | None,
     key: str | None,
     on_request_id: RequestIdSink | None,
     lookup: str,
     model: str,
 ) -> tuple[str, RequestIdSink | None]:
-    """The attempt key and request-id sink, from ``attempt=`` or given one by one; the
-    attempt learns what the call is before anything is sent."""
+    """The attempt key and request-id sink, from ``attempt=`` or given one by one.
+
+    Everything that can refuse the call is checked first; then the attempt learns what
+    the call is, and only then is its key read, which grants the send."""
+    require_no_retries(client)
     if attempt is None:
         if key is None:
             raise TypeError("give the attempt key: key=... or attempt=self.attempt")
-        return key, on_request_id
-    attempt.describe(lookup, model)
+        return check.text(key, "attempt key"), on_request_id
+    attempt.describe(lookup, model, timeout=client_timeout(client))
     return attempt.key, on_request_id or attempt.record_request_id
 
 
 def _prepare(client: Any, key: str, params: dict[str, Any]) -> dict[str, Any]:
-    require_no_retries(client)
-    check.text(key, "attempt key")
     headers = dict(params.pop("extra_headers", None) or {})
     headers["Idempotency-Key"] = key
     return headers
@@ -128,7 +138,9 @@ def openai_chat(
     by that key. Streams ask for the usage chunk and must end with it. With
     ``attempt=self.attempt`` the call is described, its request id and usage recorded.
     """
-    key, on_request_id = _bind(attempt, key, on_request_id, LOOKUP_OPENAI_CHAT, params["model"])
+    key, on_request_id = _bind(
+        client, attempt, key, on_request_id, LOOKUP_OPENAI_CHAT, params["model"]
+    )
     headers = _prepare(client, key, params)
     if store_for_lookup:
         params["store"] = True
@@ -178,12 +190,12 @@ def openai_response(
     With ``background=True`` the provider answers at once with a queued response:
     ``usage`` and ``cost`` are None and reconciliation settles it by its id.
     """
-    key, on_request_id = _bind(
-        attempt, key, on_request_id, LOOKUP_OPENAI_RESPONSES, params["model"]
-    )
-    headers = _prepare(client, key, params)
     if params.get("stream"):
         raise ValueError("streamed Responses calls are not supported; use background=True")
+    key, on_request_id = _bind(
+        client, attempt, key, on_request_id, LOOKUP_OPENAI_RESPONSES, params["model"]
+    )
+    headers = _prepare(client, key, params)
     with client.responses.with_streaming_response.create(extra_headers=headers, **params) as r:
         request_id = r.request_id
         _report(request_id, on_request_id)
@@ -212,7 +224,7 @@ def anthropic_message(
     operator resolves it.
     """
     key, on_request_id = _bind(
-        attempt, key, on_request_id, LOOKUP_ANTHROPIC_MESSAGES, params["model"]
+        client, attempt, key, on_request_id, LOOKUP_ANTHROPIC_MESSAGES, params["model"]
     )
     headers = _prepare(client, key, params)
     with client.messages.with_streaming_response.create(extra_headers=headers, **params) as r:

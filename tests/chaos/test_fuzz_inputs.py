@@ -416,11 +416,11 @@ SLOTS: list[Slot] = [
         bad_text(KEY),
     ),
     Slot(
-        "end_operation status",
-        lambda lg, v: lg.end_operation("op", v),
-        bad_choice(("pending", "failed", "unknown", "retryable", "succeeded")),
+        "end_run status",
+        lambda lg, v: lg.end_run("op", owner="me", status=v),
+        bad_choice(("pending", "failed", "retryable")).filter(lambda v: v is not None),
     ),
-    Slot("end_operation key", lambda lg, v: lg.end_operation(v, "pending"), _unknown({"op"})),
+    Slot("end_run key", lambda lg, v: lg.end_run(v, owner="me"), _unknown({"op"})),
 ]
 
 

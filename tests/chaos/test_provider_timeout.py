@@ -118,7 +118,13 @@ def test_timeouts_keep_their_holds_under_load_then_beat_settles_them_at_the_bill
         assert client.send_task("budget_tasks.flag_stale_holds").get(timeout=60) == len(faults)
         assert client.send_task("budget_tasks.flag_stale_holds").get(timeout=60) == 0
         counts = client.send_task("budget_tasks.reconcile_unknown").get(timeout=60)
-        assert counts == {"found": len(faults), "not_found": 0, "pending": 0, "unknowable": 0}
+        assert counts == {
+            "found": len(faults),
+            "not_found": 0,
+            "pending": 0,
+            "unknowable": 0,
+            "failed": 0,
+        }
         for attempt in unknown.values():
             settled = real.attempt(attempt.key)
             assert settled.flagged_at is not None

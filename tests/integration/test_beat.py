@@ -4,7 +4,6 @@ provider billed, periods renewed by their written policy, old payloads purged.""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import uuid
@@ -17,6 +16,7 @@ from celery import Celery
 from prometheus_client import REGISTRY
 from sqlalchemy import text
 
+import budget_tasks.metrics  # noqa: F401  (importing it adds the Prometheus hooks sink)
 from budget_tasks import BudgetTask, Ledger, OutcomeUnknown
 from budget_tasks.beat import (
     flag_stale_holds,
@@ -25,6 +25,7 @@ from budget_tasks.beat import (
     renew_periods,
     stale_hold,
 )
+from budget_tasks.ledger.leases import owner_id, this_process
 from budget_tasks.providers import estimates, openai_chat, openai_client
 from budget_tasks.providers.calls import LOOKUP_ANTHROPIC_MESSAGES, LOOKUP_OPENAI_CHAT
 from budget_tasks.testing import FakeProvider, ManualClock, race
@@ -161,6 +162,7 @@ def test_not_found_releases_and_requeues_pending_backs_off(
     pg_ledger.describe_attempt("op-lost#1", lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
     pg_ledger.mark_sending("op-lost#1")
     pg_ledger.mark_unknown("op-lost#1", "connection reset")
+    assert pg_ledger.end_run("op-lost", owner="me").status == "unknown"  # the run gave up
     requeued: list[tuple[str, str, dict[str, Any]]] = []
     # The ledger clock says the send was long ago, well past timeout + margin.
     counts = reconcile_unknown(
@@ -238,8 +240,14 @@ class _Described:
     def __init__(self, ledger: Ledger, key: str) -> None:
         self.ledger, self.key = ledger, key
 
-    def describe(self, lookup: str, model: str, response_id: str | None = None) -> None:
-        self.ledger.describe_attempt(self.key, lookup=lookup, model=model)
+    def describe(
+        self,
+        lookup: str,
+        model: str,
+        response_id: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.ledger.describe_attempt(self.key, lookup=lookup, model=model, timeout=timeout)
 
     def record_request_id(self, request_id: str) -> None:
         self.ledger.record_request_id(self.key, request_id)
@@ -330,10 +338,15 @@ def test_a_send_left_sending_by_a_run_that_is_gone_is_reconciled(
     dead = subprocess.Popen(["true"])
     dead.wait()  # a process id on this host that no longer runs
     here = socket.gethostname()
+    me = this_process()
+    assert me is not None
     owners = {
-        "dead": f"{here}:{dead.pid}:tok",  # this host, process gone: not live at once
-        "alive": f"{here}:{os.getpid()}:tok",  # this very process: still running
-        "away": "other-host:77:tok",  # another host: live until its lease expires
+        # this boot and PID namespace, process gone: not live at once
+        "dead": f"{here}:{dead.pid}:tok@{me.boot}/{me.pidns}/1",
+        "alive": owner_id(),  # this very process: still running
+        # another PID namespace (a container sharing the hostname): its pids mean
+        # nothing here, so its lease runs to expiry
+        "away": f"{here}:{dead.pid}:tok@{me.boot}/4026000000/1",
     }
     for name, owner in owners.items():
         lease = timedelta(minutes=60 if name == "alive" else 5)

@@ -208,23 +208,23 @@ def test_budget_exceeded_fails_without_a_send(app: Any, fake: FakeProvider) -> N
     assert fake.served() == []
 
 
-def test_spend_and_once_replay_after_a_crash(
+def test_an_error_after_stored_steps_fails_the_operation_and_charges_each_step_once(
     app: Any, fake: FakeProvider, backend_url: str
 ) -> None:
     task = app.jobs["agent"]
     with pytest.raises(RuntimeError):
         task.delay("pricing", True).get()
     assert len(fake.served()) == 2  # both steps were sent and settled
-    # The crash left the main attempt unknown; resend policy is the task's choice, so
-    # here an operator would resolve it. Resolve it and run the operation again:
     ledger = Ledger(backend_url)
+    # The main attempt's key was never asked for: nothing was sent on it, it is released.
     [main] = [a for a in ledger.attempts() if a.label is None]
-    ledger.settle(main.key, 0)
-    ledger.end_operation("agent:pricing", "retryable")
-    result = task.delay("pricing", False).get()
-    assert len(fake.served()) == 2  # the steps replayed their stored answers
-    assert result["mail"] == 1
-    assert app.side_effects == ["pricing"]
+    assert (main.state, main.actual) == ("released", 0)
+    # An error raised by run() fails the operation for good: a redelivery reports it
+    # and sends nothing.
+    with pytest.raises(OperationFailed, match="worker lost after the calls"):
+        task.delay("pricing", False).get()
+    assert len(fake.served()) == 2
+    assert app.side_effects == []
     steps = [a for a in ledger.attempts() if a.label == "step"]
     assert [a.state for a in steps] == ["settled", "settled"]
     assert sum(a.actual for a in steps) == fake.state()["billed_total"]

@@ -1,0 +1,1025 @@
+"""One delivery of an operation, as a state machine on the ledger (no Celery here).
+
+:class:`OperationManager` runs the flow that ``BudgetTask.__call__`` drives: look the
+operation up, replay or wait or stop, decide what the last run left behind, reserve,
+run, then settle and store. Every write it makes is compare-and-set in the ledger;
+when one finds another state, the manager re-reads and acts on what is there.
+
+The rules for money, whatever ``run`` does:
+
+- a run (and each ``spend`` block) is granted its send when its reservation commits;
+  a run that returns is charged what its calls reported, or its whole reservation if
+  they reported nothing; one that fails before it ever asked for its key
+  (``attempt.key``, ``call.key``) sent nothing under it and is released;
+- a recorded actual is proof of billing: it is written to the ledger at once, and the
+  hold it belongs to is settled at it (never released), whatever happens after;
+- an error while a call is out keeps that call's hold as unknown unless the error says
+  the provider certainly did not bill (4xx, 429, a refused connection, NotBilled);
+- an operation with billed calls that a new run would send again is not run again
+  automatically (``rerun_billed`` says otherwise): it ends failed.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+from . import _validate as check
+from .errors import (
+    BudgetExceeded,
+    BudgetFrozen,
+    BudgetTasksError,
+    IdempotencyConflict,
+    InvalidTransition,
+    LedgerUnavailable,
+    NotBilled,
+    OperationFailed,
+    OperationInProgress,
+    OutcomeUnknown,
+    PoisonMessage,
+    PricingError,
+    RetriesEnabled,
+    SideEffectUncertain,
+    StepNotReplayable,
+    UnknownBudget,
+)
+from .hooks import Hooks, hooks
+from .ledger import Ledger
+from .ledger.operations import AttemptRef, Decision, OperationStart, RunEnd, owner_id
+from .ledger.states import OPEN, AttemptState, OperationStatus
+from .providers.outcomes import ErrorOutcome, classify
+
+log = logging.getLogger("budget_tasks.delivery")
+
+#: Pauses between tries of a write that must land after a provider call.
+PERSIST_DELAYS = (0.5, 1.0, 2.0, 4.0)
+#: How many times a delivery re-reads after losing a compare-and-set before it gives
+#: the message back for later.
+MAX_REREADS = 3
+#: What the result of a step replays as when its step is reconciled but none stored.
+_STEP_RECORD = "spend:{label}:{seq}"
+
+
+# -- what an error means ---------------------------------------------------------------
+
+
+class ErrorKind(enum.Enum):
+    """What an exception out of ``run`` (or a call inside it) means for a hold."""
+
+    NOT_BILLED = "not_billed"  # the provider certainly did not bill the call
+    RATE_LIMITED = "rate_limited"  # 429: not billed; a retry is a new attempt
+    UNKNOWN = "unknown"  # the call may have billed
+    BEFORE_SEND = "before_send"  # the library refused before any byte was sent
+
+
+#: Errors budget-tasks raises before anything is sent (for the call they concern).
+BEFORE_SEND_ERRORS: tuple[type[BaseException], ...] = (
+    BudgetExceeded,
+    BudgetFrozen,
+    UnknownBudget,
+    IdempotencyConflict,
+    PricingError,
+    OutcomeUnknown,
+    SideEffectUncertain,
+    StepNotReplayable,
+    RetriesEnabled,
+)
+
+
+def before_send(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as raised before anything was sent (e.g. a LedgerUnavailable while
+    reserving or granting)."""
+    exc.__dict__["budget_tasks_before_send"] = True
+    return exc
+
+
+def error_kind(exc: BaseException) -> ErrorKind:
+    if isinstance(exc, NotBilled):
+        return ErrorKind.NOT_BILLED
+    if isinstance(exc, BEFORE_SEND_ERRORS) or exc.__dict__.get("budget_tasks_before_send"):
+        return ErrorKind.BEFORE_SEND
+    return {
+        ErrorOutcome.NOT_BILLED: ErrorKind.NOT_BILLED,
+        ErrorOutcome.RATE_LIMITED: ErrorKind.RATE_LIMITED,
+        ErrorOutcome.UNKNOWN: ErrorKind.UNKNOWN,
+    }[classify(exc)]
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+# -- keys ------------------------------------------------------------------------------
+
+
+def _quote(label: str) -> str:
+    # The separators of step keys never appear inside a label: keys stay one-to-one.
+    return label.replace("%", "%25").replace(":", "%3A").replace("~", "%7E").replace("#", "%23")
+
+
+def main_key(operation: str, number: int) -> str:
+    """The key of an operation's ``number``-th main-call attempt: ``op#n``."""
+    return f"{operation}#{number}"
+
+
+def step_key(operation: str, label: str, seq: int, number: int = 1) -> str:
+    """The key of attempt ``number`` of the ``seq``-th call labelled ``label``:
+    ``op:label:seq`` for the first attempt, ``op:label:seq~n`` for later ones. Main keys
+    end in ``#n``, first step keys in ``:n``, later ones in ``~n``, and a label never
+    holds ``:``, ``~`` or ``#`` (they are %-escaped): no two positions share a key."""
+    base = f"{operation}:{_quote(label)}:{seq}"
+    return base if number == 1 else f"{base}~{number}"
+
+
+# -- what run() sees -------------------------------------------------------------------
+
+
+class _Grants(Protocol):
+    def mark_sending(self, key: str) -> None: ...
+    def record_call(
+        self,
+        key: str,
+        *,
+        request_id: str | None = ...,
+        response_id: str | None = ...,
+        cost: int | None = ...,
+    ) -> None: ...
+    def record_request_id(self, key: str, request_id: str) -> None: ...
+    def describe_attempt(
+        self,
+        key: str,
+        *,
+        lookup: str | None = ...,
+        model: str | None = ...,
+        response_id: str | None = ...,
+        timeout: float | None = ...,
+    ) -> None: ...
+
+
+class Recorded:
+    """One billable attempt as the code inside a task sees it.
+
+    Reading :attr:`key` marks a call as out until it reports; ``record`` and
+    ``record_usage`` write what the call reported to the ledger at once."""
+
+    def __init__(self, key: str, amount: int, ledger: Any = None) -> None:
+        self._key = key
+        self.amount = amount
+        self.actual: int | None = None
+        self.request_id: str | None = None
+        self._ledger: _Grants | None = ledger
+        #: someone asked for the key: a call may have been sent under it
+        self.used = False
+        #: a call on this attempt may be out (the key was read since its last report)
+        self.in_flight = False
+        #: a call answered without its usage (a background response): settled later
+        self.awaiting_usage = False
+
+    @property
+    def key(self) -> str:
+        """The attempt key (the provider's Idempotency-Key). Asking for it marks a call
+        as out until it reports (``record``/``record_usage``)."""
+        self.used = True
+        self.in_flight = True
+        return self._key
+
+    @property
+    def attempt_key(self) -> str:
+        """The key, without granting a send (for logs)."""
+        return self._key
+
+    def record_usage(self, cost: int) -> None:
+        """The actual cost of the call, in minor units (sums over several reports),
+        written to the ledger at once: a recorded actual is proof of billing."""
+        check.money(cost, "cost")
+        if self._ledger is not None:
+            self._ledger.record_call(self._key, cost=cost)
+        self.actual = (self.actual or 0) + cost
+        self.in_flight = False
+
+    def record_request_id(self, request_id: str) -> None:
+        """Store the provider's request id at once (reconciliation looks it up)."""
+        if self._ledger is not None and request_id != self.request_id:
+            self._ledger.record_request_id(self._key, request_id)
+        self.request_id = request_id
+
+    def describe(
+        self,
+        lookup: str,
+        model: str,
+        response_id: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Record what the call is, before it is sent, for reconciliation."""
+        if self._ledger is not None:
+            try:
+                self._ledger.describe_attempt(
+                    self._key,
+                    lookup=lookup,
+                    model=model,
+                    response_id=response_id,
+                    timeout=timeout,
+                )
+            except LedgerUnavailable as exc:
+                raise before_send(exc) from None
+
+    def record(self, sent: Any) -> None:
+        """Record a guarded call's request id, response id and priced usage, in one
+        write. A call answered without usage (a background response) keeps its hold
+        open until reconciliation reads the usage."""
+        if self._ledger is not None:
+            self._ledger.record_call(
+                self._key,
+                request_id=sent.request_id if sent.request_id != self.request_id else None,
+                response_id=sent.response_id,
+                cost=sent.cost,
+            )
+        if sent.request_id:
+            self.request_id = sent.request_id
+        if sent.cost is not None:
+            self.actual = (self.actual or 0) + sent.cost
+        else:
+            self.awaiting_usage = True
+        self.in_flight = False
+
+
+class AttemptScope(Recorded):
+    """What ``self.attempt`` gives ``run``: the operation's main attempt."""
+
+    def __init__(
+        self,
+        key: str,
+        amount: int,
+        ledger: Any,
+        *,
+        reason: str,
+        operation_key: str,
+        operation_id: int,
+        budget: str,
+        fingerprint: str,
+        manager: OperationManager | None = None,
+        owner: str = "",
+    ) -> None:
+        super().__init__(key, amount, ledger)
+        self.owner = owner
+        self.reason = reason
+        self.operation_key = operation_key
+        self.operation_id = operation_id
+        self.budget = budget
+        self.fingerprint = fingerprint
+        self.manager = manager
+        self._labels: dict[str, int] = {}
+        #: a labelled call billed and not stored for replay (a new run would resend it)
+        self.billed_unstored = False
+
+    @property
+    def ledger(self) -> Ledger:
+        assert self.manager is not None
+        ledger: Ledger = self.manager.ledger
+        return ledger
+
+
+class Call(Recorded):
+    """One labelled billable call inside a task (``with self.spend(...) as call``).
+
+    On a redelivery, a call that completed before has ``replayed`` set and its stored
+    ``result`` (``reconciled`` too when the ledger found its answer at the provider):
+    do not call the provider again then."""
+
+    def __init__(
+        self,
+        key: str,
+        amount: int,
+        label: str,
+        ledger: Any = None,
+        *,
+        replayed: bool = False,
+        result: Any = None,
+        reconciled: bool = False,
+    ) -> None:
+        super().__init__(key, amount, ledger)
+        self.label = label
+        self.replayed = replayed
+        self.result = result
+        self.reconciled = reconciled
+
+    def record(self, sent: Any, result: Any = None) -> None:
+        """Record the call's ids and cost, and the result to replay on redelivery."""
+        super().record(sent)
+        self.result = sent.result if result is None else result
+
+
+# -- what an attempt's hold becomes after an error ------------------------------------
+
+
+@dataclass(frozen=True)
+class HoldFate:
+    """What to write for one attempt's hold: release it, settle it, or keep it open."""
+
+    action: str  # release | settle | unknown
+    actual: int = 0
+    estimate_only: bool = False
+    note: str = ""
+
+
+def fate_after_return(call: Recorded) -> HoldFate:
+    """What a call's hold becomes when ``run`` returned (whatever happens next)."""
+    if call.awaiting_usage and call.actual is None:
+        return HoldFate("unknown", note="answered without usage: settled when it is read")
+    if call.actual is None:
+        return HoldFate("settle", call.amount, True, "no usage recorded")
+    return HoldFate("settle", call.actual, False)
+
+
+def fate_after_error(call: Recorded, exc: BaseException) -> HoldFate:
+    """What an error out of ``run`` (or a ``spend`` block) means for ``call``'s hold."""
+    why = _describe(exc)
+    if not call.used and call.actual is None:
+        return HoldFate("release", note=f"its key was never used: {why}")
+    if not call.in_flight:
+        # Every call on it reported: the error came after them.
+        if call.awaiting_usage:
+            return HoldFate("unknown", note="answered without usage: settled when it is read")
+        if call.actual is None:
+            return HoldFate("settle", call.amount, True, f"no usage recorded; {why}")
+        return HoldFate("settle", call.actual, False, f"billed, then {why}")
+    kind = error_kind(exc)
+    if kind is ErrorKind.BEFORE_SEND:
+        # The error is not this call's; what it was asked to send may have been billed.
+        if call.actual is not None:
+            return HoldFate("settle", call.actual, False, f"billed, then {why}")
+        return HoldFate("settle", call.amount, True, f"its key was used, then {why}")
+    if kind in (ErrorKind.NOT_BILLED, ErrorKind.RATE_LIMITED):
+        if call.actual:
+            return HoldFate("settle", call.actual, False, f"billed, then {why}")
+        return HoldFate("release", note=f"not billed: {why}")
+    return HoldFate("unknown", call.actual or 0, note=why)
+
+
+# -- writes that must land -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Write:
+    """One ledger write kept back while the ledger was down."""
+
+    name: str
+    kwargs: dict[str, Any]
+
+    def apply(self, ledger: Ledger) -> Any:
+        return getattr(ledger, self.name)(**self.kwargs)
+
+
+#: (ledger URL, operation key, lease owner) -> the writes this process still owes. The
+#: lease names this process, which is alive: no other delivery may run the operation
+#: until the lease expires, so this process writes them at its next delivery instead.
+_owed: dict[tuple[str, str, str], list[_Write]] = {}
+_owed_lock = threading.Lock()
+
+
+#: How the log names each kind of write kept back.
+_WRITTEN = {
+    "finish_operation": "succeeded",
+    "fail_operation": "failed",
+    "end_run": "lease given back",
+    "settle": "settled",
+    "release": "released",
+    "mark_unknown": "unknown",
+}
+
+
+def _ledger_id(ledger: Any) -> str:
+    return str(ledger.engine.url.render_as_string(hide_password=False))
+
+
+def _owe(ledger: Any, key: str, owner: str, writes: list[_Write]) -> None:
+    with _owed_lock:
+        _owed.setdefault((_ledger_id(ledger), key, owner), []).extend(writes)
+
+
+def catch_up(ledger: Any) -> int:
+    """Write what this process kept back while the ledger was down (holds to resolve,
+    leases to give back, outcomes of calls that were answered); returns how many
+    operations were written. Stops at the first LedgerUnavailable and keeps the rest."""
+    if not _owed:
+        return 0
+    ledger_id = _ledger_id(ledger)
+    with _owed_lock:
+        pending = [(k, v) for k, v in _owed.items() if k[0] == ledger_id]
+    written = 0
+    for slot, writes in pending:
+        done: list[str] = []
+        while writes:
+            try:
+                writes[0].apply(ledger)
+            except LedgerUnavailable:
+                return written
+            except BudgetTasksError as exc:  # moved on since (an operator): theirs stands
+                log.error("operation %s: dropped %s kept back: %s", slot[1], writes[0].name, exc)
+            else:
+                done.append(_WRITTEN.get(writes[0].name, writes[0].name))
+            writes.pop(0)
+        written += 1
+        log.info("operation %s: wrote what the outage kept back (%s)", slot[1], ", ".join(done))
+        with _owed_lock:
+            if _owed.get(slot) is writes:
+                del _owed[slot]
+    return written
+
+
+def _persist(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a ledger write that must land, waiting out a short outage."""
+    for delay in PERSIST_DELAYS:
+        try:
+            return fn(*args, **kwargs)
+        except LedgerUnavailable:
+            log.warning("ledger unavailable; retrying %s in %.1fs", fn.__name__, delay)
+            time.sleep(delay)
+    return fn(*args, **kwargs)
+
+
+# -- the flow ----------------------------------------------------------------------------
+
+
+class RetryLater(Exception):
+    """Not an error: the delivery asks its driver to bring the message back later
+    (``why``: ledger, in_progress, rate_limited, budget). ``cause`` is what to raise
+    where there is no later (eager mode)."""
+
+    def __init__(self, why: str, cause: BaseException) -> None:
+        super().__init__(why, cause)
+        self.why = why
+        self.cause = cause
+
+
+@dataclass
+class DeliveryOptions:
+    """A task's options that the flow reads (see BudgetTask)."""
+
+    task: str
+    on_unknown: str = "hold"
+    max_deliveries: int = 5
+    lease_seconds: float = 600.0
+    retry_when_budget_frees: float = 0.0
+    rerun_billed: bool = False
+    price_version: str | None = None
+    #: exceptions out of ``run`` by which a task asks to run again later (Celery's Retry)
+    retry_types: tuple[type[BaseException], ...] = ()
+
+
+@dataclass
+class Delivery:
+    """One delivery's facts: what the operation is and what the task gives."""
+
+    key: str
+    fingerprint: str
+    budget: str
+    estimate: Callable[[], int]
+    run: Callable[[AttemptScope], Any]
+    payload: Any = None
+    owner: str = field(default_factory=owner_id)
+
+
+class OperationManager:
+    """Runs deliveries of one task's operations on one ledger (see the module)."""
+
+    def __init__(self, ledger: Any, options: DeliveryOptions, sink: Hooks = hooks) -> None:
+        self.ledger = ledger
+        self.options = options
+        self.hooks = sink
+
+    # -- one delivery ------------------------------------------------------------------
+
+    def deliver(self, d: Delivery) -> Any:
+        """Run one delivery to its end: the result (run or replayed), or an exception:
+        RetryLater, or the error the operation ended with."""
+        for _ in range(MAX_REREADS):
+            start = self._begin(d)
+            if start.decision is Decision.REPLAY:
+                log.info("operation %s replayed: no provider call, no charge", d.key)
+                self.hooks.replayed(task=self.options.task, operation=d.key)
+                return start.result
+            if start.decision is Decision.FAILED:
+                raise OperationFailed(d.key, start.error)
+            if start.decision is Decision.POISONED:
+                log.error("operation %s stopped as a poison message: %s", d.key, start.error)
+                raise PoisonMessage(d.key, start.error)
+            if start.decision is Decision.IN_PROGRESS:
+                raise RetryLater("in_progress", OperationInProgress(d.key))
+            try:
+                scope = self._prepare(d, start)
+            except _Replayed as replayed:
+                return replayed.result
+            if scope is not None:
+                return self._run(d, scope)
+        raise RetryLater("in_progress", OperationInProgress(d.key))
+
+    def _begin(self, d: Delivery) -> OperationStart:
+        try:
+            catch_up(self.ledger)
+            return self.ledger.begin_operation(  # type: ignore[no-any-return]
+                d.key,
+                fingerprint=d.fingerprint,
+                owner=d.owner,
+                lease=timedelta(seconds=self.options.lease_seconds),
+                max_runs=self.options.max_deliveries,
+                task=self.options.task,
+                payload=d.payload,
+            )
+        except LedgerUnavailable as exc:
+            # Fail closed: no reservation, no send. The lease may have been taken all the
+            # same (a COMMIT whose answer was lost): give it back once the ledger answers.
+            _owe(self.ledger, d.key, d.owner, [_end_write(d, OperationStatus.PENDING, str(exc))])
+            raise RetryLater("ledger", exc) from exc
+
+    def _prepare(self, d: Delivery, start: OperationStart) -> AttemptScope | None:
+        """Everything before ``run``: settle what the last run left behind, decide the
+        attempt, reserve it. None: the state moved under us; read again."""
+        last = start.last_attempt
+        reason = start.next_reason or ("first" if start.attempts == 0 else "redelivery")
+        left = [a for a in (last, *start.open_steps) if a is not None and a.state in OPEN]
+        if left:
+            for attempt in left:
+                if attempt.state == AttemptState.SENDING and not self._adopt(attempt):
+                    self._end(d, None)
+                    return None
+            if self.options.on_unknown != "resend":
+                end = self._end(d, None)
+                if end.status == OperationStatus.SUCCEEDED:
+                    self.hooks.replayed(task=self.options.task, operation=d.key)
+                    raise _Replayed(end.result)
+                if end.status == OperationStatus.UNKNOWN or not end.applied:
+                    raise OutcomeUnknown(d.key, left[0].key)
+                return None  # resolved meanwhile: read again
+            if last is not None and last.state in OPEN:
+                reason = "unknown_resend"
+        try:
+            estimate = check.money(d.estimate(), "estimate_cost")
+        except Exception:
+            self._end_quietly(d, OperationStatus.PENDING, "estimate failed")
+            raise
+        reuse = last if (last is not None and last.state == AttemptState.RESERVED) else None
+        if reuse is not None and reuse.amount != estimate:
+            try:
+                self.ledger.release(
+                    reuse.key, "never sent; re-estimated on redelivery", expected="reserved"
+                )
+            except InvalidTransition:
+                self._end(d, None)
+                return None
+            reuse = None
+        key = reuse.key if reuse is not None else main_key(d.key, start.attempts + 1)
+        if reuse is None and not self._reserve(d, key, estimate, reason, start.operation_id):
+            return None
+        if not self._grant(d, key):
+            return None
+        return AttemptScope(
+            key,
+            estimate,
+            self.ledger,
+            reason=reason,
+            operation_key=d.key,
+            operation_id=start.operation_id,
+            budget=d.budget,
+            fingerprint=d.fingerprint,
+            manager=self,
+            owner=d.owner,
+        )
+
+    def _grant(self, d: Delivery, key: str) -> bool:
+        """reserved -> sending: the reservation is committed; this is the one grant of
+        a send. False if the hold moved meanwhile (read again)."""
+        try:
+            self.ledger.mark_sending(key)
+        except InvalidTransition:
+            self._end(d, None)
+            return False
+        except LedgerUnavailable as exc:
+            # Nothing is sent. The grant may have committed all the same (its answer
+            # lost): this process, which knows nothing went out, releases it later.
+            _owe(
+                self.ledger,
+                d.key,
+                d.owner,
+                [
+                    _Write("release", {"key": key, "reason": "never sent: the ledger went down"}),
+                    _end_write(d, OperationStatus.PENDING, str(exc)),
+                ],
+            )
+            raise RetryLater("ledger", exc) from exc
+        return True
+
+    def _adopt(self, attempt: AttemptRef) -> bool:
+        """A later delivery found ``attempt`` sending: its run is gone (the lease was
+        not live), so its outcome is unknown. False if it moved meanwhile."""
+        try:
+            if self.ledger.mark_unknown(
+                attempt.key, "a later delivery found it sending: worker lost"
+            ):
+                self.hooks.unknown(task=self.options.task, attempt=attempt.key)
+        except InvalidTransition:
+            return False
+        return True
+
+    def _reserve(
+        self,
+        d: Delivery,
+        key: str,
+        amount: int,
+        reason: str,
+        operation_id: int,
+    ) -> bool:
+        """Reserve the main attempt (the lease given back if refused)."""
+        try:
+            reservation = self.ledger.reserve(
+                d.budget,
+                key,
+                amount,
+                fingerprint=d.fingerprint,
+                reason=reason,
+                price_version=self.options.price_version,
+                operation_id=operation_id,
+            )
+        except (BudgetExceeded, BudgetFrozen) as exc:
+            self.hooks.denied(
+                budget=exc.budget,
+                reason="exceeded" if isinstance(exc, BudgetExceeded) else "frozen",
+                amount=amount,
+            )
+            self._end_quietly(d, OperationStatus.PENDING, str(exc))
+            if self.options.retry_when_budget_frees:
+                raise RetryLater("budget", exc) from exc
+            raise
+        except LedgerUnavailable as exc:
+            # Nothing was sent: fail closed now, and let the message come back later.
+            self._end_quietly(d, OperationStatus.PENDING, str(exc))
+            raise RetryLater("ledger", exc) from exc
+        except (BudgetTasksError, ValueError, TypeError) as exc:
+            self._end_quietly(d, OperationStatus.PENDING, str(exc))
+            raise
+        if not reservation.created:
+            # The key exists: never a second permission. Read again.
+            self._end(d, None)
+            return False
+        self.hooks.admitted(budget=d.budget, attempt=key, amount=amount)
+        return True
+
+    def _run(self, d: Delivery, scope: AttemptScope) -> Any:
+        try:
+            result = d.run(scope)
+        except BaseException as exc:
+            return self._after_error(d, scope, exc)
+        try:
+            encoded = json.dumps(result)
+        except Exception as exc:  # TypeError, ValueError, RecursionError, an encoder's own
+            # The provider answered: its charge lands and the lease comes back.
+            failure = TypeError(f"the result of {d.key} cannot be stored as JSON: {_describe(exc)}")
+            return self._after_error(d, scope, failure, fate=fate_after_return(scope))
+        return self._finish(d, scope, result, encoded)
+
+    def _finish(self, d: Delivery, scope: AttemptScope, result: Any, encoded: str) -> Any:
+        settlements: list[tuple[str, int, bool]] = []
+        left_open: list[tuple[str, str]] = []
+        if scope.awaiting_usage and scope.actual is None:
+            left_open.append(
+                (scope.attempt_key, "answered without usage: settled by reconciliation")
+            )
+        else:
+            actual = scope.actual if scope.actual is not None else scope.amount
+            settlements.append((scope.attempt_key, actual, scope.actual is None))
+        # The provider was called: the outcome must land, so a short outage is waited
+        # out. If it lasts, this process keeps it and writes it at its next delivery (the
+        # lease is its own meanwhile); should this process die first, the attempt stays
+        # 'sending' and is reconciled.
+        kwargs = {
+            "result": None,
+            "encoded": encoded,
+            "settlements": settlements,
+            "left_open": left_open,
+            "owner": d.owner,
+            "attempt": scope.attempt_key,
+        }
+        try:
+            end = _persist(self.ledger.finish_operation, d.key, **kwargs)
+        except LedgerUnavailable as exc:
+            _owe(
+                self.ledger, d.key, d.owner, [_Write("finish_operation", {"key": d.key, **kwargs})]
+            )
+            raise RetryLater("ledger", exc) from exc
+        for key, actual, _ in settlements:
+            self.hooks.settled(
+                budget=d.budget, attempt=key, amount=scope.amount, actual=actual, by="task"
+            )
+        if not end.applied:
+            if end.status == OperationStatus.SUCCEEDED:
+                log.warning("operation %s was finished meanwhile: its stored result stands", d.key)
+                return end.result
+            log.warning(
+                "operation %s: this run's charge landed, its result not (now %s)", d.key, end.status
+            )
+        return result
+
+    def _after_error(
+        self, d: Delivery, scope: AttemptScope, exc: BaseException, fate: HoldFate | None = None
+    ) -> Any:
+        """Write what an error out of ``run`` means, then raise what the task raises."""
+        fate = fate or fate_after_error(scope, exc)
+        kind = error_kind(exc)
+        billed = fate.action == "settle" or scope.billed_unstored
+        rerun_safe = not billed or self.options.rerun_billed
+        status: str | None
+        next_reason = None
+        later: str | None = None
+        if fate.action == "unknown" or isinstance(exc, OutcomeUnknown):
+            status = None  # derived: unknown while a hold is open
+        elif isinstance(exc, LedgerUnavailable):
+            status, later = OperationStatus.PENDING, "ledger"
+        elif kind is ErrorKind.RATE_LIMITED and rerun_safe:
+            status, next_reason, later = (
+                OperationStatus.RETRYABLE,
+                "rate_limited_retry",
+                "rate_limited",
+            )
+        elif isinstance(exc, self.options.retry_types) and rerun_safe:
+            status = OperationStatus.PENDING  # the task asked to run again later
+        elif isinstance(exc, BudgetExceeded | BudgetFrozen) and rerun_safe:
+            status = OperationStatus.PENDING
+            later = "budget" if self.options.retry_when_budget_frees else None
+        else:
+            status = OperationStatus.FAILED
+        error = _describe(exc)
+        writes = _fate_writes(scope.attempt_key, fate)
+        if status == OperationStatus.FAILED:
+            if writes and writes[0].name == "settle":
+                settle = writes.pop(0).kwargs
+                writes.append(
+                    _Write(
+                        "fail_operation",
+                        {
+                            "key": d.key,
+                            "owner": d.owner,
+                            "error": error,
+                            "settlements": [
+                                (settle["key"], settle["actual"], settle["estimate_only"])
+                            ],
+                        },
+                    )
+                )
+            else:
+                writes.append(
+                    _Write("fail_operation", {"key": d.key, "owner": d.owner, "error": error})
+                )
+        else:
+            writes.append(
+                _Write(
+                    "end_run",
+                    {
+                        "key": d.key,
+                        "owner": d.owner,
+                        "status": status,
+                        "error": error,
+                        "next_reason": next_reason,
+                    },
+                )
+            )
+        end = self._write_all(d, writes)
+        self._tell(d, scope, fate)
+        if end is None:  # the ledger is down: the writes are owed; bring the message back
+            raise RetryLater("ledger", exc) from exc
+        if end.status == OperationStatus.SUCCEEDED:
+            # A reconciliation found the answer meanwhile; it is the operation's result.
+            return end.result
+        if later is not None and end.applied:
+            raise RetryLater(later, exc) from exc
+        raise exc
+
+    def _write_all(self, d: Delivery, writes: list[_Write]) -> RunEnd | None:
+        end = None
+        for i, write in enumerate(writes):
+            try:
+                end = write.apply(self.ledger)
+            except LedgerUnavailable:
+                _owe(self.ledger, d.key, d.owner, writes[i:])
+                return None
+            except InvalidTransition as exc:
+                log.warning("operation %s: %s moved meanwhile: %s", d.key, write.name, exc)
+        return end if isinstance(end, RunEnd) else None
+
+    def _tell(self, d: Delivery, scope: Recorded, fate: HoldFate) -> None:
+        key = scope.attempt_key
+        if fate.action == "unknown":
+            self.hooks.unknown(task=self.options.task, attempt=key)
+        elif fate.action == "settle":
+            self.hooks.settled(
+                budget=d.budget, attempt=key, amount=scope.amount, actual=fate.actual, by="task"
+            )
+        else:
+            self.hooks.released(budget=d.budget, attempt=key, amount=scope.amount, by="task")
+
+    def _end(self, d: Delivery, status: str | None, error: str | None = None) -> RunEnd:
+        return self.ledger.end_run(d.key, owner=d.owner, status=status, error=error)  # type: ignore[no-any-return]
+
+    def _end_quietly(self, d: Delivery, status: str, error: str) -> None:
+        """Give the lease back; if the ledger is down, this process does at its next
+        delivery (the lease names a live process: waiting for its expiry would hold the
+        message off for a whole lease)."""
+        try:
+            self._end(d, status, error)
+        except LedgerUnavailable:
+            log.warning("operation %s: could not record %s yet (ledger down)", d.key, status)
+            _owe(self.ledger, d.key, d.owner, [_end_write(d, status, error)])
+
+    # -- labelled calls ------------------------------------------------------------------
+
+    @contextmanager
+    def step(self, scope: AttemptScope, amount: int, label: str) -> Iterator[Call]:
+        """One labelled billable call of ``scope``'s run as its own attempt (see
+        ``BudgetTask.spend``)."""
+        check.text(label, "label", max_length=60)
+        check.money(amount)
+        seq = scope._labels.get(label, 0) + 1
+        scope._labels[label] = seq
+        base = step_key(scope.operation_key, label, seq)
+        record = _STEP_RECORD.format(label=label, seq=seq)
+        try:
+            found = self._step_attempt(scope, amount, label, base, record)
+        except LedgerUnavailable as exc:
+            raise before_send(exc) from None
+        if isinstance(found, Call):
+            yield found
+            return
+        key = found
+        ledger = self.ledger
+        try:
+            ledger.mark_sending(key)
+        except LedgerUnavailable as exc:
+            raise before_send(exc) from None
+        call = Call(key, amount, label, ledger)
+        try:
+            yield call
+        except BaseException as exc:
+            fate = fate_after_error(call, exc)
+            if fate.action == "settle":
+                scope.billed_unstored = True
+            for write in _fate_writes(key, fate):
+                try:
+                    write.apply(ledger)
+                except LedgerUnavailable:
+                    # Owed: written at this process's next delivery (the run's end
+                    # gives the lease back through the same list).
+                    _owe(ledger, scope.operation_key, scope.owner, [write])
+            self._tell_step(scope, call, fate)
+            raise
+        if call.awaiting_usage and call.actual is None:
+            ledger.settle_step(
+                key,
+                0,
+                estimate_only=False,
+                operation_id=scope.operation_id,
+                record=record,
+                result=call.result,
+                left_open="answered without usage: settled by reconciliation",
+            )
+            return
+        actual = call.actual if call.actual is not None else amount
+        ledger.settle_step(
+            key,
+            actual,
+            estimate_only=call.actual is None,
+            operation_id=scope.operation_id,
+            record=record,
+            result=call.result,
+        )
+        self.hooks.settled(
+            budget=scope.budget, attempt=key, amount=amount, actual=actual, by="task"
+        )
+
+    def _step_attempt(
+        self, scope: AttemptScope, amount: int, label: str, base: str, record: str
+    ) -> Call | str:
+        """A replayed call, or the key of the attempt this call sends under (reserved)."""
+        ledger = self.ledger
+        stored = ledger.side_effect(scope.operation_id, record)
+        if stored is not None and stored[0] == "done":
+            return Call(base, amount, label, replayed=True, result=stored[1])
+        latest, count = ledger.step_attempt(scope.operation_id, base)
+        reason = scope.reason
+        reuse = None
+        if latest is not None:
+            if latest.state == AttemptState.SETTLED and latest.answer is not None:
+                # Reconciliation found its answer: that is what it replays.
+                answer = json.loads(latest.answer)
+                ledger.settle_step(
+                    latest.key,
+                    0,
+                    estimate_only=False,
+                    operation_id=scope.operation_id,
+                    record=record,
+                    result=answer,
+                    store_only=True,
+                )
+                return Call(
+                    latest.key, amount, label, replayed=True, result=answer, reconciled=True
+                )
+            if latest.state == AttemptState.SETTLED and not self.options.rerun_billed:
+                raise StepNotReplayable(scope.operation_key, latest.key)
+            if latest.state in OPEN:
+                if latest.state == AttemptState.SENDING:
+                    self._adopt(latest)
+                if self.options.on_unknown != "resend":
+                    raise OutcomeUnknown(scope.operation_key, latest.key)
+                reason = "unknown_resend"
+            elif latest.state == AttemptState.RESERVED:
+                if latest.amount == amount:
+                    reuse = latest
+                else:
+                    ledger.release(latest.key, "never sent; re-estimated", expected="reserved")
+            else:  # released (or billed, with rerun_billed): a new attempt of this call
+                reason = "redelivery"
+        key = reuse.key if reuse is not None else (base if count == 0 else f"{base}~{count + 1}")
+        if reuse is None:
+            try:
+                reservation = ledger.reserve(
+                    scope.budget,
+                    key,
+                    amount,
+                    fingerprint=scope.fingerprint,
+                    reason=reason,
+                    price_version=self.options.price_version,
+                    operation_id=scope.operation_id,
+                    label=label,
+                    step=base,
+                )
+            except (BudgetExceeded, BudgetFrozen) as exc:
+                self.hooks.denied(
+                    budget=exc.budget,
+                    reason="exceeded" if isinstance(exc, BudgetExceeded) else "frozen",
+                    amount=amount,
+                )
+                raise
+            if not reservation.created:
+                raise IdempotencyConflict(key, "attempt", reservation.state, "a new attempt")
+            self.hooks.admitted(budget=scope.budget, attempt=key, amount=amount)
+        return key
+
+    def _tell_step(self, scope: AttemptScope, call: Call, fate: HoldFate) -> None:
+        if fate.action == "unknown":
+            self.hooks.unknown(task=self.options.task, attempt=call.attempt_key)
+        elif fate.action == "settle":
+            self.hooks.settled(
+                budget=scope.budget,
+                attempt=call.attempt_key,
+                amount=call.amount,
+                actual=fate.actual,
+                by="task",
+            )
+        else:
+            self.hooks.released(
+                budget=scope.budget, attempt=call.attempt_key, amount=call.amount, by="task"
+            )
+
+
+class _Replayed(Exception):
+    """Internal: the operation turned out finished while this delivery decided."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__("replayed")
+        self.result = result
+
+
+def _fate_writes(key: str, fate: HoldFate) -> list[_Write]:
+    if fate.action == "release":
+        return [_Write("release", {"key": key, "reason": fate.note or "not billed"})]
+    if fate.action == "settle":
+        return [
+            _Write(
+                "settle",
+                {
+                    "key": key,
+                    "actual": fate.actual,
+                    "estimate_only": fate.estimate_only,
+                },
+            )
+        ]
+    return [
+        _Write(
+            "mark_unknown",
+            {
+                "key": key,
+                "reason": fate.note or "outcome unknown",
+                "recorded_actual": fate.actual or None,
+            },
+        )
+    ]
+
+
+def _end_write(d: Delivery, status: str, error: str) -> _Write:
+    return _Write("end_run", {"key": d.key, "owner": d.owner, "status": status, "error": error})
