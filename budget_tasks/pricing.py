@@ -116,12 +116,22 @@ class PriceTable:
         return -(-total // PER_MILLION)
 
     def estimate(
-        self, model: str, prompt: Iterable[str], max_output_tokens: int | None
+        self,
+        model: str,
+        prompt: Iterable[str],
+        max_output_tokens: int | None,
+        *,
+        choices: int = 1,
+        extra_input_tokens: int = 0,
+        extra_output_tokens: int = 0,
     ) -> Estimate:
-        """An upper bound for a request whose message texts are ``prompt``.
+        """An upper bound for a request whose billed input texts are ``prompt``.
 
-        Refused (EstimateRefused) without a max output limit: an unbounded output has
-        no upper bound. Unknown models raise UnknownModelPrice.
+        Output is ``max_output_tokens`` per choice, times ``choices`` (OpenAI's ``n``),
+        plus ``extra_output_tokens``; ``extra_input_tokens`` are input the texts do not
+        show (per-image bounds, the format around tools). Refused (EstimateRefused)
+        without a max output limit: an unbounded output has no upper bound. Unknown
+        models raise UnknownModelPrice.
         """
         p = self.price(model)
         if max_output_tokens is None:
@@ -130,21 +140,27 @@ class PriceTable:
                 "set max_tokens / max_output_tokens or give an explicit estimate"
             )
         check.count(max_output_tokens, "max_output_tokens")
+        check.positive(choices, "choices")
+        check.count(extra_input_tokens, "extra_input_tokens")
+        check.count(extra_output_tokens, "extra_output_tokens")
         if max_output_tokens == 0:
             raise EstimateRefused("max_output_tokens must be positive")
         texts = list(prompt)
         for text in texts:
             if not isinstance(text, str):
                 raise TypeError(f"prompt texts must be str, not {type(text).__name__} ({text!r})")
-        input_tokens = REQUEST_OVERHEAD_TOKENS + sum(
-            len(text.encode("utf-8")) + MESSAGE_OVERHEAD_TOKENS for text in texts
+        input_tokens = (
+            REQUEST_OVERHEAD_TOKENS
+            + extra_input_tokens
+            + sum(len(text.encode("utf-8")) + MESSAGE_OVERHEAD_TOKENS for text in texts)
         )
-        total = input_tokens * p.dearest_input + max_output_tokens * p.output
+        output_tokens = max_output_tokens * choices + extra_output_tokens
+        total = input_tokens * p.dearest_input + output_tokens * p.output
         return Estimate(
             amount=-(-total // PER_MILLION),
             model=model,
             input_tokens=input_tokens,
-            output_tokens=max_output_tokens,
+            output_tokens=output_tokens,
             price_version=self.version,
         )
 

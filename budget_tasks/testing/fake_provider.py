@@ -80,6 +80,13 @@ class _Job:
     payload: dict[str, Any] = field(default_factory=dict)
 
 
+#: What the fake bills for one image input, and for the tool-use prompt a provider adds
+#: when a request carries tools (Anthropic documents a few hundred tokens).
+IMAGE_TOKENS = 765
+TOOL_PROMPT_TOKENS = 346
+_IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
 def message_tokens(text: str) -> int:
     return -(-len(text.encode("utf-8")) // 4) + 4
 
@@ -91,15 +98,43 @@ def _text_of(content: Any) -> str:
         return content
     if isinstance(content, list):
         return "".join(
-            part.get("text", "") if isinstance(part, dict) else str(part) for part in content
-        )
+            (part.get("text", "") if part.get("type", "text") in ("text", "input_text")
+             else "" if part.get("type") in _IMAGE_PARTS else json.dumps(part))
+            if isinstance(part, dict) else str(part)
+            for part in content
+        )  # fmt: skip
     return str(content)
 
 
-def prompt_tokens(messages: list[Any], system: Any = None) -> int:
+def _images_in(content: Any) -> int:
+    if not isinstance(content, list):
+        return 0
+    return sum(1 for p in content if isinstance(p, dict) and p.get("type") in _IMAGE_PARTS)
+
+
+def prompt_tokens(messages: list[Any], system: Any = None, extras: Any = None) -> int:
+    """The input tokens the fake bills: every message's text (tool calls and results
+    as their JSON), the system prompt, images at a fixed count each, and ``extras``
+    (tool definitions, a response schema) as JSON plus the tool-use prompt."""
     texts = [_text_of(system)] if system else []
-    texts += [_text_of(m.get("content")) if isinstance(m, dict) else str(m) for m in messages]
-    return 3 + sum(message_tokens(t) for t in texts)
+    images = 0
+    for m in messages:
+        if not isinstance(m, dict):
+            texts.append(str(m))
+            continue
+        text = _text_of(m.get("content"))
+        images += _images_in(m.get("content"))
+        if m.get("tool_calls"):
+            text += json.dumps(m["tool_calls"])
+        texts.append(text)
+    tokens = 3 + sum(message_tokens(t) for t in texts) + images * IMAGE_TOKENS
+    if extras:
+        tokens += message_tokens(json.dumps(extras)) + TOOL_PROMPT_TOKENS
+    return tokens
+
+
+def _extras(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: body[name] for name in names if body.get(name) is not None}
 
 
 class FakeProvider:
@@ -438,13 +473,22 @@ class _Handler(BaseHTTPRequestHandler):
     def _chat(self, record: Served, body: dict[str, Any], query: Any) -> None:
         model = body.get("model", "")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        usage = self._usage(model, prompt_tokens(body.get("messages", [])), max_tokens)
-        if usage is None:
+        extras = _extras(body, ("tools", "functions", "tool_choice", "response_format"))
+        each = self._usage(model, prompt_tokens(body.get("messages", []), None, extras), max_tokens)
+        if each is None:
             self._unknown_model(record, model, anthropic=False)
             return
+        n = body.get("n") or 1
+        # Output is billed per choice: n choices of the same length here.
+        usage = Usage(
+            input_tokens=each.input_tokens,
+            cached_input_tokens=each.cached_input_tokens,
+            output_tokens=each.output_tokens * n,
+            reasoning_tokens=each.reasoning_tokens * n,
+        )
         self._bill(record, model, usage)
         completion_id = self.fake._next_id("chatcmpl-")
-        text = " ".join(["fake"] * max(1, usage.output_tokens))
+        text = " ".join(["fake"] * max(1, each.output_tokens))
         completion = {
             "id": completion_id,
             "object": "chat.completion",
@@ -452,13 +496,14 @@ class _Handler(BaseHTTPRequestHandler):
             "model": model,
             "choices": [
                 {
-                    "index": 0,
+                    "index": index,
                     "message": {"role": "assistant", "content": text, "refusal": None},
                     "finish_reason": "stop"
-                    if usage.output_tokens < (max_tokens or 10**9)
+                    if each.output_tokens < (max_tokens or 10**9)
                     else "length",
                     "logprobs": None,
                 }
+                for index in range(n)
             ],
             "usage": _openai_chat_usage(usage),
             "metadata": body.get("metadata") or {},
@@ -566,8 +611,11 @@ class _Handler(BaseHTTPRequestHandler):
         model = body.get("model", "")
         raw_input = body.get("input", "")
         messages = [{"content": raw_input}] if isinstance(raw_input, str) else raw_input
+        extras = _extras(body, ("tools", "tool_choice", "text"))
         usage = self._usage(
-            model, prompt_tokens(messages, body.get("instructions")), body.get("max_output_tokens")
+            model,
+            prompt_tokens(messages, body.get("instructions"), extras),
+            body.get("max_output_tokens"),
         )
         if usage is None:
             self._unknown_model(record, model, anthropic=False)
@@ -612,7 +660,11 @@ class _Handler(BaseHTTPRequestHandler):
         model = body.get("model", "")
         usage = self._usage(
             model,
-            prompt_tokens(body.get("messages", []), body.get("system")),
+            prompt_tokens(
+                body.get("messages", []),
+                body.get("system"),
+                _extras(body, ("tools", "tool_choice")),
+            ),
             body.get("max_tokens"),
         )
         if usage is None:
@@ -686,7 +738,11 @@ class _Handler(BaseHTTPRequestHandler):
             model = params.get("model", "")
             usage = self._usage(
                 model,
-                prompt_tokens(params.get("messages", []), params.get("system")),
+                prompt_tokens(
+                    params.get("messages", []),
+                    params.get("system"),
+                    _extras(params, ("tools", "tool_choice")),
+                ),
                 params.get("max_tokens"),
             )
             if usage is None:
