@@ -42,6 +42,7 @@ from .providers import (
 )
 from .providers.calls import (
     LOOKUP_ANTHROPIC_MESSAGES,
+    LOOKUP_NONE,
     LOOKUP_OPENAI_CHAT,
     LOOKUP_OPENAI_RESPONSES,
 )
@@ -111,6 +112,8 @@ def look_up(attempt: Attempt, clients: Clients, margin: timedelta = DEFAULT_MARG
         )
     if attempt.lookup == LOOKUP_ANTHROPIC_MESSAGES:
         return lookup_anthropic_message()
+    if attempt.lookup == LOOKUP_NONE:
+        return Unknowable("the call was sent without storing it: the provider cannot find it")
     return Unknowable(f"no lookup named {attempt.lookup!r}")
 
 
@@ -211,6 +214,23 @@ def _reconcile_one(
         log.info("reconciled %s: not found (%s)", attempt.key, outcome.reason)
         return "not_found"
     name = "pending" if not isinstance(outcome, Unknowable) else "unknowable"
+    if name == "unknowable" and recorded:
+        # The provider keeps no record, but the run recorded what the call reported:
+        # that is proof of billing, and the charge.
+        ledger.resolve_attempt(
+            attempt.key,
+            recorded,
+            note=f"the usage its run recorded ({outcome.reason})",
+            by="reconcile",
+            expected="unknown",
+        )
+        hooks.settled(
+            budget=attempt.budget,
+            attempt=attempt.key,
+            amount=attempt.amount,
+            actual=recorded,
+            by="reconcile",
+        )
     log.info("reconciled %s: %s (%s)", attempt.key, name, outcome.reason)
     return name
 

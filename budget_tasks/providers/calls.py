@@ -75,6 +75,8 @@ class AttemptLike(Protocol):
 LOOKUP_OPENAI_CHAT = "openai.chat"
 LOOKUP_OPENAI_RESPONSES = "openai.responses"
 LOOKUP_ANTHROPIC_MESSAGES = "anthropic.messages"
+#: A call nothing can find again (a chat completion sent without ``store``).
+LOOKUP_NONE = "none"
 
 
 def _bind(
@@ -138,9 +140,8 @@ def openai_chat(
     by that key. Streams ask for the usage chunk and must end with it. With
     ``attempt=self.attempt`` the call is described, its request id and usage recorded.
     """
-    key, on_request_id = _bind(
-        client, attempt, key, on_request_id, LOOKUP_OPENAI_CHAT, params["model"]
-    )
+    lookup = LOOKUP_OPENAI_CHAT if store_for_lookup else LOOKUP_NONE
+    key, on_request_id = _bind(client, attempt, key, on_request_id, lookup, params["model"])
     headers = _prepare(client, key, params)
     if store_for_lookup:
         params["store"] = True

@@ -75,7 +75,13 @@ def lookup_openai_chat(
     prices: PriceTable | None = None,
 ) -> Lookup:
     """A stored chat completion: retrieve it by id, or, when the id never arrived, list
-    stored completions by the attempt key in their metadata."""
+    stored completions by the attempt key in their metadata.
+
+    "Not found" is believed only where the provider shows that it stores completions:
+    a known id that 404s was answered (so billed) and is not stored (storage off,
+    expired): Unknowable; a list route that 404s does not exist: Unknowable; an empty
+    list counts as NotFound only if the store holds other completions (else storage
+    may be off) and the attempt is past ``settle_after``."""
     require_no_retries(client)
     if completion_id is None and attempt_key is None:
         return Unknowable("neither a completion id nor an attempt key to look for")
@@ -85,13 +91,23 @@ def lookup_openai_chat(
         else:
             page = client.chat.completions.list(metadata={ATTEMPT_METADATA_KEY: attempt_key})
             if not page.data:
+                if not client.chat.completions.list(limit=1).data:
+                    return Unknowable(
+                        "the provider shows no stored completions at all: storage may be off, "
+                        "so not finding this one proves nothing"
+                    )
                 return _not_found(
                     f"no stored completion for {attempt_key}", sent_at, settle_after, now
                 )
             completion = page.data[0]
     except Exception as exc:
         if _status(exc) == 404:
-            return _not_found(f"completion {completion_id} not found", sent_at, settle_after, now)
+            if completion_id is not None:
+                return Unknowable(
+                    f"completion {completion_id} was answered but is not stored "
+                    "(storage off or expired)"
+                )
+            return Unknowable("the provider has no stored-completions route")
         return Pending(f"lookup failed: {type(exc).__name__}: {exc}")
     if completion.usage is None:
         return Pending(f"completion {completion.id} has no usage yet")

@@ -150,6 +150,9 @@ class FakeProvider:
         self._faults: list[dict[str, Any]] = []
         self._completions: dict[str, dict[str, Any]] = {}
         self._jobs: dict[str, _Job] = {}
+        #: Stored chat completions: "on" (as requested by ``store``), "off" (nothing is
+        #: stored, as with zero data retention) or "no-route" (the lookup routes 404).
+        self.completion_storage = "on"
         self._server = _Server((host, port), _handler_for(self))
         address = self._server.server_address
         self.host: str = str(address[0])
@@ -191,6 +194,7 @@ class FakeProvider:
 
     def reset(self) -> None:
         with self._lock:
+            self.completion_storage = "on"
             self._served.clear()
             self._faults.clear()
             self._completions.clear()
@@ -401,6 +405,9 @@ class _Handler(BaseHTTPRequestHandler):
             ("POST", "v1", "messages"): self._messages,
             ("POST", "v1", "messages", "batches"): self._batch_create,
         }
+        stored = self.fake.completion_storage != "no-route"
+        if method == "GET" and segments[:3] == ["v1", "chat", "completions"] and not stored:
+            return None
         found = routes.get((method, *segments))
         if found:
             return found
@@ -508,7 +515,7 @@ class _Handler(BaseHTTPRequestHandler):
             "usage": _openai_chat_usage(usage),
             "metadata": body.get("metadata") or {},
         }
-        if body.get("store"):
+        if body.get("store") and self.fake.completion_storage == "on":
             with self.fake._lock:
                 self.fake._completions[completion_id] = completion
         if self._after_billing(record):
@@ -593,6 +600,8 @@ class _Handler(BaseHTTPRequestHandler):
                 for c in self.fake._completions.values()
                 if all(c["metadata"].get(k) == v for k, v in wanted.items())
             ]
+        if query.get("limit"):
+            found = found[: int(query["limit"][0])]
         self._send_json(
             200,
             {

@@ -149,6 +149,8 @@ def test_not_found_releases_and_requeues_pending_backs_off(
 ) -> None:
     client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
     pg_ledger.create_budget("team", 1_000_000)
+    # The provider stores completions (another call's is there): "not found" means something.
+    openai_chat(client, key="another-call", **PROMPT)
     start = pg_ledger.begin_operation(
         "op-lost",
         fingerprint="f",

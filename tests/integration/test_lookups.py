@@ -104,6 +104,8 @@ def test_chat_timeout_then_found(fake: FakeProvider, oai: Any) -> None:
 
 
 def test_chat_not_found_is_pending_inside_the_window_then_not_found(oai: Any) -> None:
+    # The provider stores completions (one is there): "not found" can mean something.
+    openai_chat(oai, key="k-other", model="gpt-4o-mini", messages=PROMPT, max_completion_tokens=8)
     now = datetime.now(UTC)
     young = lookup_openai_chat(
         oai,
@@ -123,6 +125,8 @@ def test_chat_not_found_is_pending_inside_the_window_then_not_found(oai: Any) ->
         now=now,
     )
     assert isinstance(old, NotFound)
+    # A completion id is known only for a call that was answered, so billed: if it is
+    # not stored, that says nothing about the bill.
     by_id = lookup_openai_chat(
         oai,
         model="gpt-4o-mini",
@@ -130,7 +134,7 @@ def test_chat_not_found_is_pending_inside_the_window_then_not_found(oai: Any) ->
         sent_at=LONG_AGO,
         settle_after=WINDOW,
     )
-    assert isinstance(by_id, NotFound)
+    assert isinstance(by_id, Unknowable)
     assert isinstance(
         lookup_openai_chat(oai, model="gpt-4o-mini", sent_at=LONG_AGO, settle_after=WINDOW),
         Unknowable,
@@ -149,7 +153,25 @@ def test_chat_not_stored_cannot_be_found(fake: FakeProvider, oai: Any) -> None:
     result = lookup_openai_chat(
         oai, model="gpt-4o-mini", attempt_key="k-nostore", sent_at=LONG_AGO, settle_after=WINDOW
     )
-    assert isinstance(result, NotFound)  # which is why openai_chat stores by default
+    # Billed, and nothing stored anywhere: never taken for "not billed"
+    assert fake.billed_for("k-nostore") > 0
+    assert isinstance(result, Unknowable)  # which is why openai_chat stores by default
+
+
+@pytest.mark.parametrize("storage", ["off", "no-route"])
+def test_a_provider_without_stored_completions_never_says_not_billed(
+    fake: FakeProvider, oai: Any, storage: str
+) -> None:
+    """Storage off (zero data retention) or no stored-completions route at all: a
+    billed call that cannot be found must not count as one never billed."""
+    fake.completion_storage = storage
+    for key in ("k-before", "k-lost"):
+        openai_chat(oai, key=key, model="gpt-4o-mini", messages=PROMPT, max_completion_tokens=8)
+    assert fake.billed_for("k-lost") > 0
+    result = lookup_openai_chat(
+        oai, model="gpt-4o-mini", attempt_key="k-lost", sent_at=LONG_AGO, settle_after=WINDOW
+    )
+    assert isinstance(result, Unknowable), result
 
 
 def test_background_response_pending_then_found(fake: FakeProvider, oai: Any) -> None:
