@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import cache
 from typing import Any
 
@@ -86,8 +86,14 @@ def _settle_after(attempt: Attempt, client: Any, margin: timedelta) -> timedelta
     return settle_after(client, margin)
 
 
-def look_up(attempt: Attempt, clients: Clients, margin: timedelta = DEFAULT_MARGIN) -> Lookup:
-    """Ask the provider about one attempt, by the lookup recorded for it."""
+def look_up(
+    attempt: Attempt,
+    clients: Clients,
+    margin: timedelta = DEFAULT_MARGIN,
+    now: datetime | None = None,
+) -> Lookup:
+    """Ask the provider about one attempt, by the lookup recorded for it (``now``: the
+    ledger's time, which the attempt's age is measured by)."""
     if attempt.lookup is None or attempt.model is None:
         return Unknowable("the attempt never recorded which call it was")
     sent_at = attempt.sending_at or attempt.created_at
@@ -100,6 +106,7 @@ def look_up(attempt: Attempt, clients: Clients, margin: timedelta = DEFAULT_MARG
             attempt_key=attempt.key,
             sent_at=sent_at,
             settle_after=_settle_after(attempt, client, margin),
+            now=now,
         )
     if attempt.lookup == LOOKUP_OPENAI_RESPONSES:
         client = clients("openai")
@@ -109,6 +116,7 @@ def look_up(attempt: Attempt, clients: Clients, margin: timedelta = DEFAULT_MARG
             response_id=attempt.response_id,
             sent_at=sent_at,
             settle_after=_settle_after(attempt, client, margin),
+            now=now,
         )
     if attempt.lookup == LOOKUP_ANTHROPIC_MESSAGES:
         return lookup_anthropic_message()
@@ -159,7 +167,7 @@ def reconcile_unknown(
 def _reconcile_one(
     ledger: Ledger, attempt: Attempt, clients: Clients, margin: timedelta, requeue: Requeue | None
 ) -> str:
-    outcome = look_up(attempt, clients, margin)
+    outcome = look_up(attempt, clients, margin, ledger.now())
     recorded = attempt.recorded_actual or 0
     if isinstance(outcome, Found):
         actual = max(outcome.actual, recorded)

@@ -145,7 +145,7 @@ def test_a_timeout_is_reconciled_with_what_the_provider_billed(
 
 
 def test_not_found_releases_and_requeues_pending_backs_off(
-    pg_url: str, pg_ledger: Ledger, fake: FakeProvider
+    pg_url: str, pg_ledger: Ledger, fake: FakeProvider, clock: ManualClock
 ) -> None:
     client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
     pg_ledger.create_budget("team", 1_000_000)
@@ -166,7 +166,8 @@ def test_not_found_releases_and_requeues_pending_backs_off(
     pg_ledger.mark_unknown("op-lost#1", "connection reset")
     assert pg_ledger.end_run("op-lost", owner="me").status == "unknown"  # the run gave up
     requeued: list[tuple[str, str, dict[str, Any]]] = []
-    # The ledger clock says the send was long ago, well past timeout + margin.
+    # The ledger clock moves past the send's timeout (1 s) + margin (0).
+    clock.advance(seconds=2)
     counts = reconcile_unknown(
         pg_ledger,
         lambda kind: client,

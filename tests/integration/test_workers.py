@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -319,3 +320,69 @@ def test_metrics_scraped_from_a_worker_match_the_ledger(
         assert value(f"budget_tasks_{name}", budget="metered") == getattr(bal, name), name
     assert bal.spent == 6 * each
     assert len(requests_for(fake, "fixed:")) == 6
+
+
+def test_a_429_after_a_billed_call_settles_it_and_is_not_retried(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    """In a real worker a 429 normally retries the run (a new attempt); after a billed
+    call that would send the billed call again: the cost is settled, no retry."""
+    start_worker()
+    with pytest.raises(Exception, match="429"):
+        client.send_task("tests.billed_then_429", args=[1]).get(timeout=60)
+    time.sleep(1.5)  # a retry would come after rate_limit_countdown (0.2 s)
+    sent = requests_for(fake, "b429:1")
+    assert [s.status for s in sent] == [200, 429]
+    [attempt] = pg_ledger.attempts()
+    assert (attempt.state, attempt.actual) == ("settled", fake.billed_for("b429:1#1"))
+    assert attempt.actual > 0
+    assert pg_ledger.operation("b429:1").status == "failed"
+    assert pg_ledger.audit() == []
+
+
+def test_a_step_rate_limited_is_retried_by_the_worker_as_a_new_attempt_of_that_step(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    start_worker()
+    value = client.send_task(
+        "tests.agent_steps", args=["tide"], kwargs={"faults": {"two": "status=429"}}
+    ).get(timeout=60)
+    assert value == ["one done", "two done"]
+    sent = [(s.idempotency_key, s.status) for s in requests_for(fake, "steps:tide")]
+    assert sent == [
+        ("steps:tide:one:1", 200),
+        ("steps:tide:two:1", 429),
+        ("steps:tide:two:1~2", 200),  # step one replayed from storage: not sent again
+    ]
+    states = {a.key: a.state for a in pg_ledger.attempts() if a.label}
+    assert states == {
+        "steps:tide:one:1": "settled",
+        "steps:tide:two:1": "released",
+        "steps:tide:two:1~2": "settled",
+    }
+    assert pg_ledger.holds() == [] and pg_ledger.audit() == []
+    assert pg_ledger.balance("default").spent == fake.state()["billed_total"]
+
+
+def test_retry_when_budget_frees_works_for_a_step(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    from .worker_tasks import ONE_CALL
+
+    start_worker()
+    room = pg_ledger.balance("default").available
+    pg_ledger.reserve("default", "blocker", room - ONE_CALL)  # room for one step only
+    result = client.send_task("tests.agent_steps", args=["budget"])
+    wait_for(
+        lambda: "steps:budget#1" in {a.key for a in pg_ledger.attempts(states=["released"])},
+        what="step two denied, the run's hold released",
+    )
+    assert pg_ledger.operation("steps:budget").status in ("pending", "running")
+    assert pg_ledger.attempts(states=["unknown"]) == []  # no hold stranded as unknown
+    pg_ledger.release("blocker", "the budget frees up")
+    assert result.get(timeout=60) == ["one done", "two done"]
+    assert [s.idempotency_key for s in requests_for(fake, "steps:budget")] == [
+        "steps:budget:one:1",
+        "steps:budget:two:1",
+    ]
+    assert pg_ledger.holds() == [] and pg_ledger.audit() == []

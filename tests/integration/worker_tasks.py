@@ -51,3 +51,52 @@ def _die(n: int) -> int:
 )
 def crasher(self: BudgetTask, n: int) -> int:
     return n
+
+
+def _fault(spec: str) -> dict[str, Any]:
+    return {"extra_headers": {"x-fake-fault": spec}}
+
+
+ONE_CALL = estimates.openai_chat(fixed_request(0)).amount
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    budget=BUDGET,
+    name="tests.billed_then_429",
+    rate_limit_countdown=0.2,
+    idempotency_key=lambda n: f"b429:{n}",
+    estimate_cost=lambda n: 2 * ONE_CALL,
+)
+def billed_then_429(self: BudgetTask, n: int) -> int:
+    """A billed call, then a second call that the provider rate-limits: the first call's
+    cost is settled, and the run is not retried (that would send it again)."""
+    openai_chat(client(), attempt=self.attempt, **fixed_request(n))
+    openai_chat(client(), attempt=self.attempt, **_fault("status=429"), **fixed_request(n))
+    return n
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    budget=BUDGET,
+    name="tests.agent_steps",
+    rate_limit_countdown=0.2,
+    retry_when_budget_frees=0.5,
+    idempotency_key=lambda topic, faults=None: f"steps:{topic}",
+    fingerprint=lambda topic, faults=None: topic,
+    estimate_cost=lambda topic, faults=None: 0,
+)
+def agent_steps(self: BudgetTask, topic: str, faults: dict[str, str] | None = None) -> list[str]:
+    """Two labelled calls; ``faults`` names a fault for a step's first attempt."""
+    notes = []
+    for step in ("one", "two"):
+        with self.spend(ONE_CALL, step) as call:
+            if not call.replayed:
+                first = call.attempt_key.endswith(":1")
+                extra = _fault(faults[step]) if faults and step in faults and first else {}
+                openai_chat(client(), attempt=call, **extra, **fixed_request(0))
+                call.result = f"{step} done"
+        notes.append(str(call.result))
+    return notes
