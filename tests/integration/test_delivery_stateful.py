@@ -1,0 +1,298 @@
+"""The whole state machine under hypothesis: deliveries (duplicates and killed runs
+included), provider outcomes (ok, 429, 5xx, a timeout after billing, a reset after
+billing), beat's jobs and operators' resolutions, interleaved at random, against
+PostgreSQL, the official openai SDK and the fake provider.
+
+After every step the ledger is checked against the fake provider's own record:
+
+- no business key is billed twice, except by a distinct ``on_unknown="resend"``
+  attempt, and no attempt key is sent twice;
+- every attempt the provider billed is charged exactly what it billed, or still held
+  as open (unknown, or sending under a run that is gone and that beat will adopt);
+- no hold sits anywhere else: after beat has run, nothing is reserved or sending;
+- ``audit()`` is clean; a finished operation replays.
+
+A killed run is a delivery whose process is gone: its lease names a process of this
+PID namespace that no longer runs, and it writes nothing after the kill point (the
+chaos suite kills real worker processes; here the point is the interleaving).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import uuid
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from typing import Any, ClassVar
+
+import openai
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from budget_tasks import Ledger
+from budget_tasks.beat import flag_stale_holds, reconcile_unknown
+from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager, RetryLater
+from budget_tasks.errors import BudgetTasksError
+from budget_tasks.ledger.leases import owner_id, this_process
+from budget_tasks.providers import estimates, openai_chat, openai_client
+from budget_tasks.testing import FakeProvider
+
+from ..conftest import empty_ledger_tables
+
+TIMEOUT = 0.3  # the SDK's timeout: a "hang" outlives it after the provider billed
+PROMPT = {
+    "model": "gpt-4o-mini",
+    "max_completion_tokens": 16,
+    "messages": [{"role": "user", "content": "One state machine."}],
+}
+ESTIMATE = estimates.openai_chat(PROMPT).amount
+#: business keys, and whether their task resends an unknown outcome
+KEYS = {"hold-a": "hold", "hold-b": "hold", "resend-a": "resend", "resend-b": "resend"}
+OUTCOMES = {
+    "ok": None,
+    "429": "status=429",
+    "500": "status=500",
+    "timeout": f"hang={TIMEOUT * 2}",
+    "reset": "reset",
+}
+
+
+class _Killed(BaseException):
+    """The process running the delivery is gone: nothing after this point runs."""
+
+
+class _Dead:
+    """A ledger seen from a process that was killed: every call after the kill fails
+    without writing (the process is not there to make it)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self.killed = False
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._ledger, name)
+        if not callable(target):
+            return target
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.killed:
+                raise _Killed(name)
+            return target(*args, **kwargs)
+
+        return call
+
+
+def gone_owner() -> str:
+    """A lease owner naming a process of this PID namespace that has exited."""
+    me = this_process()
+    assert me is not None
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    return f"{socket.gethostname()}:{dead.pid}:{uuid.uuid4().hex[:8]}@{me.boot}/{me.pidns}/1"
+
+
+class BeatClock:
+    """Beat's clock: hours ahead of the deliveries', and further at every run, so that
+    every lookup is due and every "not yet" window has passed."""
+
+    def __init__(self) -> None:
+        self.ahead = timedelta(hours=1)
+
+    def __call__(self) -> datetime:
+        return datetime.now(UTC) + self.ahead
+
+
+class DeliveryMachine(RuleBasedStateMachine):
+    url: ClassVar[str]
+    fake: ClassVar[FakeProvider]
+
+    def __init__(self) -> None:
+        super().__init__()
+        empty_ledger_tables(self.url)
+        self.fake.reset()
+        self.ledger = Ledger(self.url)
+        self.ledger.create_budget("team", 10**12)
+        self.beat_clock = BeatClock()
+        self.beat_ledger = Ledger(self.url, clock=self.beat_clock)
+        self.client = openai_client(
+            base_url=self.fake.openai_base_url, api_key="x", timeout=TIMEOUT
+        )
+        self.results: dict[str, Any] = {}
+        self.beat_ran_last = False
+
+    def teardown(self) -> None:
+        self.ledger.dispose()
+        self.beat_ledger.dispose()
+
+    # -- the deliveries --------------------------------------------------------------
+
+    def _delivery(self, key: str, outcome: str, kill: str | None, ledger: Any) -> Any:
+        fault = OUTCOMES[outcome]
+
+        def run(scope: Any) -> Any:
+            if kill == "before_send":
+                ledger.killed = True
+                raise _Killed("before the send")
+            extra = {"extra_headers": {"x-fake-fault": fault}} if fault else {}
+            try:
+                sent = openai_chat(self.client, attempt=scope, **extra, **PROMPT)
+            finally:
+                if kill == "after_send":
+                    ledger.killed = True  # the request reached the provider; then death
+            if kill == "after_send":
+                raise _Killed("after the send")
+            return sent.result["content"]
+
+        manager = OperationManager(ledger, DeliveryOptions(task="t", on_unknown=KEYS[key]))
+        delivery = Delivery(
+            key=key,
+            fingerprint=key,
+            budget="team",
+            estimate=lambda: ESTIMATE,
+            run=run,
+            owner=gone_owner() if kill else owner_id(),
+        )
+        return manager.deliver(delivery)
+
+    @rule(key=st.sampled_from(sorted(KEYS)), outcome=st.sampled_from(sorted(OUTCOMES)))
+    def deliver(self, key: str, outcome: str) -> None:
+        """A delivery of ``key`` (a duplicate, if the key ran before)."""
+        self.beat_ran_last = False
+        try:
+            result = self._delivery(key, outcome, None, self.ledger)
+        except (RetryLater, BudgetTasksError, openai.APIError) as exc:
+            self.results.setdefault(f"errors:{key}", []).append(type(exc).__name__)
+            return
+        previous = self.results.setdefault(key, result)
+        assert result == previous, "a finished operation replays what it stored"
+
+    @rule(
+        key=st.sampled_from(sorted(KEYS)),
+        outcome=st.sampled_from(["ok", "timeout"]),
+        point=st.sampled_from(["before_send", "after_send"]),
+    )
+    def killed_delivery(self, key: str, outcome: str, point: str) -> None:
+        """A delivery whose worker is killed: before its send, or once the request has
+        reached the provider."""
+        self.beat_ran_last = False
+        dead = _Dead(self.ledger)
+        try:
+            self._delivery(key, outcome, point, dead)
+        except _Killed:
+            pass
+        except (RetryLater, BudgetTasksError, openai.APIError):
+            pass  # it never got as far as its kill point
+
+    # -- beat and operators ------------------------------------------------------------
+
+    @rule()
+    def beat(self) -> None:
+        self.beat_clock.ahead += timedelta(hours=7)  # every lookup due again
+        reconcile_unknown(self.beat_ledger, lambda kind: self.client, margin=timedelta(0))
+        flag_stale_holds(self.beat_ledger, timedelta(minutes=15))
+        self.beat_ran_last = True
+
+    @precondition(lambda self: self.ledger.attempts(states=["unknown"]))
+    @rule(data=st.data())
+    def operator_resolves(self, data: st.DataObject) -> None:
+        """An operator checks the provider's invoice and resolves an unknown hold."""
+        self.beat_ran_last = False
+        unknown = self.ledger.attempts(states=["unknown"])
+        attempt = data.draw(st.sampled_from(unknown), label="attempt")
+        billed = self.fake.billed_for(attempt.key)
+        with contextlib.suppress(BudgetTasksError):  # moved since it was read: that stands
+            self.ledger.resolve_attempt(
+                attempt.key, billed, note="checked the invoice", by="operator", expected="unknown"
+            )
+
+    # -- what must always hold ---------------------------------------------------------
+
+    @invariant()
+    def each_business_key_is_billed_once_but_for_explicit_resends(self) -> None:
+        served = [s for s in self.fake.served() if s.method == "POST"]
+        sends = Counter(s.idempotency_key for s in served)
+        assert max(sends.values(), default=0) <= 1, "an attempt key was sent twice"
+        attempts = self.ledger.attempts()
+        for key in KEYS:
+            billed = [s for s in served if s.billed and s.idempotency_key.startswith(f"{key}#")]
+            resends = [
+                a for a in attempts if a.operation_key == key and a.reason == "unknown_resend"
+            ]
+            assert len(billed) <= 1 + len(resends), (key, [s.idempotency_key for s in billed])
+
+    @invariant()
+    def every_billed_attempt_is_charged_its_bill_or_held(self) -> None:
+        attempts = {a.key: a for a in self.ledger.attempts()}
+        for served in self.fake.served():
+            if served.method != "POST":
+                continue
+            attempt = attempts.get(str(served.idempotency_key))
+            assert attempt is not None, f"{served.idempotency_key} was sent without an attempt"
+            billed = self.fake.billed_for(attempt.key)
+            if attempt.state in ("settled", "released"):
+                assert attempt.actual == billed, (
+                    attempt.key,
+                    attempt.state,
+                    attempt.actual,
+                    billed,
+                )
+            else:
+                assert attempt.state in ("unknown", "sending"), attempt
+        for attempt in attempts.values():
+            if attempt.state in ("settled", "released"):
+                assert attempt.actual == self.fake.billed_for(attempt.key), attempt
+
+    @invariant()
+    def no_hold_is_left_without_a_run_or_a_reconciliation(self) -> None:
+        holds = self.ledger.holds()
+        if self.beat_ran_last:
+            # beat adopts what dead runs left: nothing reserved or sending remains
+            assert {h.state for h in holds} <= {"unknown"}, holds
+        for hold in holds:
+            assert hold.state in ("reserved", "sending", "unknown")
+        assert self.ledger.audit() == []
+
+    @invariant()
+    def operations_agree_with_their_attempts(self) -> None:
+        for key in KEYS:
+            try:
+                operation = self.ledger.operation(key)
+            except BudgetTasksError:
+                continue
+            mine = [a for a in self.ledger.attempts() if a.operation_key == key]
+            if operation.status == "succeeded":
+                assert operation.result is not None
+            if any(a.state == "unknown" for a in mine) and operation.status not in (
+                "succeeded",
+                "failed",
+                "running",
+            ):
+                assert operation.status == "unknown", (key, operation.status, mine)
+
+
+def test_deliveries_beat_and_operators_interleaved(
+    pg_url: str, pg_ledger: Ledger, fake: FakeProvider
+) -> None:
+    class Machine(DeliveryMachine):
+        pass
+
+    Machine.url = pg_url
+    Machine.fake = fake
+    run_state_machine_as_test(
+        Machine,
+        settings=settings(
+            max_examples=25,
+            stateful_step_count=20,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+        ),
+    )
