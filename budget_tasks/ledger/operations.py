@@ -167,11 +167,15 @@ class OperationsMixin:
     @staticmethod
     def _conclusion(attempts: Sequence[AttemptRef]) -> tuple[str, str | None] | None:
         """What the attempts alone say the operation is, or None if they leave it to
-        the writer: an open attempt makes it unknown; an answer found for its latest
-        main-call attempt makes it succeeded."""
-        if any(a.state in OPEN for a in attempts):
-            return OperationStatus.UNKNOWN, None
+        the writer. Only the latest attempt of each call counts (an earlier one that a
+        resend replaced is reconciled on its own): one open makes it unknown; else an
+        answer found for its main call makes it succeeded."""
         main = next((a for a in attempts if a.label is None), None)
+        latest = [a for a in attempts if a.label is not None]
+        if main is not None:
+            latest.append(main)
+        if any(a.state in OPEN for a in latest):
+            return OperationStatus.UNKNOWN, None
         if main is not None and main.state == AttemptState.SETTLED and main.answer is not None:
             return OperationStatus.SUCCEEDED, main.answer
         return None

@@ -171,13 +171,19 @@ SELECT id, fingerprint, status, result, error, lease_owner, lease_expires_at, ru
        next_reason
 FROM operations WHERE id = :operation_id{for_update_plain}"""
 
-#: The operation's main-call attempts and its labelled calls not yet resolved, newest
-#: first: what a delivery or a conclusion decides from.
+#: The operation's main-call attempts, and the latest attempt of each labelled call
+#: if it is not resolved, newest first: what a delivery or a conclusion decides from.
+#: (An earlier attempt that a later one replaced, a resend, is reconciled on its own.)
 OPERATION_ATTEMPTS = """
-SELECT id, key, state, amount, reason, label, answer, recorded_actual FROM attempts
-WHERE operation_id = :operation_id
-  AND (label IS NULL OR state IN ('reserved', 'sending', 'unknown'))
-ORDER BY id DESC"""
+SELECT a.id, a.key, a.state, a.amount, a.reason, a.label, a.answer, a.recorded_actual
+FROM attempts a
+WHERE a.operation_id = :operation_id
+  AND (a.label IS NULL OR (
+        a.state IN ('reserved', 'sending', 'unknown')
+        AND NOT EXISTS (SELECT 1 FROM attempts b
+                        WHERE b.operation_id = a.operation_id AND b.step = a.step
+                          AND b.id > a.id)))
+ORDER BY a.id DESC"""
 
 #: The latest attempt of one labelled call, and how many it has had.
 STEP_ATTEMPT = """

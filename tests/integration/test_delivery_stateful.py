@@ -227,7 +227,11 @@ class DeliveryMachine(RuleBasedStateMachine):
             resends = [
                 a for a in attempts if a.operation_key == key and a.reason == "unknown_resend"
             ]
-            assert len(billed) <= 1 + len(resends), (key, [s.idempotency_key for s in billed])
+            assert len(billed) <= 1 + len(resends), (
+                key,
+                [s.idempotency_key for s in billed],
+                [(a.key, a.reason, a.state) for a in attempts if a.operation_key == key],
+            )
 
     @invariant()
     def every_billed_attempt_is_charged_its_bill_or_held(self) -> None:

@@ -174,3 +174,37 @@ def test_a_delivery_that_meets_an_unknown_attempt_holds_without_a_race(
         deliver(ledger, fake, "plain")
     assert ledger.operation("plain").status == "unknown"
     assert len(sent(fake, "plain")) == 1
+
+
+def test_an_answer_found_for_a_resend_is_adopted_while_an_older_attempt_stays_unknown(
+    ledger: Ledger, fake: FakeProvider
+) -> None:
+    """Found by the state machine test: attempt 1 of a resend task can never be looked
+    up (its run died before describing the call), attempt 2 times out after billing
+    and beat finds it. The operation adopts attempt 2's answer: attempt 1, replaced by
+    the resend, does not keep it open, so no third attempt is sent."""
+    from budget_tasks.ledger.leases import owner_id
+
+    start = ledger.begin_operation(
+        "twice", fingerprint="fp", owner=owner_id(), lease=timedelta(minutes=5), max_runs=5
+    )
+    ledger.reserve("team", "twice#1", races.ESTIMATE, operation_id=start.operation_id)
+    ledger.mark_sending("twice#1")
+    ledger.mark_unknown("twice#1", "worker lost before it described the call")
+    ledger.end_run("twice", owner=start_owner(ledger, "twice"))
+    with pytest.raises(openai.APITimeoutError):
+        deliver(ledger, fake, "twice", "hang=2", on_unknown="resend")
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
+    counts = reconcile_unknown(ledger, lambda kind: client, margin=timedelta(0))
+    assert (counts["found"], counts["unknowable"]) == (1, 1)
+    operation = ledger.operation("twice")
+    assert operation.status == "succeeded"
+    assert deliver(ledger, fake, "twice", on_unknown="resend") == operation.result
+    assert [s.idempotency_key for s in fake.served() if s.method == "POST"] == ["twice#2"]
+    assert ledger.attempt("twice#1").state == "unknown"  # still held, for an operator
+
+
+def start_owner(ledger: Ledger, key: str) -> str:
+    owner = ledger.operation(key).lease_owner
+    assert owner is not None
+    return owner
