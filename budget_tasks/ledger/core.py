@@ -68,6 +68,7 @@ from .schema import (
     operations,
 )
 from .statements import Cursor, Driver
+from .states import attempt_may
 
 log = logging.getLogger("budget_tasks.ledger")
 
@@ -718,9 +719,8 @@ class Ledger(OperationsMixin, MaintenanceMixin):
             raise SettlementConflict(key, charged, actual)
         if expected is not None and current != expected:
             raise InvalidTransition(key, current, f"{state} it as {expected} (it changed)")
-        allowed = ("sending", "unknown") if state == "settled" else HOLDING_STATES
-        if current not in allowed:
-            raise InvalidTransition(key, current, "settle before mark_sending")
+        if not attempt_may(current, state):
+            raise InvalidTransition(key, current, f"move it to {state} (it was never sent)")
         if recorded_usage is not None and actual < recorded_usage:
             raise UsageRecorded(key, recorded_usage, actual)
         for period_id in periods:

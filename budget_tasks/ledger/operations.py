@@ -26,11 +26,11 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from .. import _validate as check
-from ..errors import IdempotencyConflict, UnknownOperation
+from ..errors import IdempotencyConflict, InvalidTransition, UnknownOperation
 from . import statements as sql
 from .leases import lease_is_live, owner_id
 from .statements import Cursor, Driver
-from .states import FINISHED, OPEN, AttemptState, OperationStatus
+from .states import FINISHED, OPEN, AttemptState, OperationStatus, operation_may
 
 __all__ = [
     "AttemptRef",
@@ -196,6 +196,8 @@ class OperationsMixin:
     ) -> bool:
         """Compare-and-set the operation from the status and owner ``row`` was read
         with; True if it applied."""
+        if not operation_may(row.status, status):
+            raise InvalidTransition(f"operation {row.id}", row.status, f"move it to {status}")
         return bool(
             cur.run(
                 sql.SET_OPERATION,

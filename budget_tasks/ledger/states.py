@@ -61,8 +61,10 @@ FINISHED = frozenset({OperationStatus.SUCCEEDED, OperationStatus.FAILED})
 
 
 def attempt_may(current: str, target: str) -> bool:
+    """Whether an attempt in ``current`` may move to ``target`` (the table above)."""
     return AttemptState(target) in ATTEMPT_TRANSITIONS[AttemptState(current)]
 
 
 def operation_may(current: str, target: str) -> bool:
+    """Whether an operation in ``current`` may move to ``target`` (the table above)."""
     return OperationStatus(target) in OPERATION_TRANSITIONS[OperationStatus(current)]

@@ -374,3 +374,56 @@ def test_a_send_left_sending_by_a_run_that_is_gone_is_reconciled(
     assert pg_ledger.attempt("op-alive#1").state == "sending"  # never taken from a live lease
     assert pg_ledger.balance("team").held == 10_000
     assert pg_ledger.audit() == []
+
+
+def test_not_found_waits_for_the_timeout_the_attempt_was_sent_with(
+    pg_ledger: Ledger, fake: FakeProvider, clock: ManualClock
+) -> None:
+    """The call went out with a 120 s client timeout; beat's own client has 1 s. Ten
+    seconds after the send the provider may still be working on it: "not found" means
+    "not yet", whatever beat's client would wait."""
+    beat_client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
+    openai_chat(beat_client, key="stored", **PROMPT)  # the provider stores completions
+    pg_ledger.create_budget("team", 1_000_000)
+    pg_ledger.reserve("team", "slow-call", 10_000)
+    pg_ledger.describe_attempt(
+        "slow-call", lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini", timeout=120
+    )
+    pg_ledger.mark_sending("slow-call")
+    pg_ledger.mark_unknown("slow-call", "worker lost")
+    assert pg_ledger.attempt("slow-call").timeout_ms == 120_000
+    clock.advance(seconds=10)
+    counts = reconcile_unknown(pg_ledger, lambda kind: beat_client, margin=timedelta(0))
+    assert (counts["pending"], counts["not_found"]) == (1, 0)
+    assert pg_ledger.attempt("slow-call").state == "unknown"
+    clock.advance(minutes=10)  # past 120 s and past the lookup's backoff
+    counts = reconcile_unknown(pg_ledger, lambda kind: beat_client, margin=timedelta(0))
+    assert counts["not_found"] == 1
+    assert pg_ledger.attempt("slow-call").state == "released"
+
+
+def test_one_refused_resolution_does_not_stop_the_batch(
+    pg_ledger: Ledger, fake: FakeProvider, clock: ManualClock
+) -> None:
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
+    pg_ledger.create_budget("team", 1_000_000)
+    for key in ("first", "second"):
+        unknown_attempt(pg_ledger, key)
+        openai_chat(client, key=key, **PROMPT)  # both reached the provider
+
+    class Meddled:
+        """The ledger, where an operator settled 'first' a moment before beat did."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(pg_ledger, name)
+
+        def resolve_attempt(self, key: str, actual: int, **kwargs: Any) -> Any:
+            if key == "first":
+                pg_ledger.resolve_attempt(key, actual + 1, note="invoice", by="operator")
+            return pg_ledger.resolve_attempt(key, actual, **kwargs)
+
+    counts = reconcile_unknown(Meddled(), lambda kind: client, margin=timedelta(0))  # type: ignore[arg-type]
+    assert (counts["failed"], counts["found"]) == (1, 1)
+    assert pg_ledger.attempt("first").actual == fake.billed_for("first") + 1  # theirs stands
+    assert pg_ledger.attempt("second").actual == fake.billed_for("second")
+    assert pg_ledger.audit() == []

@@ -30,7 +30,7 @@ from budget_tasks import (
 )
 from budget_tasks.beat import reconcile_unknown
 from budget_tasks.config import close_ledgers
-from budget_tasks.providers import estimates, openai_chat, openai_client
+from budget_tasks.providers import estimates, openai_chat, openai_client, openai_response
 from budget_tasks.testing import FakeProvider, ManualClock
 
 
@@ -185,7 +185,32 @@ def app(backend_url: str, fake: FakeProvider) -> Any:
         extra = fault(fault_spec) if fault_spec else {}
         return openai_chat(client, attempt=self.attempt, **extra, **request(doc)).result["content"]
 
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"{prefix}.background",
+        budget="team",
+        idempotency_key=lambda doc: f"bg:{doc}",
+        estimate_cost=lambda doc: (
+            estimates.openai_response(
+                {"model": "gpt-4o-mini", "input": doc, "max_output_tokens": 30}
+            ).amount
+        ),
+    )
+    def background(self: BudgetTask, doc: str) -> Any:
+        sent = openai_response(
+            client,
+            attempt=self.attempt,
+            model="gpt-4o-mini",
+            input=doc,
+            max_output_tokens=30,
+            background=True,
+            extra_headers={"x-fake-work-seconds": "1"},
+        )
+        return {"response_id": sent.response_id, "status": sent.result["status"]}
+
     app.jobs = {
+        "background": background,
         "billed_then": billed_then,
         "step_then": step_then,
         "agent": agent,
@@ -441,4 +466,38 @@ def test_reconciling_an_old_attempt_never_reopens_a_succeeded_resend(
     assert app.jobs["resend"].delay("beat").get() == result
     assert len(sent_for(fake, "resend:beat")) == 2
     assert ledger.holds() == [] and ledger.audit() == []
+    ledger.dispose()
+
+
+# -- a background response keeps its hold until its usage is known --------------------
+
+
+def test_a_background_response_keeps_its_hold_until_reconciliation_reads_its_usage(
+    app: Any, fake: FakeProvider
+) -> None:
+    import time
+
+    result = app.jobs["background"].delay("Plan the quarter.").get()
+    ledger = Ledger(app.url)
+    [attempt] = ledger.attempts()
+    # created, queued, nothing billed yet known: the hold stays (not settled at its estimate)
+    assert (attempt.state, attempt.actual, attempt.response_id) == (
+        "unknown",
+        None,
+        result["response_id"],
+    )
+    assert ledger.balance("team").held == attempt.amount
+    assert ledger.operation("bg:Plan the quarter.").status == "succeeded"
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=2.0)
+    assert reconcile_unknown(ledger, lambda kind: client)["pending"] == 1
+    time.sleep(1.2)  # the provider finishes the work
+    clock = ManualClock(ledger.now() + timedelta(hours=1))  # past the lookup's backoff
+    later = Ledger(app.url, clock=clock)
+    assert reconcile_unknown(later, lambda kind: client)["found"] == 1
+    settled = later.attempt(attempt.key)
+    assert (settled.state, settled.actual) == ("settled", fake.billed_for(attempt.key))
+    assert settled.actual > 0 and not settled.estimate_only
+    assert later.operation("bg:Plan the quarter.").result == result  # the task's own
+    assert later.holds() == [] and later.audit() == []
+    later.dispose()
     ledger.dispose()

@@ -51,3 +51,37 @@ def test_a_clean_end_between_deaths_is_not_counted(ledger: Ledger, clock: Manual
     # a give-back from someone who no longer holds the lease takes no run off the count
     ledger.end_run("job:1", owner="otherhost:1:tok", status="pending")
     assert (ledger.operation("job:1").runs, ledger.operation("job:1").status) == (1, "pending")
+
+
+def test_a_poisoned_operation_releases_the_holds_never_sent(
+    ledger: Ledger, clock: ManualClock
+) -> None:
+    ledger.create_budget("team", 1_000)
+    for n in range(3):  # runs that reserved and died before their send
+        start = ledger.begin_operation(
+            "job:1", fingerprint="fp", owner=f"otherhost:{n}:tok", lease=LEASE, max_runs=3
+        )
+        if n == 0:
+            ledger.reserve("team", "job:1#1", 400, operation_id=start.operation_id)
+        clock.advance(LEASE + timedelta(seconds=1))
+    assert begin(ledger, "otherhost:9:tok") is Decision.POISONED
+    assert (ledger.attempt("job:1#1").state, ledger.balance("team").held) == ("released", 0)
+    assert ledger.audit() == []
+
+
+def test_beat_releases_what_a_dead_run_reserved_and_never_sent(
+    ledger: Ledger, clock: ManualClock
+) -> None:
+    ledger.create_budget("team", 1_000)
+    start = ledger.begin_operation(
+        "job:2", fingerprint="fp", owner="otherhost:1:tok", lease=LEASE, max_runs=3
+    )
+    ledger.reserve("team", "job:2#1", 400, operation_id=start.operation_id)
+    assert ledger.mark_orphans_unknown() == []  # its lease is live: nothing is touched
+    assert ledger.attempt("job:2#1").state == "reserved"
+    clock.advance(LEASE + timedelta(seconds=1))
+    assert ledger.mark_orphans_unknown() == []  # nothing was sending: nothing unknown
+    assert ledger.attempt("job:2#1").state == "released"
+    operation = ledger.operation("job:2")
+    assert (operation.status, operation.lease_owner) == ("pending", None)
+    assert ledger.holds() == [] and ledger.audit() == []
