@@ -1,9 +1,10 @@
 """BudgetTask: a Celery task base class that reserves before it runs, replays on
 redelivery, and settles what the run reports.
 
-The worker calls ``__call__`` (Celery uses a task class's own ``__call__``), which runs
-the operation flow of DESIGN.md and calls ``self.run``. Nothing that moves money depends
-on ``on_failure``/``after_return``: with acks_late, a killed child never runs them.
+The worker calls ``__call__`` (Celery uses a task class's own ``__call__``), which
+drives the operation state machine of :mod:`budget_tasks.delivery`; it calls
+``self.run``. Nothing that moves money depends on ``on_failure``/``after_return``: with
+acks_late, a killed child never runs them. Celery's side (retries, eager mode) is here.
 """
 
 from __future__ import annotations
