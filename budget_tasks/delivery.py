@@ -200,10 +200,10 @@ class Recorded:
         """The actual cost of the call, in minor units (sums over several reports),
         written to the ledger at once: a recorded actual is proof of billing."""
         check.money(cost, "cost")
-        if self._ledger is not None:
-            self._ledger.record_call(self._key, cost=cost)
         self.actual = (self.actual or 0) + cost
         self.in_flight = False
+        if self._ledger is not None:
+            self._ledger.record_call(self._key, cost=cost)
 
     def record_request_id(self, request_id: str) -> None:
         """Store the provider's request id at once (reconciliation looks it up)."""
@@ -235,13 +235,9 @@ class Recorded:
         """Record a guarded call's request id, response id and priced usage, in one
         write. A call answered without usage (a background response) keeps its hold
         open until reconciliation reads the usage."""
-        if self._ledger is not None:
-            self._ledger.record_call(
-                self._key,
-                request_id=sent.request_id if sent.request_id != self.request_id else None,
-                response_id=sent.response_id,
-                cost=sent.cost,
-            )
+        # Known here first: should the ledger write fail, the error that follows still
+        # settles this usage (written later), never treats the call as still out.
+        new_request_id = sent.request_id if sent.request_id != self.request_id else None
         if sent.request_id:
             self.request_id = sent.request_id
         if sent.cost is not None:
@@ -249,6 +245,10 @@ class Recorded:
         else:
             self.awaiting_usage = True
         self.in_flight = False
+        if self._ledger is not None:
+            self._ledger.record_call(
+                self._key, request_id=new_request_id, response_id=sent.response_id, cost=sent.cost
+            )
 
 
 class AttemptScope(Recorded):
@@ -279,6 +279,8 @@ class AttemptScope(Recorded):
         self._labels: dict[str, int] = {}
         #: a labelled call billed and not stored for replay (a new run would resend it)
         self.billed_unstored = False
+        #: a labelled call of this run whose outcome is unknown (its hold kept)
+        self.left_open = False
 
     @property
     def ledger(self) -> Ledger:
@@ -738,7 +740,7 @@ class OperationManager:
         status: str | None
         next_reason = None
         later: str | None = None
-        if fate.action == "unknown" or isinstance(exc, OutcomeUnknown):
+        if fate.action == "unknown" or scope.left_open or isinstance(exc, OutcomeUnknown):
             status = None  # derived: unknown while a hold is open
         elif isinstance(exc, LedgerUnavailable):
             status, later = OperationStatus.PENDING, "ledger"
@@ -869,6 +871,8 @@ class OperationManager:
             fate = fate_after_error(call, exc)
             if fate.action == "settle":
                 scope.billed_unstored = True
+            elif fate.action == "unknown":
+                scope.left_open = True
             for write in _fate_writes(key, fate):
                 try:
                     write.apply(ledger)

@@ -501,3 +501,33 @@ def test_a_background_response_keeps_its_hold_until_reconciliation_reads_its_usa
     assert later.holds() == [] and later.audit() == []
     later.dispose()
     ledger.dispose()
+
+
+def test_a_step_whose_outcome_is_unknown_holds_the_operation_until_beat_finds_it(
+    app: Any, fake: FakeProvider
+) -> None:
+    from budget_tasks import OutcomeUnknown
+
+    task = app.jobs["agent"]
+    with pytest.raises(openai.APITimeoutError):
+        task.delay("tide", {"two": "hang=3"}).get()  # billed, then the client gave up
+    ledger = Ledger(app.url)
+    states = {a.key: a.state for a in ledger.attempts()}
+    assert states == {
+        "agent:tide#1": "released",
+        "agent:tide:one:1": "settled",
+        "agent:tide:two:1": "unknown",
+    }
+    assert ledger.operation("agent:tide").status == "unknown"  # not failed: it may be done
+    with pytest.raises(OutcomeUnknown):
+        task.delay("tide").get()  # the hold policy: no resend while it is unknown
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=2.0)
+    assert reconcile_unknown(ledger, lambda kind: client)["found"] == 1
+    assert ledger.operation("agent:tide").status == "retryable"
+    notes = task.delay("tide").get()  # step one replays; step two replays what beat found
+    assert len(notes) == 2 and notes[1]["id"]
+    sent = [s.idempotency_key for s in sent_for(fake, "agent:tide")]
+    assert sent == ["agent:tide:one:1", "agent:tide:two:1"]
+    assert ledger.balance("team").spent == fake.state()["billed_total"]
+    assert ledger.holds() == [] and ledger.audit() == []
+    ledger.dispose()
