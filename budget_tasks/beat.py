@@ -164,6 +164,16 @@ def reconcile_unknown(
     return counts
 
 
+def _told_settled(attempt: Attempt, actual: int) -> None:
+    hooks.settled(
+        budget=attempt.budget,
+        attempt=attempt.key,
+        amount=attempt.amount,
+        actual=actual,
+        by="reconcile",
+    )
+
+
 def _reconcile_one(
     ledger: Ledger, attempt: Attempt, clients: Clients, margin: timedelta, requeue: Requeue | None
 ) -> str:
@@ -179,13 +189,7 @@ def _reconcile_one(
             answer=outcome.result,
             expected="unknown",
         )
-        hooks.settled(
-            budget=attempt.budget,
-            attempt=attempt.key,
-            amount=attempt.amount,
-            actual=actual,
-            by="reconcile",
-        )
+        _told_settled(attempt, actual)
         log.info(
             "reconciled %s: found, charged %d (%s)", attempt.key, actual, done.operation_status
         )
@@ -199,13 +203,7 @@ def _reconcile_one(
             expected="unknown",
         )
         if recorded:
-            hooks.settled(
-                budget=attempt.budget,
-                attempt=attempt.key,
-                amount=attempt.amount,
-                actual=recorded,
-                by="reconcile",
-            )
+            _told_settled(attempt, recorded)
         else:
             hooks.released(
                 budget=attempt.budget, attempt=attempt.key, amount=attempt.amount, by="reconcile"
@@ -232,13 +230,7 @@ def _reconcile_one(
             by="reconcile",
             expected="unknown",
         )
-        hooks.settled(
-            budget=attempt.budget,
-            attempt=attempt.key,
-            amount=attempt.amount,
-            actual=recorded,
-            by="reconcile",
-        )
+        _told_settled(attempt, recorded)
     log.info("reconciled %s: %s (%s)", attempt.key, name, outcome.reason)
     return name
 

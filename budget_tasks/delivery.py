@@ -143,7 +143,6 @@ def step_key(operation: str, label: str, seq: int, number: int = 1) -> str:
 
 
 class _Grants(Protocol):
-    def mark_sending(self, key: str) -> None: ...
     def record_call(
         self,
         key: str,

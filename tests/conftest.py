@@ -28,7 +28,7 @@ def clock() -> ManualClock:
 
 
 def empty_ledger_tables(url: str) -> None:
-    from budget_tasks.task import close_ledgers
+    from budget_tasks.config import close_ledgers
 
     close_ledgers()  # their caches hold ids of rows about to go
     ledger = Ledger(url)

@@ -216,6 +216,27 @@ class OperationsMixin:
             )
         )
 
+    def _settle_in(
+        self: Any, cur: Cursor, settlements: Sequence[tuple[str, int, bool]], stamp: Any
+    ) -> list[Any]:
+        """Settle ``(attempt key, actual, estimate_only)`` each, as a run that got its
+        answers does: an attempt resolved meanwhile keeps the larger charge. The caller
+        applies the counters."""
+        return [
+            self._resolve_in(
+                cur,
+                key,
+                actual,
+                "settled",
+                "charge",
+                None,
+                stamp,
+                estimate_only=estimate_only,
+                if_resolved="top_up",
+            )
+            for key, actual, estimate_only in settlements
+        ]
+
     def _release_reserved(
         self: _LedgerBase, cur: Cursor, attempts: Iterable[AttemptRef], stamp: Any
     ) -> list[Any]:
@@ -503,20 +524,7 @@ class OperationsMixin:
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
-            resolutions = [
-                self._resolve_in(
-                    cur,
-                    akey,
-                    actual,
-                    "settled",
-                    "charge",
-                    None,
-                    stamp,
-                    estimate_only=estimate_only,
-                    if_resolved="top_up",
-                )
-                for akey, actual, estimate_only in settlements
-            ]
+            resolutions = self._settle_in(cur, settlements, stamp)
             for akey, why in left_open:
                 self._mark_unknown_in(cur, akey, why, None)
             row = self._lock_operation(cur, key=key)
@@ -575,20 +583,7 @@ class OperationsMixin:
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
-            resolutions = [
-                self._resolve_in(
-                    cur,
-                    akey,
-                    actual,
-                    "settled",
-                    "charge",
-                    None,
-                    stamp,
-                    estimate_only=estimate_only,
-                    if_resolved="top_up",
-                )
-                for akey, actual, estimate_only in settlements
-            ]
+            resolutions = self._settle_in(cur, settlements, stamp)
             row = self._lock_operation(cur, key=key)
             end: RunEnd = self._end_in(
                 cur,
@@ -678,17 +673,7 @@ class OperationsMixin:
             elif release:
                 resolution = self._release_in(cur, key, "no call made", stamp)
             elif not store_only:
-                resolution = self._resolve_in(
-                    cur,
-                    key,
-                    actual,
-                    "settled",
-                    "charge",
-                    None,
-                    stamp,
-                    estimate_only=estimate_only,
-                    if_resolved="top_up",
-                )
+                [resolution] = self._settle_in(cur, [(key, actual, estimate_only)], stamp)
             cur.run(
                 sql.STORE_SIDE_EFFECT,
                 {"operation_id": operation_id, "name": record, "result": encoded, "now": stamp},

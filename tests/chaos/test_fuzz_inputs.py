@@ -536,7 +536,7 @@ class Knobs:
 
 @pytest.fixture
 def eager(seeded: Ledger, backend_url: str) -> Iterator[tuple[Any, Knobs]]:
-    from budget_tasks.task import close_ledgers
+    from budget_tasks.config import close_ledgers
 
     knobs = Knobs()
     app = Celery("fuzz-eager", set_as_current=False)

@@ -27,8 +27,8 @@ import redis
 from celery import Celery
 
 from budget_tasks import Ledger
+from budget_tasks.delivery import PERSIST_DELAYS
 from budget_tasks.providers import estimates
-from budget_tasks.task import PERSIST_DELAYS
 from budget_tasks.testing import FakeProvider, worker_env
 
 from ..integration.worker_tasks import fixed_request

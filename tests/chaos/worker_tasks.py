@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from budget_tasks import BudgetTask, Ledger
+from budget_tasks.config import ledger_of
 from budget_tasks.providers import estimates, openai_chat
-from budget_tasks.task import ledger_of
 from workers import app
 from workers.tasks import BUDGET, client
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from budget_tasks import Ledger
-from budget_tasks.task import close_ledgers
+from budget_tasks.config import close_ledgers
 from budget_tasks.testing import FakeProvider
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -10,7 +10,7 @@ import pytest
 from celery import Celery
 
 from budget_tasks import BudgetTask, Ledger, LedgerUnavailable, OutcomeUnknown
-from budget_tasks.task import close_ledgers
+from budget_tasks.config import close_ledgers
 from budget_tasks.testing import FaultProxy
 
 from ..services import PG_ADMIN_URL
