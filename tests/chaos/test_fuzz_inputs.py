@@ -690,7 +690,11 @@ def valid_price_table(table: dict[str, Any]) -> bool:
         return is_int(value) and 0 <= value <= check.MAX_MONEY
 
     version = table["version"]
-    if not (isinstance(version, str) and version.strip()):
+    if not (isinstance(version, str) and version.strip()) or "\x00" in version:
+        return False  # text, not blank, no NUL (a NUL cannot be stored in PostgreSQL)
+    try:
+        version.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
         return False
     for entry in table.get("models", {}).values():
         if not isinstance(entry, dict) or "input" not in entry or "output" not in entry:
