@@ -5,6 +5,7 @@ a late settle charges the period of admission."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from datetime import datetime, timedelta
 from typing import Any
@@ -141,6 +142,8 @@ class LedgerMachine(RuleBasedStateMachine):
     def replay(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.attempts)))
         a = self.attempts[key]
+        for b in chain(a["budget"]):
+            self.open(b)  # a reservation call opens the current periods, key known or not
         again = self.ledger.reserve(self.prefix + a["budget"], key, a["amount"])
         assert not again.created
         assert again.state == a["state"]
@@ -250,7 +253,8 @@ def test_ledger_state_machine(backend: str, request: pytest.FixtureRequest) -> N
     run_state_machine_as_test(
         Machine,
         settings=settings(
-            max_examples=30,
+            # BUDGET_TASKS_FUZZ_EXAMPLES=500 for a longer hunt than the suite's
+            max_examples=int(os.environ.get("BUDGET_TASKS_FUZZ_EXAMPLES", "30")),
             stateful_step_count=30,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],
