@@ -4,6 +4,7 @@ root, with the test tasks loaded)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from budget_tasks.testing.worker import Worker as _Worker
 
@@ -20,8 +21,9 @@ class Worker(_Worker):
         log_dir: Path,
         concurrency: int = 1,
         include: str = "tests.integration.worker_tasks",
+        **options: Any,
     ):
-        super().__init__(env, name, log_dir, concurrency, include, cwd=ROOT)
+        super().__init__(env, name, log_dir, concurrency, include, cwd=ROOT, **options)
 
 
 __all__ = ["ROOT", "Worker"]

@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ..errors import LedgerUnavailable
 
@@ -84,6 +85,8 @@ def transaction(engine: Engine) -> Iterator[Connection]:
             conn.close()
     except (OperationalError, InterfaceError) as exc:
         raise LedgerUnavailable(_describe(exc)) from exc
+    except PoolTimeout as exc:  # every pooled connection busy past the pool's timeout
+        raise LedgerUnavailable(f"no free ledger connection: {exc}") from exc
     except DBAPIError as exc:
         if exc.connection_invalidated:
             raise LedgerUnavailable(_describe(exc)) from exc

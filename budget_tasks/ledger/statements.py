@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
@@ -19,6 +19,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ..errors import LedgerUnavailable
 
@@ -270,9 +271,10 @@ _NAMED = re.compile(r"(?<!:):(\w+)")
 class Driver:
     """Runs the statements above on one backend's driver.
 
-    Each thread keeps one driver connection from the engine's pool between calls, so a
-    call pays for no pool checkout; a forked child (Celery prefork) drops what it
-    inherited and takes its own.
+    Each transaction checks a driver connection out of the engine's pool and gives it
+    back when it ends, so connections belong to the unit of work that uses them: a
+    thread that ends (a metrics scrape, a thread-pool task) holds none. A forked child
+    (Celery prefork) never touches what it inherited: see :func:`forget_after_fork`.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -286,10 +288,7 @@ class Driver:
         )
         self.integrity: type[Exception] = dbapi.IntegrityError
         self._sql: dict[str, str] = {}
-        self._local = threading.local()
-        self._kept: list[Any] = []
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
+        _engines.add(engine)
 
     def sql(self, statement: str) -> str:
         """The statement in the driver's placeholder style (cached)."""
@@ -320,29 +319,15 @@ class Driver:
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
     def checkout(self) -> Any:
-        """A new driver connection from the pool, kept by the calling thread."""
+        """A driver connection from the pool; the caller gives it back (``close()``)."""
         try:
-            conn = self.engine.raw_connection()
+            return self.engine.raw_connection()
+        except PoolTimeout as exc:
+            raise LedgerUnavailable(f"no free ledger connection: {_first_line(exc)}") from exc
         except DBAPIError as exc:
             raise LedgerUnavailable(_first_line(exc.orig or exc)) from exc
         except self.unreachable as exc:  # raw_connection() does not always wrap these
             raise LedgerUnavailable(_first_line(exc)) from exc
-        self._local.conn = conn
-        with self._lock:
-            self._kept.append(conn)
-        return conn
-
-    def _connection(self) -> Any:
-        if os.getpid() != self._pid:
-            # Connections inherited over fork belong to the parent: never touch them.
-            self._pid = os.getpid()
-            self._local = threading.local()
-            self._kept = []
-            self.engine.dispose(close=False)
-        conn = getattr(self._local, "conn", None)
-        if conn is None or not conn.is_valid:
-            conn = self.checkout()
-        return conn
 
     def begin(self, conn: Any) -> None:
         if self.sqlite:
@@ -350,42 +335,53 @@ class Driver:
 
     @contextmanager
     def transaction(self) -> Iterator[Cursor]:
-        """One transaction on this thread's driver connection; failures to reach the
-        database become LedgerUnavailable, and the transaction rolls back."""
+        """One transaction on a connection of its own from the pool, given back when it
+        ends; failures to reach the database become LedgerUnavailable, and the
+        transaction rolls back."""
+        conn = self.checkout()
         try:
-            cursor = Cursor(self, self._connection())
-        except self.unreachable as exc:
-            self._drop(self._local.conn, exc)
-            raise LedgerUnavailable(_first_line(exc)) from exc
-        try:
-            yield cursor
-            cursor.conn.commit()
-        except self.unreachable as exc:
-            self._drop(cursor.conn, exc)
-            raise LedgerUnavailable(_first_line(exc)) from exc
-        except BaseException:
-            if cursor.conn.is_valid:
-                try:
-                    cursor.conn.rollback()
-                except self.unreachable as exc:
-                    self._drop(cursor.conn, exc)
-            raise
-
-    def _drop(self, conn: Any, exc: BaseException | None = None) -> None:
-        """Invalidate a broken connection so the next call takes a new one."""
-        conn.invalidate(exc)
-        with self._lock:
-            if conn in self._kept:
-                self._kept.remove(conn)
+            try:
+                cursor = Cursor(self, conn)
+            except self.unreachable as exc:
+                conn.invalidate(exc)
+                raise LedgerUnavailable(_first_line(exc)) from exc
+            try:
+                yield cursor
+                cursor.conn.commit()
+            except self.unreachable as exc:
+                cursor.conn.invalidate(exc)
+                raise LedgerUnavailable(_first_line(exc)) from exc
+            except BaseException:
+                if cursor.conn.is_valid:
+                    try:
+                        cursor.conn.rollback()
+                    except self.unreachable as exc:
+                        cursor.conn.invalidate(exc)
+                raise
+            finally:
+                conn = cursor.conn  # a stale connection may have been replaced
+        finally:
+            with suppress(Exception):
+                conn.close()  # back to the pool (an invalidated one is discarded)
 
     def close(self) -> None:
-        """Return every kept connection to the pool."""
-        with self._lock:
-            kept, self._kept = self._kept, []
-        for conn in kept:
-            with suppress(Exception):
-                conn.close()
-        self._local = threading.local()
+        """Nothing is kept between transactions: kept for callers of earlier versions."""
+
+
+#: Every engine a driver runs on, so that a forked child can forget their connections.
+_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def forget_after_fork() -> None:
+    """In a forked child: drop the pooled connections inherited from the parent without
+    closing them (they are the parent's sessions; closing them here would end them
+    there). The child opens its own on first use. SQLite's handles the same: its
+    documentation forbids carrying a connection across fork."""
+    for engine in list(_engines):
+        engine.dispose(close=False)
+
+
+os.register_at_fork(after_in_child=forget_after_fork)
 
 
 class Cursor:
@@ -410,7 +406,9 @@ class Cursor:
                 # stale (a database restart) is replaced once: this stands in for a
                 # ping on every checkout, which would cost a round trip per call. The
                 # pooled ones are as old, so the pool is renewed too.
-                self.driver._drop(self.conn, exc)
+                self.conn.invalidate(exc)
+                with suppress(Exception):
+                    self.conn.close()
                 self.driver.engine.dispose()
                 self.conn = self.driver.checkout()
                 self.raw = self.conn.cursor()

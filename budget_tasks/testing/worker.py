@@ -52,10 +52,12 @@ def wait_for(condition: Callable[[], Any], timeout: float = 60.0, what: str = ""
 
 
 class Worker:
-    """``celery -A <app> worker`` (prefork pool) in its own process group.
+    """``celery -A <app> worker`` in its own process group.
 
     ``include`` names extra task modules (``-I``); the log goes to
-    ``log_dir/<name>.log``. ``cwd`` is where the app module is importable from.
+    ``log_dir/<name>.log``. ``cwd`` is where the app module is importable from;
+    ``pool`` is Celery's ``--pool`` (prefork, threads, solo) and ``max_tasks_per_child``
+    its ``--max-tasks-per-child``.
     """
 
     def __init__(
@@ -68,11 +70,15 @@ class Worker:
         *,
         app: str = "workers",
         cwd: Path | None = None,
+        pool: str = "prefork",
+        max_tasks_per_child: int | None = None,
     ):
         self.log_path = log_dir / f"{name}.log"
         self.log = self.log_path.open("w")
         args = [sys.executable, "-m", "celery", "-A", app, "worker", "--loglevel=INFO"]
-        args += [f"--concurrency={concurrency}", "--pool=prefork", "-n", f"{name}@%h"]
+        args += [f"--concurrency={concurrency}", f"--pool={pool}", "-n", f"{name}@%h"]
+        if max_tasks_per_child is not None:
+            args.append(f"--max-tasks-per-child={max_tasks_per_child}")
         args += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
         if include:
             args += ["-I", include]

@@ -298,3 +298,34 @@ def test_the_price_table_version_is_stored_with_the_attempt(ledger: Ledger) -> N
     ledger.reserve("acme", "plain", 10)
     assert ledger.attempt("k").price_version == "2026-11-01"
     assert ledger.attempt("plain").price_version is None
+
+
+def test_a_forked_child_opens_its_own_connections_and_leaves_the_parents_alone(
+    ledger: Ledger,
+) -> None:
+    """Celery's prefork pool forks children from a process that used the ledger (the
+    schema created, a period opened, a scrape). The child must use connections of its
+    own, and the parent's must still work after the child is gone."""
+    import os
+
+    ledger.create_budget("forked", 10_000, period="day")
+    ledger.reserve("forked", "parent-1", 100)  # both paths used: driver and engine
+    assert ledger.budgets()
+    pid = os.fork()
+    if pid == 0:  # the child: any failure is its exit status
+        code = 1
+        try:
+            child = ledger
+            child.reserve("forked", "child-1", 100)
+            child.mark_sending("child-1")
+            child.settle("child-1", 60)
+            assert child.balance("forked").spent == 60
+            assert [b.name for b in child.budgets()] == ["forked"]
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    ledger.reserve("forked", "parent-2", 100)
+    assert (ledger.balance("forked").spent, ledger.balance("forked").held) == (60, 200)
+    assert ledger.audit() == []

@@ -6,62 +6,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery
 from sqlalchemy import text
 
 from budget_tasks import Ledger
-from budget_tasks.testing import FakeProvider, wait_for, worker_env
+from budget_tasks.testing import FakeProvider, wait_for
 
-from ..services import REDIS_HOST, REDIS_PORT, check_redis
 from ..workers import Worker
-
-REDIS_DB = 9  # the tests' own database on the shared Redis; flushed before each test
-
-
-@pytest.fixture
-def broker() -> str:
-    check_redis()
-    redis.Redis(REDIS_HOST, REDIS_PORT, db=REDIS_DB).flushdb()
-    return f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"
-
-
-@pytest.fixture
-def client(broker: str) -> Iterator[Celery]:
-    app = Celery("test-client", broker=broker, backend=broker, set_as_current=False)
-    app.conf.broker_connection_retry_on_startup = True
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def start_worker(
-    broker: str, pg_ledger: Ledger, pg_url: str, fake: FakeProvider, tmp_path: Path
-) -> Iterator[Callable[..., Worker]]:
-    pg_ledger.create_budget("default", 10_000_000)
-    started: list[Worker] = []
-
-    def start(name: str = "w1", concurrency: int = 1, **env: str) -> Worker:
-        full_env = worker_env(
-            broker=broker,
-            ledger=pg_url,
-            home=tmp_path / "home",
-            provider=fake.openai_base_url,
-            **{"BUDGET_TASKS_PROVIDER_TIMEOUT": "30", **env},
-        )
-        worker = Worker(full_env, f"{name}-{uuid.uuid4().hex[:6]}", tmp_path, concurrency)
-        started.append(worker)
-        return worker.wait_ready()
-
-    yield start
-    for worker in started:
-        worker.stop()
 
 
 def operation_counts(ledger: Ledger, key: str) -> tuple[int, int]:
