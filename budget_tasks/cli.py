@@ -370,23 +370,18 @@ def audit(ledger_url: str, as_json: bool) -> None:
 @json_option
 def status(ledger_url: str, as_json: bool) -> None:
     """Every budget's current period: cap, spent, held, available, oldest hold."""
-    ledger = _ledger(ledger_url)
-    open_holds = ledger.holds()
-    rows = []
-    for info in ledger.budgets():
-        bal = ledger.balance(info.name)
-        ages = [h.age for h in open_holds if h.budget == info.name]
-        rows.append(
-            {
-                "budget": info.name,
-                "cap": bal.cap,
-                "spent": bal.spent,
-                "held": bal.held,
-                "available": bal.available,
-                "oldest_hold": max(ages) if ages else None,
-                "frozen": info.frozen,
-            }
-        )
+    rows = [
+        {
+            "budget": r.budget,
+            "cap": r.cap,
+            "spent": r.spent,
+            "held": r.held,
+            "available": r.available,
+            "oldest_hold": r.oldest_hold,
+            "frozen": r.frozen,
+        }
+        for r in _ledger(ledger_url).report()
+    ]
     _emit(
         as_json,
         rows,

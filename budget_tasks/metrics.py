@@ -109,13 +109,12 @@ class LedgerCollector(Collector):
                 ("oldest_hold_seconds", "Age of the oldest open hold"),
             )
         }
-        holds = self.ledger.holds()
-        for info in self.ledger.budgets():
-            balance = self.ledger.balance(info.name)
+        # One set-based query for every budget: a scrape costs the same at 10 or 10,000.
+        for row in self.ledger.report():
             for name in ("cap", "spent", "held", "available"):
-                gauges[name].add_metric([info.name], getattr(balance, name))
-            ages = [h.age.total_seconds() for h in holds if h.budget == info.name]
-            gauges["oldest_hold_seconds"].add_metric([info.name], max(ages, default=0.0))
+                gauges[name].add_metric([row.budget], getattr(row, name))
+            age = 0.0 if row.oldest_hold is None else row.oldest_hold.total_seconds()
+            gauges["oldest_hold_seconds"].add_metric([row.budget], age)
         yield from gauges.values()
 
 

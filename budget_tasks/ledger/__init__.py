@@ -2,7 +2,16 @@
 
 from .core import Ledger
 from .periods import PERIODS, RENEWALS, Period, Renewal, period_start
-from .records import Attempt, AuditFinding, Balance, BudgetInfo, Hold, Reservation, Resolved
+from .records import (
+    Attempt,
+    AuditFinding,
+    Balance,
+    BudgetInfo,
+    BudgetReport,
+    Hold,
+    Reservation,
+    Resolved,
+)
 
 __all__ = [
     "PERIODS",
@@ -11,6 +20,7 @@ __all__ = [
     "AuditFinding",
     "Balance",
     "BudgetInfo",
+    "BudgetReport",
     "Hold",
     "Ledger",
     "Period",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -56,10 +56,19 @@ from .periods import (
     period_start,
     previous_period_start,
 )
-from .records import Attempt, AuditFinding, Balance, BudgetInfo, Hold, Reservation
+from .records import (
+    Attempt,
+    AuditFinding,
+    Balance,
+    BudgetInfo,
+    BudgetReport,
+    Hold,
+    Reservation,
+)
 from .schema import (
     ATTEMPT_REASONS,
     HOLDING_STATES,
+    UTCDateTime,
     attempts,
     budget_periods,
     budgets,
@@ -902,6 +911,84 @@ class Ledger(OperationsMixin, MaintenanceMixin):
             .join(budget_periods, budget_periods.c.id == attempts.c.period_id)
             .outerjoin(operations, operations.c.id == attempts.c.operation_id)
         )
+
+    def report(self) -> list[BudgetReport]:
+        """Every budget's current period (cap, spent, held, available) and the age of
+        its oldest open hold, in one set-based query: what a metrics scrape and
+        ``budget-tasks status`` show. A period not open yet shows what it would open
+        with; nothing is opened."""
+        now = self.now()
+        starts = {kind: period_start(kind, now) for kind in PERIODS}
+        before = {kind: previous_period_start(kind, start) for kind, start in starts.items()}
+        b = budgets.c
+        cur, prev = budget_periods.alias("cur"), budget_periods.alias("prev")
+
+        def by_kind(values: Mapping[Period, datetime | None]) -> Any:
+            whens = {kind: literal(at, UTCDateTime()) for kind, at in values.items() if at}
+            return case(whens, value=b.period, else_=None)
+
+        oldest = (
+            select(attempts.c.budget_id, func.min(attempts.c.created_at).label("oldest"))
+            .where(attempts.c.state.in_(HOLDING_STATES))
+            .group_by(attempts.c.budget_id)
+            .subquery()
+        )
+        query = (
+            select(
+                b.name,
+                b.cap,
+                b.renewal,
+                b.rollover_ceiling,
+                b.frozen,
+                b.period,
+                cur.c.id.label("cur_id"),
+                cur.c.cap.label("cur_cap"),
+                cur.c.spent.label("cur_spent"),
+                cur.c.held.label("cur_held"),
+                prev.c.cap.label("prev_cap"),
+                prev.c.spent.label("prev_spent"),
+                prev.c.held.label("prev_held"),
+                oldest.c.oldest,
+            )
+            .select_from(
+                budgets.outerjoin(
+                    cur, and_(cur.c.budget_id == b.id, cur.c.period_start == by_kind(starts))
+                )
+                .outerjoin(
+                    prev,
+                    and_(
+                        prev.c.budget_id == b.id,
+                        prev.c.period_start == by_kind(before),
+                        prev.c.closed_at.is_(None),
+                    ),
+                )
+                .outerjoin(oldest, oldest.c.budget_id == b.id)
+            )
+            .order_by(b.name)
+        )
+        with transaction(self.engine) as conn:
+            rows = conn.execute(query).all()
+        out = []
+        for r in rows:
+            if r.cur_id is not None:
+                cap, spent, held = r.cur_cap, r.cur_spent, r.cur_held
+            else:
+                previous = None if r.prev_cap is None else (r.prev_cap, r.prev_spent, r.prev_held)
+                cap = opening_cap(r.cap, r.renewal, r.rollover_ceiling, previous)
+                spent = held = 0
+            out.append(
+                BudgetReport(
+                    budget=r.name,
+                    cap=cap,
+                    spent=spent,
+                    held=held,
+                    available=cap - spent - held,
+                    period_start=starts[r.period],
+                    frozen=bool(r.frozen),
+                    oldest_hold=None if r.oldest is None else now - r.oldest,
+                )
+            )
+        return out
 
     def audit(self) -> list[AuditFinding]:
         """Budget periods whose counters differ from their journal; empty when sound."""

@@ -53,6 +53,20 @@ class Balance:
 
 
 @dataclass(frozen=True, slots=True)
+class BudgetReport:
+    """A budget's current period and its oldest open hold, as reports show them."""
+
+    budget: str
+    cap: int
+    spent: int
+    held: int
+    available: int
+    period_start: datetime
+    frozen: bool
+    oldest_hold: timedelta | None
+
+
+@dataclass(frozen=True, slots=True)
 class Attempt:
     """One potentially billable send and where it stands."""
 

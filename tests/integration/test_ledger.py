@@ -329,3 +329,43 @@ def test_a_forked_child_opens_its_own_connections_and_leaves_the_parents_alone(
     ledger.reserve("forked", "parent-2", 100)
     assert (ledger.balance("forked").spent, ledger.balance("forked").held) == (60, 200)
     assert ledger.audit() == []
+
+
+def test_the_report_agrees_with_balances_and_holds_in_one_query(
+    ledger: Ledger, clock: ManualClock
+) -> None:
+    """report() (what a scrape and `status` show) against balance() and holds(), budget
+    by budget: open periods, a period not open yet (what it would open with, rollover
+    included, and nothing opened by the read), a frozen budget, open holds' ages."""
+    ledger.create_budget("flat", 1_000)
+    ledger.create_budget("daily", 500, period="day", renewal="rollover", rollover_ceiling=900)
+    ledger.create_budget("weekly", 700, period="week", parent="flat")
+    ledger.create_budget("monthly", 300, period="month")
+    ledger.create_budget("idle", 50, period="day")
+    ledger.reserve("daily", "d1", 100)
+    ledger.mark_sending("d1")
+    ledger.settle("d1", 80)
+    clock.advance(minutes=5)
+    ledger.reserve("weekly", "w1", 200)  # held on weekly and on flat, its parent
+    clock.advance(minutes=5)
+    ledger.reserve("monthly", "m1", 30)
+    ledger.freeze("monthly")
+    clock.advance(days=1)  # a new day: "daily" would open with 420 carried, not yet open
+    report = {r.budget: r for r in ledger.report()}
+    assert sorted(report) == ["daily", "flat", "idle", "monthly", "weekly"]
+    for name, row in report.items():
+        bal = ledger.balance(name)
+        assert (row.cap, row.spent, row.held, row.available, row.period_start) == (
+            bal.cap,
+            bal.spent,
+            bal.held,
+            bal.available,
+            bal.period_start,
+        ), name
+        ages = [h.age for h in ledger.holds() if h.budget == name]
+        assert row.oldest_hold == (max(ages) if ages else None), name
+    assert (report["daily"].cap, report["daily"].spent) == (900, 0)  # 500 + 420, at the ceiling
+    assert report["weekly"].oldest_hold == timedelta(days=1, minutes=5)
+    assert report["monthly"].frozen and not report["flat"].frozen
+    assert (report["flat"].held, report["flat"].oldest_hold) == (200, None)
+    assert len(ledger.report()) == 5 and ledger.audit() == []
