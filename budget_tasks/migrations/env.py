@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from alembic import context
 
 from budget_tasks.ledger.engine import build_engine
@@ -18,12 +20,23 @@ else:
     engine = build_engine(config.attributes["ledger_url"])
     try:
         with engine.connect() as conn:
-            context.configure(
-                connection=conn,
-                target_metadata=metadata,
-                render_as_batch=conn.dialect.name == "sqlite",
-            )
+            sqlite = conn.dialect.name == "sqlite"
+            raw: Any = conn.connection.driver_connection
+            if sqlite:
+                # A batch migration rebuilds a table (copy, drop, rename) that the journal
+                # references: with foreign keys enforced, the DROP fails on a ledger
+                # holding data. SQLite's documented procedure: turn them off outside the
+                # transaction, migrate, check them, turn them on. (pysqlite runs this
+                # connection in autocommit: the pragma is not inside a transaction.)
+                raw.execute("PRAGMA foreign_keys=OFF")
+            context.configure(connection=conn, target_metadata=metadata, render_as_batch=sqlite)
             with context.begin_transaction():
                 context.run_migrations()
+                if sqlite:
+                    broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                    if broken:
+                        raise RuntimeError(f"the migration broke foreign keys: {broken[:5]}")
+            if sqlite:
+                raw.execute("PRAGMA foreign_keys=ON")
     finally:
         engine.dispose()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
 
 from budget_tasks import Ledger
 from budget_tasks.ledger.schema import metadata
@@ -125,3 +127,133 @@ def test_downgrade_removes_everything() -> None:
         command.downgrade(alembic_config(url), "base")
         shape = describe(url)
         assert shape == {"triggers": [], "functions": []}
+
+
+REVISIONS = ["0001", "0002", "0003", "0004"]
+
+
+def _fill(url: str, revision: str) -> None:
+    """A ledger in use at ``revision``: budgets, periods, a settled, a held and a
+    released attempt with their journal entries (counters matching), and from 0003 on
+    an operation with a labelled call and a side effect."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import MetaData, insert
+
+    engine = create_engine(url)
+    sqlite = engine.dialect.name == "sqlite"
+    now = datetime(2026, 11, 30, 12, tzinfo=UTC)
+    at = now.replace(tzinfo=None) if sqlite else now
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    epoch = epoch.replace(tzinfo=None) if sqlite else epoch
+    meta = MetaData()
+    meta.reflect(engine)
+    t = meta.tables
+    later = revision >= "0003"
+    with engine.begin() as conn:
+        conn.execute(
+            insert(t["budgets"]),
+            [
+                {"id": 1, "name": "acme", "cap": 10_000, "period": "none", "renewal": "reset",
+                 "frozen": False, "created_at": at},
+                {"id": 2, "name": "team", "cap": 5_000, "period": "none", "renewal": "reset",
+                 "frozen": False, "created_at": at, "parent_id": 1},
+            ],
+        )  # fmt: skip
+        conn.execute(
+            insert(t["budget_periods"]),
+            [
+                {"id": 1, "budget_id": 1, "period_start": epoch, "cap": 10_000, "spent": 70,
+                 "held": 200, "opened_at": at},
+                {"id": 2, "budget_id": 2, "period_start": epoch, "cap": 5_000, "spent": 70,
+                 "held": 200, "opened_at": at},
+            ],
+        )  # fmt: skip
+        if later:
+            conn.execute(
+                insert(t["operations"]),
+                [{"id": 1, "key": "op", "fingerprint": "f", "status": "unknown", "runs": 0,
+                  "deliveries": 1, "replays": 0, "created_at": at, "updated_at": at}],
+            )  # fmt: skip
+            conn.execute(
+                insert(t["side_effects"]),
+                [{"operation_id": 1, "name": "spend:step:1", "state": "done", "result": "1",
+                  "created_at": at}],
+            )  # fmt: skip
+        rows = [
+            ("settled", 100, 70, "settled"),
+            ("held", 200, None, "unknown"),
+            ("released", 50, 0, "released"),
+        ]
+        for n, (key, amount, actual, state) in enumerate(rows, start=1):
+            row = {
+                "id": n,
+                "key": key,
+                "budget_id": 2,
+                "period_id": 2,
+                "reason": "first",
+                "amount": amount,
+                "actual": actual,
+                "state": state,
+                "created_at": at,
+            }
+            if later:
+                row |= {"operation_id": 1, "label": "step" if key == "held" else None}
+            conn.execute(insert(t["attempts"]), [row])
+            for period in (1, 2):
+                entries = [("hold", amount, 0)]
+                if actual is not None:
+                    entries.append(("charge" if key == "settled" else "release", -amount, actual))
+                for kind, held, spent in entries:
+                    conn.execute(
+                        insert(t["journal"]),
+                        [{"attempt_id": n, "period_id": period, "kind": kind,
+                          "held_delta": held, "spent_delta": spent, "created_at": at}],
+                    )  # fmt: skip
+        if not sqlite:  # rows given their ids: move the id sequences past them
+            for table in t:
+                if "id" in t[table].c and table != "alembic_version":
+                    conn.execute(
+                        text(
+                            f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), "
+                            f"(SELECT coalesce(max(id), 0) + 1 FROM {table}), false)"
+                        )
+                    )
+    engine.dispose()
+
+
+def _upgrade_with_data(url: str, revision: str) -> None:
+    upgrade(url, revision)
+    _fill(url, revision)
+    upgrade(url)  # to head, over the data
+    assert current(url) == "0005"
+    ledger = Ledger(url)
+    assert ledger.audit() == []
+    assert [(a.key, a.state, a.actual) for a in ledger.attempts()] == [
+        ("settled", "settled", 70),
+        ("held", "unknown", None),
+        ("released", "released", 0),
+    ]
+    bal = ledger.balance("team")
+    assert (bal.spent, bal.held) == (70, 200)
+    if revision >= "0003":  # a labelled call's first attempt was keyed by its position
+        assert ledger.attempt("held").step == "held"
+        assert ledger.operation("op").status == "unknown"
+    # the upgraded ledger works: the unknown hold settles, a new one is admitted
+    ledger.settle("held", 150)
+    ledger.reserve("team", "new", 4_000)
+    assert ledger.balance("team").available == 5_000 - 70 - 150 - 4_000
+    assert ledger.audit() == []
+    ledger.dispose()
+
+
+@pytest.mark.parametrize("revision", REVISIONS)
+def test_every_revision_upgrades_over_data_on_sqlite(tmp_path: Path, revision: str) -> None:
+    _upgrade_with_data(f"sqlite:///{tmp_path}/ledger.db", revision)
+
+
+@pytest.mark.parametrize("revision", REVISIONS)
+def test_every_revision_upgrades_over_data_on_postgresql(revision: str) -> None:
+    check_postgres()
+    with scratch_database() as url:
+        _upgrade_with_data(url, revision)
