@@ -9,6 +9,10 @@ from alembic import context
 from budget_tasks.ledger.engine import build_engine
 from budget_tasks.ledger.schema import metadata
 
+#: The advisory lock that serialises migrations on PostgreSQL (any constant the
+#: application does not use for something else).
+MIGRATION_LOCK = 0x6275645F7461736B  # "bud_task"
+
 config = context.config
 connection = config.attributes.get("connection")
 
@@ -31,6 +35,10 @@ else:
                 raw.execute("PRAGMA foreign_keys=OFF")
             context.configure(connection=conn, target_metadata=metadata, render_as_batch=sqlite)
             with context.begin_transaction():
+                if conn.dialect.name == "postgresql":
+                    # Two upgrades at once (two deploys, a compose restart) take turns: the
+                    # second waits here, then finds the schema at head and does nothing.
+                    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
                 context.run_migrations()
                 if sqlite:
                     broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()

@@ -257,3 +257,24 @@ def test_every_revision_upgrades_over_data_on_postgresql(revision: str) -> None:
     check_postgres()
     with scratch_database() as url:
         _upgrade_with_data(url, revision)
+
+
+def test_two_upgrades_at_once_take_turns() -> None:
+    """Two deploys run `budget-tasks db upgrade` on a fresh database at the same time:
+    both succeed, one after the other; neither leaves a traceback."""
+    check_postgres()
+    with scratch_database() as url:
+        command = [sys.executable, "-m", "budget_tasks.cli", "db", "upgrade", "--ledger-url", url]
+        runs = [
+            subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(3)
+        ]
+        outcomes = [(p.wait(120), *p.communicate()) for p in runs]
+        for code, out, err in outcomes:
+            assert code == 0 and "Traceback" not in err, err
+            assert "revision 0005" in out
+        assert current(url) == "0005"
+        ledger = Ledger(url)
+        ledger.create_budget("after", 10)
+        assert ledger.audit() == []
+        ledger.dispose()
