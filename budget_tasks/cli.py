@@ -208,29 +208,67 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
     )
 
 
-def _set_frozen(ledger_url: str, name: str, frozen: bool) -> None:
+def _set_frozen(ledger_url: str, name: str, frozen: bool, as_json: bool) -> None:
     ledger = _ledger(ledger_url)
     (ledger.freeze if frozen else ledger.unfreeze)(name)
-    click.echo(f"budget {name} {'frozen' if frozen else 'unfrozen'}")
+    info = ledger.budget(name)
+    _emit(as_json, info, lambda: f"budget {name} {'frozen' if frozen else 'unfrozen'}")
 
 
 @budget.command("freeze")
 @ledger_url_option
 @click.argument("name")
-def budget_freeze(ledger_url: str, name: str) -> None:
+@json_option
+def budget_freeze(ledger_url: str, name: str, as_json: bool) -> None:
     """Stop all admission on a budget and its descendants."""
-    _set_frozen(ledger_url, name, True)
+    _set_frozen(ledger_url, name, True, as_json)
 
 
 @budget.command("unfreeze")
 @ledger_url_option
 @click.argument("name")
-def budget_unfreeze(ledger_url: str, name: str) -> None:
+@json_option
+def budget_unfreeze(ledger_url: str, name: str, as_json: bool) -> None:
     """Admit again."""
-    _set_frozen(ledger_url, name, False)
+    _set_frozen(ledger_url, name, False, as_json)
 
 
-# -- holds, resolution, audit, status ------------------------------------------------
+@budget.command("set-cap")
+@ledger_url_option
+@click.argument("name")
+@click.option("--cap", type=int, required=True, help="The new cap per period (minor units).")
+@click.option("--note", default=None, help="Why (recorded in the journal).")
+@json_option
+def budget_set_cap(ledger_url: str, name: str, cap: int, note: str | None, as_json: bool) -> None:
+    """Raise or lower a budget's cap; never below what its period has spent and holds."""
+    ledger = _ledger(ledger_url)
+    before = ledger.budget(name).cap
+    info = ledger.set_cap(name, cap, note=note)
+    _emit(as_json, info, lambda: f"budget {name}: cap {before} -> {info.cap}")
+
+
+@main.command()
+@ledger_url_option
+@click.argument("attempt")
+@click.option("--delta", type=int, required=True, help="Minor units, + charges more, - refunds.")
+@click.option("--reason", required=True, help="Why (recorded in the journal).")
+@click.option("--ref", default=None, help="The provider's reference: the same ref applies once.")
+@json_option
+def adjust(
+    ledger_url: str, attempt: str, delta: int, reason: str, ref: str | None, as_json: bool
+) -> None:
+    """A provider's correction to a settled attempt's charge, as a journal entry."""
+    ledger = _ledger(ledger_url)
+    applied = ledger.adjust(attempt, delta, reason, ref=ref)
+    after = ledger.attempt(attempt)
+    _emit(
+        as_json,
+        {**_plain(after), "applied": applied},
+        lambda: (
+            f"{attempt}: {'adjusted by' if applied else 'already adjusted (ref seen):'} "
+            f"{delta:+d} ({reason})"
+        ),
+    )
 
 
 @main.command()

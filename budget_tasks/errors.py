@@ -84,6 +84,24 @@ class BudgetFrozen(LedgerError):
         super().__init__(f"budget {budget!r} is frozen", budget=budget)
 
 
+class CapBelowCommitted(LedgerError):
+    """A cap may not go below what its current period has already spent and holds:
+    that money is committed. Freeze the budget to stop new admissions instead."""
+
+    budget: str
+    requested: int
+    committed: int
+
+    def __init__(self, budget: str, requested: int, committed: int) -> None:
+        super().__init__(
+            f"budget {budget!r}: its current period has spent and holds {committed}, so its "
+            f"cap cannot be {requested}; freeze it to stop new admissions",
+            budget=budget,
+            requested=requested,
+            committed=committed,
+        )
+
+
 class IdempotencyConflict(LedgerError):
     """The key is already used for a different request (HTTP would say 422)."""
 

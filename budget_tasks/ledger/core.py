@@ -34,6 +34,7 @@ from ..errors import (
     BudgetExceeded,
     BudgetExists,
     BudgetFrozen,
+    CapBelowCommitted,
     IdempotencyConflict,
     InvalidTransition,
     LedgerUnavailable,
@@ -257,6 +258,47 @@ class Ledger(OperationsMixin, MaintenanceMixin):
             )
             for r in rows
         ]
+
+    def set_cap(self, name: str, cap: int, *, note: str | None = None) -> BudgetInfo:
+        """Change a budget's cap (its allowance per period). The current open period's
+        cap moves by the same amount (what it carried stays); the change is a journal
+        entry (kind ``cap``). Lowering it below what that period has spent and holds is
+        refused (CapBelowCommitted): that money is committed; freeze the budget to stop
+        admissions. A rollover budget's ceiling is never below its cap."""
+        check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+        check.money(cap, "cap")
+        check.optional_text(note, "note", max_length=10_000)
+        now = self.now()
+        budget_id, _, period = self._chain(name)[0]
+        self._period_id(budget_id, period_start(period, now))  # type: ignore[arg-type]
+        stamp = self._driver.ts(now)
+        with self._driver.transaction() as cur:
+            row = cur.one(sql.LOCK_BUDGET, {"name": name})
+            if row is None:
+                raise UnknownBudget(name)
+            budget_id, old, ceiling = row
+            if ceiling is not None and cap > ceiling:
+                raise ValueError(f"cap {cap} is above budget {name!r}'s rollover ceiling {ceiling}")
+            delta = cap - old
+            current = cur.one(sql.LOCK_OPEN_PERIOD, {"budget_id": budget_id})
+            if current is not None:
+                period_id, period_cap, committed = current
+                if period_cap + delta < committed:
+                    raise CapBelowCommitted(name, cap, int(committed))
+            cur.run(sql.SET_BUDGET_CAP, {"cap": cap, "budget_id": budget_id})
+            if current is not None and delta:
+                cur.run(sql.MOVE_PERIOD_CAP, {"delta": delta, "period_id": period_id})
+                cur.run(
+                    sql.INSERT_CAP_CHANGE,
+                    {
+                        "period_id": period_id,
+                        "delta": delta,
+                        "note": note or f"cap {old} -> {cap}",
+                        "now": stamp,
+                    },
+                )
+        log.info("budget %s: cap %d -> %d", name, old, cap)
+        return self.budget(name)
 
     def freeze(self, name: str) -> None:
         """Stop all admission on this budget and its descendants; settlement goes on."""

@@ -43,7 +43,7 @@ metadata = MetaData(naming_convention=NAMING)
 ATTEMPT_STATES = ("reserved", "sending", "settled", "released", "unknown")
 HOLDING_STATES = ("reserved", "sending", "unknown")
 ATTEMPT_REASONS = ("first", "redelivery", "rate_limited_retry", "unknown_resend", "manual")
-JOURNAL_KINDS = ("hold", "release", "charge", "adjustment")
+JOURNAL_KINDS = ("hold", "release", "charge", "adjustment", "cap")
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -220,7 +220,8 @@ journal = Table(
     "journal",
     metadata,
     Column("id", Id, primary_key=True, autoincrement=True),
-    Column("attempt_id", Id, ForeignKey("attempts.id"), nullable=False),
+    # Migration 0006: no attempt for a change of cap (kind 'cap', its cap_delta).
+    Column("attempt_id", Id, ForeignKey("attempts.id"), nullable=True),
     Column("period_id", Id, ForeignKey("budget_periods.id"), nullable=False),
     Column("kind", String(16), nullable=False),
     Column("held_delta", BigInteger, nullable=False),
@@ -228,6 +229,7 @@ journal = Table(
     Column("note", Text, nullable=True),
     Column("ref", String(255), nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
+    Column("cap_delta", BigInteger, nullable=False, server_default="0"),
     CheckConstraint(f"kind IN ({_in(JOURNAL_KINDS)})", name="kind_known"),
     Index(None, "attempt_id"),
     Index(None, "period_id"),
@@ -255,7 +257,15 @@ BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
 }
 
 
+#: Added in migration 0006: TRUNCATE fires no row trigger, so it has its own.
+NO_TRUNCATE_DDL = """CREATE TRIGGER journal_no_truncate BEFORE TRUNCATE ON journal
+FOR EACH STATEMENT EXECUTE FUNCTION budget_tasks_journal_append_only()"""
+
+
 @event.listens_for(journal, "after_create")
 def _journal_append_only(target: Table, connection: Connection, **kw: Any) -> None:
-    for statement in APPEND_ONLY_DDL.get(connection.dialect.name, ()):
+    statements = list(APPEND_ONLY_DDL.get(connection.dialect.name, ()))
+    if connection.dialect.name == "postgresql":
+        statements.append(NO_TRUNCATE_DDL)
+    for statement in statements:
         connection.execute(DDL(statement))  # type: ignore[no-untyped-call]

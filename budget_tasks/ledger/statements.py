@@ -154,6 +154,26 @@ RETURNING id"""
 BALANCE = f"""
 SELECT cap, spent, held, {AVAILABLE} FROM budget_periods WHERE id = :period_id"""
 
+# -- budgets -----------------------------------------------------------------------------
+
+LOCK_BUDGET = """
+SELECT id, cap, rollover_ceiling FROM budgets WHERE name = :name{for_update_plain}"""
+
+#: The budget's open period (the latest not closed), locked, with what it has committed.
+LOCK_OPEN_PERIOD = """
+SELECT id, cap, spent + held FROM budget_periods
+WHERE budget_id = :budget_id AND closed_at IS NULL
+ORDER BY period_start DESC LIMIT 1{for_update_plain}"""
+
+SET_BUDGET_CAP = "UPDATE budgets SET cap = :cap WHERE id = :budget_id"
+
+MOVE_PERIOD_CAP = "UPDATE budget_periods SET cap = cap + :delta WHERE id = :period_id"
+
+INSERT_CAP_CHANGE = """
+INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, cap_delta, note,
+                     created_at)
+VALUES (NULL, :period_id, 'cap', 0, 0, :delta, :note, :now)"""
+
 # -- operations --------------------------------------------------------------------------
 
 INSERT_OPERATION = """

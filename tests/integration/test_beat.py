@@ -427,3 +427,25 @@ def test_one_refused_resolution_does_not_stop_the_batch(
     assert pg_ledger.attempt("first").actual == fake.billed_for("first") + 1  # theirs stands
     assert pg_ledger.attempt("second").actual == fake.billed_for("second")
     assert pg_ledger.audit() == []
+
+
+def test_settlements_by_reconciliation_feed_the_overrun_and_ratio_metrics(
+    pg_ledger: Ledger, fake: FakeProvider, clock: ManualClock
+) -> None:
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
+    pg_ledger.create_budget("team", 1_000_000)
+    pg_ledger.reserve("team", "low", 1)  # an estimate far below the bill
+    pg_ledger.describe_attempt("low", lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
+    pg_ledger.mark_sending("low")
+    openai_chat(client, key="low", **PROMPT)
+    pg_ledger.mark_unknown("low", "worker lost")
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"budget": "team"}) or 0.0
+
+    overruns = sample("budget_tasks_overruns_total")
+    ratios = sample("budget_tasks_actual_to_estimate_ratio_count")
+    assert reconcile_unknown(pg_ledger, lambda kind: client, margin=timedelta(0))["found"] == 1
+    assert pg_ledger.attempt("low").actual == fake.billed_for("low") > 1
+    assert sample("budget_tasks_overruns_total") == overruns + 1
+    assert sample("budget_tasks_actual_to_estimate_ratio_count") == ratios + 1

@@ -128,3 +128,36 @@ def test_freeze_and_bad_input_exit_non_zero_with_a_clear_message(
     unreachable = cli("postgresql+psycopg://postgres@127.0.0.1:1/none", "status")
     assert unreachable.returncode == 2
     assert "ledger unavailable" in unreachable.stderr
+
+
+def test_caps_corrections_and_freezes_from_the_cli(pg_url: str, pg_ledger: Ledger) -> None:
+    ok(pg_url, "budget", "create", "acme", "--cap", "1000")
+    pg_ledger.reserve("acme", "call-1", 600)
+    pg_ledger.mark_sending("call-1")
+    pg_ledger.settle("call-1", 600)
+    raised = as_json(pg_url, "budget", "set-cap", "acme", "--cap", "2000", "--note", "Q4 deal")
+    assert (raised["name"], raised["cap"]) == ("acme", 2000)
+    assert "cap 2000 -> 600" in ok(pg_url, "budget", "set-cap", "acme", "--cap", "600")
+    below = cli(pg_url, "budget", "set-cap", "acme", "--cap", "599")
+    assert below.returncode == 2 and below.stderr.count("\n") == 1
+    assert "spent and holds 600" in below.stderr and "freeze it" in below.stderr
+    fixed = as_json(
+        pg_url, "adjust", "call-1", "--delta", "-100", "--reason", "refund", "--ref", "r1"
+    )
+    assert fixed["applied"] is True
+    again = as_json(
+        pg_url, "adjust", "call-1", "--delta", "-100", "--reason", "refund", "--ref", "r1"
+    )
+    assert again["applied"] is False  # the same provider reference applies once
+    assert pg_ledger.balance("acme").spent == 500
+    assert as_json(pg_url, "budget", "freeze", "acme")["frozen"] is True
+    assert as_json(pg_url, "budget", "unfreeze", "acme")["frozen"] is False
+    with pg_ledger.engine.connect() as conn:
+        kinds = conn.execute(
+            text("SELECT kind, cap_delta, note FROM journal WHERE kind = 'cap'")
+        ).all()
+    assert [tuple(k) for k in kinds] == [
+        ("cap", 1000, "Q4 deal"),
+        ("cap", -1400, "cap 2000 -> 600"),
+    ]
+    assert "audit: every counter equals its journal" in ok(pg_url, "audit")

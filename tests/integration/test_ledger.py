@@ -369,3 +369,55 @@ def test_the_report_agrees_with_balances_and_holds_in_one_query(
     assert report["monthly"].frozen and not report["flat"].frozen
     assert (report["flat"].held, report["flat"].oldest_hold) == (200, None)
     assert len(ledger.report()) == 5 and ledger.audit() == []
+
+
+def test_a_cap_change_moves_the_current_period_and_is_journaled(
+    ledger: Ledger, clock: ManualClock
+) -> None:
+    from sqlalchemy import text
+
+    from budget_tasks import CapBelowCommitted
+
+    ledger.create_budget("daily", 1_000, period="day", renewal="rollover", rollover_ceiling=5_000)
+    ledger.reserve("daily", "d1", 300)
+    ledger.mark_sending("d1")
+    ledger.settle("d1", 300)
+    clock.advance(days=1)
+    assert ledger.open_period("daily").cap == 1_700  # 700 carried
+    ledger.reserve("daily", "d2", 1_000)  # committed in the current period
+    assert ledger.set_cap("daily", 1_500).cap == 1_500  # raised: the carry stays
+    assert ledger.balance("daily").cap == 2_200
+    # lowered until the period's cap equals what it has committed (the boundary): allowed
+    assert ledger.set_cap("daily", 300).cap == 300
+    bal = ledger.balance("daily")
+    assert (bal.cap, bal.held, bal.available) == (1_000, 1_000, 0)
+    with pytest.raises(CapBelowCommitted) as info:
+        ledger.set_cap("daily", 299)  # one below
+    assert (info.value.budget, info.value.requested, info.value.committed) == ("daily", 299, 1_000)
+    assert (ledger.budget("daily").cap, ledger.balance("daily").cap) == (300, 1_000)  # unchanged
+    with pytest.raises(ValueError, match="ceiling"):
+        ledger.set_cap("daily", 5_001)
+    for bad in (-1, 1.5, True):
+        with pytest.raises((TypeError, ValueError)):
+            ledger.set_cap("daily", bad)  # type: ignore[arg-type]
+    with pytest.raises(UnknownBudget):
+        ledger.set_cap("nope", 10)
+    with ledger.engine.connect() as conn:
+        entries = conn.execute(
+            text("SELECT kind, cap_delta, held_delta, spent_delta, attempt_id FROM journal "
+                 "WHERE kind = 'cap' ORDER BY id")
+        ).all()  # fmt: skip
+    assert [tuple(e) for e in entries] == [("cap", 500, 0, 0, None), ("cap", -1_200, 0, 0, None)]
+    clock.advance(days=1)
+    assert ledger.open_period("daily").cap == 300  # the next period opens at the new cap
+    assert ledger.audit() == []
+
+
+def test_the_journal_refuses_truncate(pg_ledger: Ledger) -> None:
+    from sqlalchemy import text
+
+    pg_ledger.create_budget("t", 10)
+    pg_ledger.reserve("t", "k", 5)
+    with pytest.raises(Exception, match="append-only"), pg_ledger.engine.begin() as conn:
+        conn.execute(text("TRUNCATE journal CASCADE"))
+    assert pg_ledger.audit() == []

@@ -82,7 +82,7 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
         assert a["journal"]["checks"], "the comparison must see check constraints"
         assert a["triggers"], "the append-only trigger must exist"
         assert a == b
-        assert current(migrated) == "0005"
+        assert current(migrated) == "0006"
 
 
 def test_autogenerate_sees_no_difference_after_upgrade() -> None:
@@ -109,7 +109,7 @@ def test_cli_db_upgrade_then_the_ledger_works() -> None:
             check=False,
         )
         assert done.returncode == 0, done.stderr
-        assert "revision 0005" in done.stdout
+        assert "revision 0006" in done.stdout
         ledger = Ledger(url)
         ledger.create_budget("acme", 10)
         assert ledger.reserve("acme", "k", 10).created
@@ -226,7 +226,7 @@ def _upgrade_with_data(url: str, revision: str) -> None:
     upgrade(url, revision)
     _fill(url, revision)
     upgrade(url)  # to head, over the data
-    assert current(url) == "0005"
+    assert current(url) == "0006"
     ledger = Ledger(url)
     assert ledger.audit() == []
     assert [(a.key, a.state, a.actual) for a in ledger.attempts()] == [
@@ -240,6 +240,10 @@ def _upgrade_with_data(url: str, revision: str) -> None:
         assert ledger.attempt("held").step == "held"
         assert ledger.operation("op").status == "unknown"
     # the upgraded ledger works: the unknown hold settles, a new one is admitted
+    # the journal still refuses changes after the upgrade (SQLite's rebuilt table too)
+    for statement in ("UPDATE journal SET note = 'x'", "DELETE FROM journal"):
+        with pytest.raises(Exception, match="append-only"), ledger.engine.begin() as conn:
+            conn.execute(text(statement))
     ledger.settle("held", 150)
     ledger.reserve("team", "new", 4_000)
     assert ledger.balance("team").available == 5_000 - 70 - 150 - 4_000
@@ -272,8 +276,8 @@ def test_two_upgrades_at_once_take_turns() -> None:
         outcomes = [(p.wait(120), *p.communicate()) for p in runs]
         for code, out, err in outcomes:
             assert code == 0 and "Traceback" not in err, err
-            assert "revision 0005" in out
-        assert current(url) == "0005"
+            assert "revision 0006" in out
+        assert current(url) == "0006"
         ledger = Ledger(url)
         ledger.create_budget("after", 10)
         assert ledger.audit() == []

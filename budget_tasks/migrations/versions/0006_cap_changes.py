@@ -1,0 +1,51 @@
+"""Changes of a budget's cap recorded in the journal, and a journal that refuses
+TRUNCATE as it refuses UPDATE and DELETE.
+
+Revision ID: 0006
+Revises: 0005
+Create Date: 2026-12-01
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+from budget_tasks.ledger.schema import APPEND_ONLY_DDL, NO_TRUNCATE_DDL, Id
+
+revision = "0006"
+down_revision = "0005"
+branch_labels = None
+depends_on = None
+
+KINDS = "kind IN ('hold', 'release', 'charge', 'adjustment', 'cap')"
+OLD_KINDS = "kind IN ('hold', 'release', 'charge', 'adjustment')"
+
+
+def upgrade() -> None:
+    dialect = op.get_bind().dialect.name
+    with op.batch_alter_table("journal") as batch:
+        batch.alter_column("attempt_id", existing_type=Id, nullable=True)
+        batch.add_column(sa.Column("cap_delta", sa.BigInteger, nullable=False, server_default="0"))
+        batch.drop_constraint(op.f("ck_journal_kind_known"), type_="check")
+        batch.create_check_constraint(op.f("ck_journal_kind_known"), KINDS)
+    if dialect == "sqlite":
+        # The batch rebuild dropped the table and with it its triggers: put them back.
+        for statement in APPEND_ONLY_DDL["sqlite"]:
+            op.execute(statement)
+    else:
+        op.execute(NO_TRUNCATE_DDL)
+
+
+def downgrade() -> None:
+    dialect = op.get_bind().dialect.name
+    if dialect != "sqlite":
+        op.execute("DROP TRIGGER IF EXISTS journal_no_truncate ON journal")
+    with op.batch_alter_table("journal") as batch:
+        batch.drop_constraint(op.f("ck_journal_kind_known"), type_="check")
+        batch.create_check_constraint(op.f("ck_journal_kind_known"), OLD_KINDS)
+        batch.drop_column("cap_delta")
+        batch.alter_column("attempt_id", existing_type=Id, nullable=False)
+    if dialect == "sqlite":
+        for statement in APPEND_ONLY_DDL["sqlite"]:
+            op.execute(statement)
