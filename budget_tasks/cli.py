@@ -417,6 +417,7 @@ def status(ledger_url: str, as_json: bool) -> None:
             "available": r.available,
             "oldest_hold": r.oldest_hold,
             "frozen": r.frozen,
+            "overrun": r.overrun,
         }
         for r in _ledger(ledger_url).report()
     ]

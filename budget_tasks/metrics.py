@@ -107,11 +107,16 @@ class LedgerCollector(Collector):
                 ("held", "Held by open attempts in the current period, in minor units"),
                 ("available", "cap - spent - held in the current period"),
                 ("oldest_hold_seconds", "Age of the oldest open hold"),
+                (
+                    "overrun",
+                    "Charged above reservations in the current period, by every settler "
+                    "(tasks, reconciliation, operators), in minor units",
+                ),
             )
         }
         # One set-based query for every budget: a scrape costs the same at 10 or 10,000.
         for row in self.ledger.report():
-            for name in ("cap", "spent", "held", "available"):
+            for name in ("cap", "spent", "held", "available", "overrun"):
                 gauges[name].add_metric([row.budget], getattr(row, name))
             age = 0.0 if row.oldest_hold is None else row.oldest_hold.total_seconds()
             gauges["oldest_hold_seconds"].add_metric([row.budget], age)

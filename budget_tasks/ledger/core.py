@@ -987,6 +987,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                 cur.c.cap.label("cur_cap"),
                 cur.c.spent.label("cur_spent"),
                 cur.c.held.label("cur_held"),
+                cur.c.overrun.label("cur_overrun"),
                 prev.c.cap.label("prev_cap"),
                 prev.c.spent.label("prev_spent"),
                 prev.c.held.label("prev_held"),
@@ -1012,8 +1013,9 @@ class Ledger(OperationsMixin, MaintenanceMixin):
             rows = conn.execute(query).all()
         out = []
         for r in rows:
+            overrun = 0
             if r.cur_id is not None:
-                cap, spent, held = r.cur_cap, r.cur_spent, r.cur_held
+                cap, spent, held, overrun = r.cur_cap, r.cur_spent, r.cur_held, r.cur_overrun
             else:
                 previous = None if r.prev_cap is None else (r.prev_cap, r.prev_spent, r.prev_held)
                 cap = opening_cap(r.cap, r.renewal, r.rollover_ceiling, previous)
@@ -1028,31 +1030,39 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                     period_start=starts[r.period],
                     frozen=bool(r.frozen),
                     oldest_hold=None if r.oldest is None else now - r.oldest,
+                    overrun=overrun,
                 )
             )
         return out
 
     def audit(self) -> list[AuditFinding]:
         """Budget periods whose counters differ from their journal; empty when sound."""
+        over = journal.c.spent_delta + journal.c.held_delta  # a charge above its hold
         sums = (
             select(
                 journal.c.period_id,
                 func.sum(journal.c.held_delta).label("held"),
                 func.sum(journal.c.spent_delta).label("spent"),
+                func.sum(case((and_(journal.c.kind == "charge", over > 0), over), else_=0)).label(
+                    "overrun"
+                ),
             )
             .group_by(journal.c.period_id)
             .subquery()
         )
         journal_held = func.coalesce(sums.c.held, 0)
         journal_spent = func.coalesce(sums.c.spent, 0)
+        journal_overrun = func.coalesce(sums.c.overrun, 0)
         query = (
             select(
                 budgets.c.name,
                 budget_periods.c.period_start,
                 budget_periods.c.held,
                 budget_periods.c.spent,
+                budget_periods.c.overrun,
                 journal_held.label("journal_held"),
                 journal_spent.label("journal_spent"),
+                journal_overrun.label("journal_overrun"),
             )
             .join(budgets, budgets.c.id == budget_periods.c.budget_id)
             .outerjoin(sums, sums.c.period_id == budget_periods.c.id)
@@ -1062,6 +1072,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                         and_(
                             budget_periods.c.held == journal_held,
                             budget_periods.c.spent == journal_spent,
+                            budget_periods.c.overrun == journal_overrun,
                         ),
                         False,
                     ),
@@ -1076,6 +1087,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                 for counter, recorded, derived in (
                     ("held", r.held, r.journal_held),
                     ("spent", r.spent, r.journal_spent),
+                    ("overrun", r.overrun, r.journal_overrun),
                 ):
                     if recorded != derived:
                         findings.append(

@@ -64,6 +64,8 @@ class BudgetReport:
     period_start: datetime
     frozen: bool
     oldest_hold: timedelta | None
+    #: charged above reservations in this period, by every settler
+    overrun: int = 0
 
 
 @dataclass(frozen=True, slots=True)

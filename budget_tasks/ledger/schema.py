@@ -110,6 +110,9 @@ budget_periods = Table(
     # carries what it left unused; ``carried_out`` is what it gave the next period.
     Column("closed_at", UTCDateTime, nullable=True),
     Column("carried_out", BigInteger, nullable=False, server_default="0"),
+    # Added in migration 0006: what settlements charged above their reservations, by
+    # whoever settled (a task, reconciliation, an operator); derived from the journal.
+    Column("overrun", BigInteger, nullable=False, server_default="0"),
     UniqueConstraint("budget_id", "period_start"),
     CheckConstraint("cap >= 0", name="cap_not_negative"),
     CheckConstraint("held >= 0", name="held_not_negative"),

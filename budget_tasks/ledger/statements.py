@@ -98,7 +98,8 @@ WHERE a.key = :key
 ORDER BY p.budget_id{for_update}"""
 
 APPLY_SETTLEMENT = f"""
-UPDATE budget_periods SET held = held - :amount, spent = spent + :actual
+UPDATE budget_periods SET held = held - :amount, spent = spent + :actual,
+    overrun = overrun + CASE WHEN :actual > :amount THEN :actual - :amount ELSE 0 END
 WHERE id = :period_id
 RETURNING carried_out, {AVAILABLE}"""
 

@@ -421,3 +421,34 @@ def test_the_journal_refuses_truncate(pg_ledger: Ledger) -> None:
     with pytest.raises(Exception, match="append-only"), pg_ledger.engine.begin() as conn:
         conn.execute(text("TRUNCATE journal CASCADE"))
     assert pg_ledger.audit() == []
+
+
+def test_the_overrun_counter_counts_every_settler_and_is_audited(ledger: Ledger) -> None:
+    """An overrun settled by a task, by reconciliation or by an operator lands in the
+    period's overrun counter (what the metrics read), derived from the journal."""
+    from prometheus_client import generate_latest
+    from sqlalchemy import text
+
+    from budget_tasks.metrics import registry_for
+
+    ledger.create_budget("team", 100_000)
+    for key, reserved, actual, by in (
+        ("task", 100, 130, None),
+        ("beat", 100, 90, "reconcile"),
+        ("operator", 100, 175, "operator"),
+    ):
+        ledger.reserve("team", key, reserved)
+        ledger.mark_sending(key)
+        if by is None:
+            ledger.settle(key, actual)
+        else:
+            ledger.mark_unknown(key, "worker lost")
+            ledger.resolve_attempt(key, actual, note="checked", by=by)
+    [row] = ledger.report()
+    assert row.overrun == 30 + 75  # the one below its reservation adds nothing
+    scraped = generate_latest(registry_for(ledger)).decode()
+    assert 'budget_tasks_overrun{budget="team"} 105.0' in scraped
+    assert ledger.audit() == []
+    with ledger.engine.begin() as conn:
+        conn.execute(text("UPDATE budget_periods SET overrun = overrun + 1"))
+    assert [(f.counter, f.recorded, f.journal) for f in ledger.audit()] == [("overrun", 106, 105)]

@@ -1,5 +1,6 @@
-"""Changes of a budget's cap recorded in the journal, and a journal that refuses
-TRUNCATE as it refuses UPDATE and DELETE.
+"""Changes of a budget's cap recorded in the journal, a journal that refuses TRUNCATE
+as it refuses UPDATE and DELETE, and each period's overrun (what settlements charged
+above their reservations), which the metrics read from the ledger.
 
 Revision ID: 0006
 Revises: 0005
@@ -24,6 +25,15 @@ OLD_KINDS = "kind IN ('hold', 'release', 'charge', 'adjustment')"
 
 def upgrade() -> None:
     dialect = op.get_bind().dialect.name
+    op.add_column(
+        "budget_periods",
+        sa.Column("overrun", sa.BigInteger, nullable=False, server_default="0"),
+    )
+    op.execute(
+        "UPDATE budget_periods SET overrun = COALESCE((SELECT SUM(j.spent_delta + j.held_delta) "
+        "FROM journal j WHERE j.period_id = budget_periods.id AND j.kind = 'charge' "
+        "AND j.spent_delta + j.held_delta > 0), 0)"
+    )
     with op.batch_alter_table("journal") as batch:
         batch.alter_column("attempt_id", existing_type=Id, nullable=True)
         batch.add_column(sa.Column("cap_delta", sa.BigInteger, nullable=False, server_default="0"))
@@ -49,3 +59,5 @@ def downgrade() -> None:
     if dialect == "sqlite":
         for statement in APPEND_ONLY_DDL["sqlite"]:
             op.execute(statement)
+    with op.batch_alter_table("budget_periods") as batch:
+        batch.drop_column("overrun")
