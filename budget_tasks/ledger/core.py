@@ -87,6 +87,8 @@ Clock = Callable[[], datetime]
 
 #: How often the ledger measures this host's clock against the database's.
 CLOCK_CHECK_SECONDS = 60.0
+#: A difference between the clocks smaller than this is taken for none.
+CLOCK_AGREEMENT = timedelta(milliseconds=50)
 
 
 def _utcnow() -> datetime:
@@ -150,10 +152,17 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         since = time.monotonic() - self._offset_at
         if self._offset is None or since > CLOCK_CHECK_SECONDS:
             try:
-                with transaction(self.engine) as conn:
-                    theirs = conn.execute(select(func.now())).scalar_one()
-                mid = _utcnow()
-                self._offset = theirs.astimezone(UTC) - (local + (mid - local) / 2)
+                with transaction(self.engine) as conn:  # connected (and pinged) first
+                    before = _utcnow()
+                    # clock_timestamp(): the time of this statement, not of the
+                    # transaction's start; halfway through the round trip, the error is
+                    # half of one round trip.
+                    theirs = conn.execute(select(func.clock_timestamp())).scalar_one()
+                    after = _utcnow()
+                offset = theirs.astimezone(UTC) - (before + (after - before) / 2)
+                # Below what one measurement can tell apart, the clocks agree: keep this
+                # host's time (stamps then order with this host's other clocks).
+                self._offset = offset if abs(offset) > CLOCK_AGREEMENT else timedelta(0)
                 self._offset_at = time.monotonic()
             except LedgerUnavailable:
                 if self._offset is None:
