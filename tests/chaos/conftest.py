@@ -8,6 +8,7 @@ On a failure, the teardown prints the tail of every worker's log and of redis-se
 from __future__ import annotations
 
 import os
+import re
 import signal
 import uuid
 from collections.abc import Callable, Iterator
@@ -151,7 +152,17 @@ def start_worker(
         worker.stop()
     if _failed(request):
         for worker in started:
-            print(f"\n--- {worker.log_path.name} (tail) ---\n{worker.log_path.read_text()[-4000:]}")
+            log = worker.log_path.read_text()
+            # the broker's story first: a shutdown traceback can fill the tail
+            events = [line for line in log.splitlines() if BROKER_EVENTS.search(line)]
+            print(f"\n--- {worker.log_path.name} (broker events) ---\n" + "\n".join(events[-60:]))
+            print(f"\n--- {worker.log_path.name} (tail) ---\n{log[-4000:]}")
+
+
+BROKER_EVENTS = re.compile(
+    r"Connected to|Connection to broker lost|Cannot connect|Trying again|consumer:|"
+    r"Restoring|CRITICAL|ready\.|Warm shutdown"
+)
 
 
 def outcome(result: Any, timeout: float = 90.0) -> str:

@@ -94,7 +94,7 @@ def test_redis_killed_mid_load_worker_reconnects_and_resent_keys_replay(
                 except Exception:
                     unsent.append(job(n))
         redis_server.start()  # same port, empty
-        wait_for(lambda: connections(worker) >= 2, 60, "the worker to reconnect on its own")
+        wait_for(lambda: connections(worker) >= 2, 90, "the worker to reconnect on its own")
         # Whatever was running when the broker died finishes on its own.
         wait_for(
             lambda: all(op.status != "running" for op in operations(real).values()),

@@ -10,6 +10,7 @@ connections it inherited from the main process."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -33,30 +34,63 @@ from .worker_tasks import fixed_request
 TASKS = 200
 
 
-class ConnectionSampler(threading.Thread):
-    """Counts the ledger's sessions on the test database every 50 ms; keeps the most."""
+def socket_ports(pids: list[int]) -> set[int]:
+    """The local TCP ports of the sockets these processes hold open (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue  # a child that has just exited
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
-    def __init__(self, url: str) -> None:
+
+class ConnectionSampler(threading.Thread):
+    """Counts the worker's sessions on the test database every 50 ms; keeps the most.
+
+    A session is the worker's when its client port is a socket held by the worker's
+    main process or one of its children: the test process's own pools (this and earlier
+    tests') are not counted."""
+
+    def __init__(self, url: str, worker: Worker) -> None:
         super().__init__(daemon=True)
-        self.url, self.most, self.samples = url, 0, 0
+        self.url, self.worker, self.most, self.samples = url, worker, 0, 0
         self.done = threading.Event()
 
     def run(self) -> None:
         with psycopg.connect(pg_conninfo(self.url), autocommit=True) as conn:
             database = self.url.rsplit("/", 1)[1]
             while not self.done.is_set():
-                (count,) = conn.execute(
-                    "SELECT count(*) FROM pg_stat_activity "
-                    "WHERE datname = %s AND application_name = 'budget-tasks'",
-                    (database,),
-                ).fetchone() or (0,)
-                self.most, self.samples = max(self.most, int(count)), self.samples + 1
+                clients = [
+                    port
+                    for (port,) in conn.execute(
+                        "SELECT client_port FROM pg_stat_activity "
+                        "WHERE datname = %s AND application_name = 'budget-tasks'",
+                        (database,),
+                    ).fetchall()
+                ]
+                ours = socket_ports([self.worker.proc.pid, *self.worker.children()])
+                count = sum(port in ours for port in clients)
+                self.most, self.samples = max(self.most, count), self.samples + 1
                 time.sleep(0.05)
 
     def stop(self) -> int:
         self.done.set()
         self.join(10)
         assert self.samples > 10, "the sampler must have watched the run"
+        assert self.most >= 1, "the sampler must have seen the worker's sessions"
         return self.most
 
 
@@ -96,7 +130,7 @@ def test_prefork_with_a_child_per_task_and_the_metrics_server_on(
     pg_ledger.create_budget("pooled", 10**9, period="day")
     port = free_port()
     (tmp_path / "prom").mkdir()
-    start_worker(
+    worker = start_worker(
         "prefork",
         concurrency=2,
         options={"max_tasks_per_child": 1},  # a new child, forked from the main process, per task
@@ -105,8 +139,7 @@ def test_prefork_with_a_child_per_task_and_the_metrics_server_on(
         PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prom"),
     )
     scrape(port)  # the main process uses the ledger before any child is forked
-    pg_ledger.dispose()  # the sampler counts the worker's sessions only
-    sampler = ConnectionSampler(pg_url)
+    sampler = ConnectionSampler(pg_url, worker)
     sampler.start()
     scraped: list[int] = []
     failures: list[str] = []
@@ -155,11 +188,10 @@ def test_threads_pool_shares_one_pool_and_opens_a_new_period_under_load(
     (another statement on another connection) while the others hold theirs."""
     each = estimates.openai_chat(fixed_request(0)).amount
     pg_ledger.create_budget("threaded", 10**9, period="day")
-    start_worker(
+    worker = start_worker(
         "threads", concurrency=10, options={"pool": "threads"}, BUDGET_TASKS_BUDGET="threaded"
     )
-    pg_ledger.dispose()  # the sampler counts the worker's sessions only
-    sampler = ConnectionSampler(pg_url)
+    sampler = ConnectionSampler(pg_url, worker)
     sampler.start()
     values = run_tasks(client)
     most = sampler.stop()
