@@ -1162,19 +1162,24 @@ def _apply(cur: Cursor, statement: str, params: dict[str, Any]) -> None:
     settled late, a provider correction), the difference comes off the period it
     carried into: no money is spent in one period and carried into the next too."""
     row = cur.one(statement, params)
-    if row is None:
-        return
-    carried, available = row
-    if carried > 0 and available < carried:
+    period_id = params["period_id"]
+    # A period that carried on what it received passes the take-back on in turn, until
+    # a period that still had room for it (or the open one) absorbs it.
+    while row is not None:
+        carried, available = row[-2], row[-1]
+        if carried <= 0 or available >= carried:
+            return
         deficit = carried - max(available, 0)
-        cur.run(sql.TAKE_BACK_CARRY, {"period_id": params["period_id"], "deficit": deficit})
-        cur.run(sql.LOWER_NEXT_CAP, {"period_id": params["period_id"], "deficit": deficit})
+        cur.run(sql.TAKE_BACK_CARRY, {"period_id": period_id, "deficit": deficit})
         log.warning(
             "period %s spent %d of what it carried into the next after closing: "
             "that amount comes off the next period's cap",
-            params["period_id"],
+            period_id,
             deficit,
         )
+        row = cur.one(sql.LOWER_NEXT_CAP, {"period_id": period_id, "deficit": deficit})
+        if row is not None:
+            period_id = row[0]
 
 
 def _attempt(r: Row[Any]) -> Attempt:

@@ -106,14 +106,16 @@ RETURNING carried_out, {AVAILABLE}"""
 TAKE_BACK_CARRY = """
 UPDATE budget_periods SET carried_out = carried_out - :deficit WHERE id = :period_id"""
 
-#: The period right after the given one, of the same budget: where its carry went.
-LOWER_NEXT_CAP = """
+#: The period right after the given one, of the same budget: where its carry went. It
+#: returns what that period carried on and what it has left, for the next step.
+LOWER_NEXT_CAP = f"""
 UPDATE budget_periods SET cap = cap - :deficit
 WHERE id = (
     SELECT n.id FROM budget_periods n JOIN budget_periods o ON o.budget_id = n.budget_id
     WHERE o.id = :period_id AND n.period_start > o.period_start
     ORDER BY n.period_start LIMIT 1
-)"""
+)
+RETURNING id, carried_out, {AVAILABLE}"""
 
 ADJUSTMENT_SEEN = """
 SELECT 1 FROM journal WHERE attempt_id = :attempt_id AND ref = :ref"""

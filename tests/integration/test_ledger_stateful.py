@@ -94,7 +94,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def changed(self, period: tuple[str, datetime]) -> None:
         """A closed period that carried, now with less unused than it carried: the
-        difference comes off the next period's cap."""
+        difference comes off the next period's cap, and on, if that one carried it on."""
         row = self.periods[period]
         available = row[0] - row[1] - row[2]
         if row[3] > 0 and available < row[3]:
@@ -102,6 +102,7 @@ class LedgerMachine(RuleBasedStateMachine):
             row[3] -= deficit
             later = sorted(k for k in self.periods if k[0] == period[0] and k[1] > period[1])
             self.periods[later[0]][0] -= deficit
+            self.changed(later[0])
 
     def keys_in(self, *states: str) -> list[str]:
         return sorted(k for k, a in self.attempts.items() if a["state"] in states)

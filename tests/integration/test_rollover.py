@@ -15,7 +15,8 @@ import pytest
 from sqlalchemy import text
 
 from budget_tasks import BudgetExceeded, Ledger
-from budget_tasks.testing import ManualClock, race
+from budget_tasks.testing import ManualClock
+from budget_tasks.testing.harness import race
 
 MIDNIGHT = datetime(2026, 3, 2, tzinfo=UTC)
 ALLOWANCE = 1_000
@@ -149,6 +150,27 @@ def test_an_overrun_settled_after_midnight_comes_off_what_was_carried(url: str) 
     assert day2.balance("daily").cap == 1_300
     assert 700 + admit_all(day2, "d2") == 2 * ALLOWANCE
     for ledger in (day1, day2):
+        assert ledger.audit() == []
+        ledger.dispose()
+
+
+def test_an_overrun_settled_two_days_late_comes_off_every_carry_it_passed_through(
+    url: str,
+) -> None:
+    """Day 1 carries into day 2, day 2 (spending nothing) carries into day 3; then day
+    1's call settles above its hold. What day 1 carried too much, day 2 carried on too:
+    it comes off day 3 as well, so three days admit three allowances, no more."""
+    day1 = host(url, MIDNIGHT - timedelta(hours=1))
+    day1.reserve("daily", "slow-call", 500)
+    day1.mark_sending("slow-call")
+    day2 = host(url, MIDNIGHT + timedelta(hours=1))
+    assert day2.open_period("daily").cap == 1_500
+    day3 = host(url, MIDNIGHT + timedelta(days=1, hours=1))
+    assert day3.open_period("daily").cap == 2_500  # day 2 carried all 1,500
+    day1.settle("slow-call", 1_000)  # day 1 had nothing to carry after all
+    assert day3.balance("daily").cap == 2_000
+    assert 1_000 + admit_all(day3, "d3") == 3 * ALLOWANCE
+    for ledger in (day1, day2, day3):
         assert ledger.audit() == []
         ledger.dispose()
 
