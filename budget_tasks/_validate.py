@@ -8,6 +8,11 @@ from typing import Any
 #: The largest amount accepted in one call, in minor units (10**15 micro-USD is $1e9).
 MAX_MONEY = 10**15
 MAX_KEY_LENGTH = 255
+#: An operation's attempts are keyed ``key#n`` (and its steps ``key:label:n~k``), each
+#: within MAX_KEY_LENGTH: an idempotency key leaves room for the suffixes.
+MAX_OPERATION_KEY_LENGTH = 200
+#: ``~n`` of a step's later attempts, with room for any count of them.
+STEP_SUFFIX_ROOM = 21
 MAX_NAME_LENGTH = 200
 #: Row ids are BIGINT.
 MAX_ID = 2**63 - 1

@@ -849,6 +849,13 @@ class OperationManager:
         seq = scope._labels.get(label, 0) + 1
         scope._labels[label] = seq
         base = step_key(scope.operation_key, label, seq)
+        if len(base) + check.STEP_SUFFIX_ROOM > check.MAX_KEY_LENGTH:
+            # refused before anything is reserved: the key could never be written
+            raise ValueError(
+                f"step {label!r} of operation {scope.operation_key[:40]!r}...: its attempt "
+                f"keys would pass {check.MAX_KEY_LENGTH} characters; use a shorter label "
+                "or idempotency key"
+            )
         record = _STEP_RECORD.format(label=label, seq=seq)
         try:
             found = self._step_attempt(scope, amount, label, base, record)

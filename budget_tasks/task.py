@@ -131,7 +131,11 @@ class BudgetTask(Task):  # type: ignore[misc]
 
     def _operation_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         if self.idempotency_key is not None:
-            return check.text(self.idempotency_key(*args, **kwargs), "idempotency key")
+            return check.text(
+                self.idempotency_key(*args, **kwargs),
+                "idempotency key",
+                max_length=check.MAX_OPERATION_KEY_LENGTH,
+            )
         return str(self.request.id or uuid.uuid4())
 
     def _fingerprint(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

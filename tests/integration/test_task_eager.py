@@ -335,3 +335,39 @@ def test_an_unreachable_ledger_means_no_send(fake: FakeProvider) -> None:
     with pytest.raises(LedgerUnavailable, match="nothing may be sent"):
         call.delay().get()
     assert fake.served() == []
+
+
+def test_an_idempotency_key_leaves_room_for_its_attempt_keys(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    """A key of exactly the limit runs (its attempt key ``key#1`` fits the ledger); one
+    character more, or a step whose keys would not fit, is refused before anything is
+    reserved or sent."""
+    task = app.jobs["summarize"]
+    at_limit = "d" * (200 - len("sum:"))
+    assert task.delay(at_limit, "Text.").get()["cost"] > 0
+    ledger = Ledger(backend_url)
+    [attempt] = ledger.attempts()
+    assert attempt.key == f"sum:{at_limit}#1" and attempt.state == "settled"
+    with pytest.raises(ValueError, match="at most 200"):
+        task.delay(at_limit + "d", "Text.").get()
+
+    # a step's keys ('key:label:n', '~n' later) must fit too
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="team",
+        name=f"long-label-{uuid.uuid4().hex[:8]}",
+        idempotency_key=lambda: "k" * 200,
+        estimate_cost=lambda: 0,
+    )
+    def long_label(self: BudgetTask) -> None:
+        with self.spend(100, "l" * 60):
+            raise AssertionError("never granted")
+
+    with pytest.raises(ValueError, match="shorter label or idempotency key"):
+        long_label.delay().get()
+    assert len(fake.served()) == 1
+    assert [a.key for a in ledger.attempts() if a.key.startswith("k")] == ["k" * 200 + "#1"]
+    assert ledger.balance("team").held == 0
+    ledger.dispose()
