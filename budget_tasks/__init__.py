@@ -4,7 +4,8 @@ Reserve a conservative estimate in a ledger before any billable call, settle wit
 provider's real usage, and replay instead of resending on redelivery.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from .errors import (
     BudgetExceeded,
@@ -14,12 +15,14 @@ from .errors import (
     CapBelowCommitted,
     IdempotencyConflict,
     InvalidTransition,
+    LedgerConfigError,
     LedgerError,
     LedgerUnavailable,
     NotBilled,
     OperationFailed,
     OutcomeUnknown,
     PoisonMessage,
+    SchemaMissing,
     SettlementConflict,
     SideEffectUncertain,
     UnknownAttempt,
@@ -27,19 +30,28 @@ from .errors import (
 )
 from .ledger import Attempt, AuditFinding, Balance, BudgetInfo, Hold, Ledger, Reservation
 
-if TYPE_CHECKING:
+if _TYPE_CHECKING:
     from .task import BudgetTask
+    from .wiring import configure
 
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    # BudgetTask needs Celery; importing the ledger alone must not.
+def __getattr__(name: str) -> _Any:
+    # BudgetTask and configure need Celery; importing the ledger alone must not.
     if name == "BudgetTask":
         from .task import BudgetTask
 
         return BudgetTask
+    if name == "configure":
+        from .wiring import configure
+
+        return configure
     raise AttributeError(f"module 'budget_tasks' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, "__version__"])
 
 
 __all__ = [
@@ -57,6 +69,7 @@ __all__ = [
     "IdempotencyConflict",
     "InvalidTransition",
     "Ledger",
+    "LedgerConfigError",
     "LedgerError",
     "LedgerUnavailable",
     "NotBilled",
@@ -64,8 +77,10 @@ __all__ = [
     "OutcomeUnknown",
     "PoisonMessage",
     "Reservation",
+    "SchemaMissing",
     "SettlementConflict",
     "SideEffectUncertain",
     "UnknownAttempt",
     "UnknownBudget",
+    "configure",
 ]

@@ -3,24 +3,100 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import IO, Any
 
 import click
 
-from .config import LEDGER_URL_ENV
+from .config import LEDGER_URL_ENV, LEDGER_URL_SETTING
 from .errors import BudgetTasksError
+
+STALE_AFTER_SETTING = "budget_stale_after"
+STALE_AFTER_ENV = "BUDGET_TASKS_STALE_AFTER"
+#: What the beat job flags by when the app does not say (beat.py, the demo settings).
+DEFAULT_STALE_AFTER_S = 900.0
+
+
+class CommandError(click.ClickException):
+    """One line on stderr and exit code 2, as :func:`run` reports the library's errors."""
+
+    exit_code = 2
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file, err=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _load_app(spec: str) -> Any:
+    """The Celery app of ``-A``: ``module:attr``, else the module's ``app`` or ``celery``."""
+    from celery import Celery
+
+    module_name, _, attr = spec.partition(":")
+    # As `celery -A` does: an app module in the current directory is found when the
+    # console script runs (its sys.path starts at the script's directory instead).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # whatever the user's module raised, as one line
+        raise CommandError(f"cannot import the Celery app {spec!r}: {_first_line(exc)}") from exc
+    names = [attr] if attr else ["app", "celery"]
+    for name in names:
+        found = getattr(module, name, None)
+        if isinstance(found, Celery):
+            return found
+    raise CommandError(
+        f"module {module_name!r} has no Celery app named {' or '.join(names)} "
+        f"(name it: -A {module_name}:NAME)"
+    )
+
+
+def _app_setting(ctx: click.Context, name: str) -> Any:
+    """A setting of the ``-A`` app (None without ``-A`` or if unset)."""
+    app = ctx.find_root().obj
+    if app is None:
+        return None
+    try:
+        return app.conf.get(name)
+    except Exception as exc:  # its configuration module is imported on first read
+        raise CommandError(f"cannot read the Celery app's settings: {_first_line(exc)}") from exc
+
+
+def _ledger_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--ledger-url, else env, else the app's ``budget_ledger_url`` (None: none of them)."""
+    if value is None:
+        value = _app_setting(ctx, LEDGER_URL_SETTING) or None
+    return None if value is None else str(value)
+
+
+def _required_ledger_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
+    url = _ledger_url(ctx, param, value)
+    if url is None:
+        raise click.MissingParameter(
+            ctx=ctx,
+            param=param,
+            message=f"Give it, set env {LEDGER_URL_ENV}, or name an app that sets "
+            f"{LEDGER_URL_SETTING} with -A.",
+        )
+    return url
+
 
 ledger_url_option = click.option(
     "--ledger-url",
     envvar=LEDGER_URL_ENV,
-    required=True,
-    help=f"Ledger database URL (env {LEDGER_URL_ENV}).",
+    callback=_required_ledger_url,
+    help=f"Ledger database URL (else env {LEDGER_URL_ENV}, else -A's {LEDGER_URL_SETTING}).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 
@@ -90,8 +166,19 @@ def _emit(as_json: bool, data: Any, render: Callable[[], str]) -> None:
 
 @click.group()
 @click.version_option(package_name="budget-tasks")
-def main() -> None:
+@click.option(
+    "-A",
+    "--app",
+    "app_spec",
+    metavar="MODULE",
+    default=None,
+    help=f"Your Celery app (as celery -A: module or module:attr): its {LEDGER_URL_SETTING} "
+    f"and {STALE_AFTER_SETTING} are the defaults.",
+)
+@click.pass_context
+def main(ctx: click.Context, app_spec: str | None) -> None:
     """Spend-safe Celery tasks for LLM work: operate the budget ledger."""
+    ctx.obj = _load_app(app_spec) if app_spec is not None else None
 
 
 # -- db ------------------------------------------------------------------------------
@@ -107,10 +194,21 @@ def db() -> None:
 @click.option("--revision", default="head", show_default=True)
 def db_upgrade(ledger_url: str, revision: str) -> None:
     """Apply the ledger migrations."""
+    from alembic.util import CommandError as AlembicError
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
     from . import migrations
 
-    migrations.upgrade(ledger_url, revision)
-    click.echo(f"ledger schema at revision {migrations.current(ledger_url)}")
+    try:
+        migrations.upgrade(ledger_url, revision)
+        at = migrations.current(ledger_url)
+    except (OperationalError, InterfaceError) as exc:  # no server, no such database
+        raise CommandError(
+            f"cannot reach the ledger database: {_first_line(exc.orig or exc)}"
+        ) from exc
+    except AlembicError as exc:  # e.g. an unknown --revision
+        raise CommandError(_first_line(exc)) from exc
+    click.echo(f"ledger schema at revision {at}")
 
 
 # -- budgets -------------------------------------------------------------------------
@@ -152,7 +250,8 @@ def budget_create(
         renewal=renewal,
         rollover_ceiling=rollover_ceiling,
     )
-    _emit(as_json, info, lambda: f"created budget {info.name}: cap {info.cap} per {info.period}")
+    per = ", no period" if info.period == "none" else f" per {info.period}"
+    _emit(as_json, info, lambda: f"created budget {info.name}: cap {info.cap}{per}")
 
 
 @budget.command("list")
@@ -196,12 +295,22 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
         data,
         lambda: "\n".join(
             [
-                f"budget {info.name} (period {info.period}, renewal {info.renewal}"
+                f"budget {info.name} ("
+                + (
+                    "no period"  # one period for all time: renewal never applies
+                    if info.period == "none"
+                    else f"period {info.period}, renewal {info.renewal}"
+                )
                 + (f", parent {info.parent}" if info.parent else "")
                 + (", FROZEN" if info.frozen else "")
                 + ")",
-                f"period from {bal.period_start.isoformat()}: cap {bal.cap}, spent {bal.spent}, "
-                f"held {bal.held}, available {bal.available}",
+                (
+                    "all time"
+                    if info.period == "none"
+                    else f"period from {bal.period_start.isoformat()}"
+                )
+                + f": cap {bal.cap}, spent {bal.spent}, held {bal.held}, "
+                f"available {bal.available}",
                 f"open holds: {len(holds)}",
             ]
         ),
@@ -271,18 +380,35 @@ def adjust(
     )
 
 
+def _stale_age(ctx: click.Context, param: click.Parameter, value: float | None) -> float:
+    """--age, else env, else the app's ``budget_stale_after``, else 900 s."""
+    if value is None:
+        setting = _app_setting(ctx, STALE_AFTER_SETTING)
+        try:
+            value = DEFAULT_STALE_AFTER_S if setting is None else float(setting)
+        except (TypeError, ValueError) as exc:
+            raise CommandError(
+                f"the Celery app's {STALE_AFTER_SETTING} is not a number: {setting!r}"
+            ) from exc
+    return _duration(value)
+
+
 @main.command()
 @ledger_url_option
 @click.option(
-    "--stale", is_flag=True, help="Only sends with an unknown outcome (sending/unknown) past --age."
+    "--stale",
+    is_flag=True,
+    help="Only sends with an unknown outcome (sending/unknown) past --age, or that the "
+    "beat job flagged stale.",
 )
 @click.option(
     "--age",
     type=float,
-    default=900.0,
-    show_default=True,
-    callback=lambda ctx, param, value: _duration(value),
-    help="Seconds after which such a hold counts as stale.",
+    envvar=STALE_AFTER_ENV,
+    default=None,
+    callback=_stale_age,
+    help=f"Seconds after which such a hold counts as stale (else env {STALE_AFTER_ENV}, "
+    f"else -A's {STALE_AFTER_SETTING}, else {DEFAULT_STALE_AFTER_S:.0f}).",
 )
 @click.option("--budget", "budget_name", default=None)
 @json_option
@@ -292,11 +418,14 @@ def holds(ledger_url: str, stale: bool, age: float, budget_name: str | None, as_
     if not stale:
         found = ledger.holds(budget=budget_name)
     else:
-        found = ledger.holds(
-            older_than=timedelta(seconds=age),
-            states=("sending", "unknown"),
-            budget=budget_name,
-        )
+        # The beat job flags by its app's age, which may not be this one: what it flagged
+        # is stale whatever its age here.
+        limit = timedelta(seconds=age)
+        found = [
+            h
+            for h in ledger.holds(states=("sending", "unknown"), budget=budget_name)
+            if h.flagged_at is not None or h.age >= limit
+        ]
     _emit(
         as_json,
         found,
@@ -449,6 +578,7 @@ def status(ledger_url: str, as_json: bool) -> None:
     "--ledger-url",
     envvar=LEDGER_URL_ENV,
     default=None,
+    callback=_ledger_url,
     help="Run against this ledger (e.g. PostgreSQL) instead of a temporary SQLite file.",
 )
 @click.option(
@@ -461,7 +591,7 @@ def status(ledger_url: str, as_json: bool) -> None:
 def demo(ledger_url: str | None, broker_url: str | None, concurrency: int) -> None:
     """Run Celery workers against two tenants' budgets, kill one mid-call, time one
     out, reconcile both; exit 1 if an invariant broke."""
-    from .demo import run_scenario
+    from .demo.scenario import run as run_scenario
 
     if not run_scenario(ledger_url, broker_url, concurrency=concurrency, echo=click.echo):
         sys.exit(1)
@@ -472,13 +602,14 @@ def demo(ledger_url: str | None, broker_url: str | None, concurrency: int) -> No
     "--ledger-url",
     envvar=LEDGER_URL_ENV,
     default=None,
+    callback=_ledger_url,
     help="Run against this ledger instead of a temporary SQLite file.",
 )
 @click.option("--workers", default=8, show_default=True, type=click.IntRange(3, 64))
 def walkthrough(ledger_url: str | None, workers: int) -> None:
     """Walk through the ledger alone (processes racing, replay, overrun, correction);
     exit 1 if an invariant broke."""
-    from .demo import run_walkthrough
+    from .demo.walkthrough import run as run_walkthrough
 
     _echo_logs("budget_tasks", prefix="   log: ")
     if not run_walkthrough(ledger_url, workers=workers, echo=click.echo):

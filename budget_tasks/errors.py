@@ -41,6 +41,34 @@ class LedgerUnavailable(LedgerError):
         super().__init__(f"ledger unavailable, nothing may be sent: {detail}", detail=detail)
 
 
+class SchemaMissing(LedgerUnavailable):
+    """The ledger database lacks a ledger table: never migrated, or at an older revision.
+    Run ``budget-tasks db upgrade``.
+
+    A LedgerUnavailable, so whatever fails closed on an unreachable ledger fails closed
+    here too: nothing may be sent, and a retry succeeds once the schema is there.
+    """
+
+    def __init__(self, detail: str) -> None:
+        LedgerError.__init__(
+            self,
+            f"the ledger schema is missing or out of date ({detail}): "
+            "run `budget-tasks db upgrade`",
+            detail=detail,
+        )
+
+
+class LedgerConfigError(BudgetTasksError, ValueError):
+    """The ledger URL is wrong: it does not parse, names a database other than
+    PostgreSQL or SQLite, or a driver that is not installed. Nothing was connected to.
+
+    A ValueError too, as this error was before it had a type of its own.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"invalid ledger URL: {reason}", reason=reason)
+
+
 class UnknownBudget(LedgerError):
     """No budget has this name."""
 

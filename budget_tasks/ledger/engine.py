@@ -1,46 +1,77 @@
 """Engine construction per backend, and the mapping of connection failures to
-:class:`~budget_tasks.errors.LedgerUnavailable` (fail closed)."""
+:class:`~budget_tasks.errors.LedgerUnavailable` (fail closed), a missing table to
+:class:`~budget_tasks.errors.SchemaMissing`, and a bad URL to
+:class:`~budget_tasks.errors.LedgerConfigError`."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    InterfaceError,
+    NoSuchModuleError,
+    OperationalError,
+)
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from ..errors import LedgerUnavailable
+from ..errors import LedgerConfigError, LedgerUnavailable, SchemaMissing
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 PG_CONNECT_TIMEOUT_S = 5
+#: PostgreSQL's SQLSTATE undefined_table.
+UNDEFINED_TABLE = "42P01"
+URL_EXAMPLES = "postgresql://USER@HOST:5432/DBNAME or sqlite:///PATH/ledger.db"
 
 
 def normalise_url(url: str) -> str:
-    """Accept ``postgresql://`` and ``postgres://`` and use psycopg 3 for them."""
-    parsed = make_url(url)
+    """Accept ``postgresql://`` and ``postgres://`` and use psycopg 3 for them.
+
+    A URL that does not parse raises LedgerConfigError (its text is not repeated: it may
+    hold a password)."""
+    if not url:
+        raise LedgerConfigError(f"it is empty; expected {URL_EXAMPLES}")
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise LedgerConfigError(f"it does not parse; expected {URL_EXAMPLES}") from exc
+    except ValueError as exc:  # SQLAlchemy's int() of the port
+        raise LedgerConfigError("its port is not a number") from exc
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.get_backend_name() not in ("postgresql", "sqlite"):
-        raise ValueError(f"the ledger runs on PostgreSQL or SQLite, not {parsed.drivername!r}")
+        raise LedgerConfigError(
+            f"the ledger runs on PostgreSQL or SQLite, not {parsed.drivername!r}"
+        )
     return parsed.render_as_string(hide_password=False)
 
 
 def build_engine(url: str, **options: Any) -> Engine:
     url = normalise_url(url)
-    if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S}, **options)
-        _sqlite_serialised_writes(engine)
-        return engine
-    options.setdefault("pool_size", 2)
-    options.setdefault("max_overflow", 8)
-    return create_engine(
-        url,
-        connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S, "application_name": "budget-tasks"},
-        **options,
-    )
+    try:
+        if url.startswith("sqlite"):
+            engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S}, **options)
+            _sqlite_serialised_writes(engine)
+            return engine
+        options.setdefault("pool_size", 2)
+        options.setdefault("max_overflow", 8)
+        return create_engine(
+            url,
+            connect_args={
+                "connect_timeout": PG_CONNECT_TIMEOUT_S,
+                "application_name": "budget-tasks",
+            },
+            **options,
+        )
+    except (ImportError, NoSuchModuleError) as exc:  # e.g. postgresql+asyncpg://
+        driver = make_url(url).drivername
+        raise LedgerConfigError(f"no driver for {driver!r} is installed: {exc}") from exc
 
 
 def _sqlite_serialised_writes(engine: Engine) -> None:
@@ -84,12 +115,12 @@ def transaction(engine: Engine) -> Iterator[Connection]:
         finally:
             conn.close()
     except (OperationalError, InterfaceError) as exc:
-        raise LedgerUnavailable(_describe(exc)) from exc
+        raise unavailable(exc) from exc
     except PoolTimeout as exc:  # every pooled connection busy past the pool's timeout
         raise LedgerUnavailable(f"no free ledger connection: {exc}") from exc
     except DBAPIError as exc:
-        if exc.connection_invalidated:
-            raise LedgerUnavailable(_describe(exc)) from exc
+        if exc.connection_invalidated or schema_missing(exc):
+            raise unavailable(exc) from exc
         raise
 
 
@@ -108,5 +139,20 @@ def _alive(engine: Engine) -> Connection:
     return conn
 
 
-def _describe(exc: DBAPIError) -> str:
-    return str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
+def schema_missing(exc: BaseException) -> bool:
+    """Whether a database error (the driver's, or SQLAlchemy's wrapping it) says a table
+    does not exist: read off the failure, so that no call pays a query to check."""
+    if isinstance(exc, DBAPIError) and exc.orig is not None:
+        exc = exc.orig
+    if getattr(exc, "sqlstate", None) == UNDEFINED_TABLE:  # psycopg
+        return True
+    return isinstance(exc, sqlite3.OperationalError) and str(exc).startswith("no such table")
+
+
+def unavailable(exc: BaseException) -> LedgerUnavailable:
+    """The typed error for a database failure: SchemaMissing for a missing table."""
+    if isinstance(exc, DBAPIError) and exc.orig is not None:
+        exc = exc.orig
+    text = str(exc).strip()
+    detail = text.splitlines()[0] if text else type(exc).__name__
+    return SchemaMissing(detail) if schema_missing(exc) else LedgerUnavailable(detail)

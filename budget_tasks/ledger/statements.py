@@ -22,6 +22,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ..errors import LedgerUnavailable
+from .engine import schema_missing, unavailable
 
 #: The one expression for money still available in a period row. Admission, refusal
 #: messages and balance reports all use it (invariant 10).
@@ -359,8 +360,8 @@ class Driver:
     @contextmanager
     def transaction(self) -> Iterator[Cursor]:
         """One transaction on a connection of its own from the pool, given back when it
-        ends; failures to reach the database become LedgerUnavailable, and the
-        transaction rolls back."""
+        ends; failures to reach the database become LedgerUnavailable (a missing table,
+        SchemaMissing), and the transaction rolls back."""
         conn = self.checkout()
         try:
             try:
@@ -371,15 +372,17 @@ class Driver:
             try:
                 yield cursor
                 cursor.conn.commit()
-            except self.unreachable as exc:
+            except self.unreachable as exc:  # SQLite's "no such table" is one too
                 cursor.conn.invalidate(exc)
-                raise LedgerUnavailable(_first_line(exc)) from exc
-            except BaseException:
+                raise unavailable(exc) from exc
+            except BaseException as exc:
                 if cursor.conn.is_valid:
                     try:
                         cursor.conn.rollback()
-                    except self.unreachable as exc:
-                        cursor.conn.invalidate(exc)
+                    except self.unreachable as lost:
+                        cursor.conn.invalidate(lost)
+                if schema_missing(exc):  # PostgreSQL's UndefinedTable, a ProgrammingError
+                    raise unavailable(exc) from exc
                 raise
             finally:
                 conn = cursor.conn  # a stale connection may have been replaced

@@ -6,11 +6,19 @@ import json
 import os
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import text
 
 from budget_tasks import Ledger
+from budget_tasks.testing import ManualClock
+
+from ..services import scratch_database
 
 
 def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -161,3 +169,184 @@ def test_caps_corrections_and_freezes_from_the_cli(pg_url: str, pg_ledger: Ledge
         ("cap", -1400, "cap 2000 -> 600"),
     ]
     assert "audit: every counter equals its journal" in ok(pg_url, "audit")
+
+
+# -- issue 13: the first hour of a user --------------------------------------------------
+
+#: The installed console script: as a user runs it, its sys.path does not start at the
+#: current directory (``python -m`` would put it there).
+SCRIPT = str(Path(sys.executable).with_name("budget-tasks"))
+UPGRADE = "run `budget-tasks db upgrade`"
+EXPECTED = "expected postgresql://USER@HOST:5432/DBNAME or sqlite:///PATH/ledger.db"
+
+
+def command(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    """The console script with none of the settings it reads in its environment but ``env``."""
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("BUDGET_TASKS_LEDGER_URL", "BUDGET_TASKS_STALE_AFTER")
+    }
+    return subprocess.run(
+        [SCRIPT, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**base, **env},
+        cwd=cwd,
+        check=False,
+    )
+
+
+def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    """The one line a failed command printed, having checked it is one line and exit 2."""
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    return done.stderr.rstrip("\n")
+
+
+def write_app(where: Path, ledger_url: str, stale_after: int = 60) -> Path:
+    """A user's Celery app module, ``myapp``, in ``where``."""
+    (where / "myapp.py").write_text(
+        "from celery import Celery\n"
+        "app = Celery('myapp', set_as_current=False)\n"
+        f"app.conf.budget_ledger_url = {ledger_url!r}\n"
+        f"app.conf.budget_stale_after = {stale_after}\n"
+        "other = Celery('other', set_as_current=False)\n"
+        "other.conf.budget_ledger_url = 'notaurl'\n"
+    )
+    return where
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("notaurl", f"invalid ledger URL: it does not parse; {EXPECTED}"),
+        ("", f"invalid ledger URL: it is empty; {EXPECTED}"),
+        (
+            "postgresql://u:secret@127.0.0.1:notaport/x",
+            "invalid ledger URL: its port is not a number",
+        ),
+    ],
+    ids=["notaurl", "empty", "port"],
+)
+@pytest.mark.parametrize("args", [("status",), ("db", "upgrade")], ids=" ".join)
+def test_a_malformed_ledger_url_is_one_line_and_exit_2(
+    url: str, message: str, args: tuple[str, ...]
+) -> None:
+    assert one_line_error(command(*args, "--ledger-url", url)) == f"error: {message}"
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def schemaless_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database that exists and has no ledger tables."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/empty.db"
+        return
+    request.getfixturevalue("pg_url")  # PostgreSQL is there (or the test skips)
+    with scratch_database() as url:
+        yield url
+
+
+def test_a_ledger_without_its_schema_says_run_db_upgrade(schemaless_url: str) -> None:
+    line = one_line_error(command("status", "--ledger-url", schemaless_url))
+    assert line.startswith("error: the ledger schema is missing or out of date (")
+    assert line.endswith(f"): {UPGRADE}")
+    # and doing what it says is enough
+    assert command("db", "upgrade", "--ledger-url", schemaless_url).returncode == 0
+    assert command("status", "--ledger-url", schemaless_url).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("postgresql://postgres@127.0.0.1:1/x", "port 1 failed: Connection refused"),
+        (
+            "postgresql://postgres@127.0.0.1:5432/bt_missing_{}",
+            'failed: FATAL:  database "bt_missing_{}" does not exist',
+        ),
+    ],
+    ids=["no server", "no database"],
+)
+def test_db_upgrade_without_a_server_or_database_is_one_line_and_exit_2(
+    pg_url: str, url: str, reason: str
+) -> None:
+    name = uuid.uuid4().hex[:8]
+    line = one_line_error(command("db", "upgrade", "--ledger-url", url.format(name)))
+    assert line.startswith("error: cannot reach the ledger database: connection failed: ")
+    assert line.endswith(reason.format(name))
+
+
+def test_the_app_option_gives_the_ledger_url(
+    pg_url: str, pg_ledger: Ledger, tmp_path: Path
+) -> None:
+    home = write_app(tmp_path, pg_url)
+    done = command("-A", "myapp", "budget", "create", "acme", "--cap", "100", cwd=home)
+    assert done.returncode == 0, done.stderr
+    assert pg_ledger.budget("acme").cap == 100
+    # --ledger-url, then env, then the app: the first given is used
+    env_first = command("-A", "myapp", "status", cwd=home, BUDGET_TASKS_LEDGER_URL="notaurl")
+    assert one_line_error(env_first).startswith("error: invalid ledger URL: it does not parse")
+    explicit = command(
+        "-A", "myapp", "status", "--ledger-url", pg_url, cwd=home, BUDGET_TASKS_LEDGER_URL="x"
+    )
+    assert explicit.returncode == 0 and "acme" in explicit.stdout, explicit.stderr
+    # module:attr names the app (this one's URL is bad)
+    named = one_line_error(command("-A", "myapp:other", "status", cwd=home))
+    assert named.startswith("error: invalid ledger URL: it does not parse")
+
+
+def test_an_app_that_cannot_be_imported_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "broken.py").write_text("raise RuntimeError('settings are wrong')\n")
+    (tmp_path / "empty.py").write_text("")
+    for app, message in [
+        ("nosuchapp", "cannot import the Celery app 'nosuchapp': No module named 'nosuchapp'"),
+        ("broken", "cannot import the Celery app 'broken': settings are wrong"),
+        ("empty", "module 'empty' has no Celery app named app or celery (name it: -A empty:NAME)"),
+    ]:
+        line = one_line_error(command("-A", app, "status", cwd=tmp_path))
+        assert line == f"error: {message}"
+
+
+def test_stale_holds_use_the_configured_age_and_what_beat_flagged(
+    pg_url: str, pg_ledger: Ledger, tmp_path: Path
+) -> None:
+    earlier = Ledger(pg_url, clock=ManualClock(datetime.now(UTC) - timedelta(seconds=120)))
+    earlier.create_budget("acme", 1000)
+    earlier.reserve("acme", "flagged", 10)
+    earlier.mark_sending("flagged")
+    beat = Ledger(pg_url)  # the beat job of an app whose budget_stale_after is 60 s
+    assert [h.key for h in beat.flag_stale(timedelta(seconds=60))] == ["flagged"]
+    earlier.reserve("acme", "unflagged", 10)  # as old, sent after beat's last run
+    earlier.mark_sending("unflagged")
+    earlier.dispose()
+    beat.dispose()
+    home = write_app(tmp_path, pg_url, stale_after=60)
+
+    def stale(*args: str, **env: str) -> list[str]:
+        done = command(*args, "holds", "--stale", "--json", cwd=home, **env)
+        assert done.returncode == 0, done.stderr
+        return [h["key"] for h in json.loads(done.stdout)]
+
+    url = {"BUDGET_TASKS_LEDGER_URL": pg_url}
+    assert stale(**url) == ["flagged"]  # 900 s by default, and beat flagged it
+    assert stale(**url, BUDGET_TASKS_STALE_AFTER="60") == ["flagged", "unflagged"]
+    assert stale("-A", "myapp") == ["flagged", "unflagged"]  # its budget_stale_after
+    assert stale("-A", "myapp", BUDGET_TASKS_STALE_AFTER="900") == ["flagged"]
+
+
+def test_a_budget_without_a_period_says_so(pg_url: str, pg_ledger: Ledger) -> None:
+    assert command("budget", "create", "plain", "--cap", "5", "--ledger-url", pg_url).stdout == (
+        "created budget plain: cap 5, no period\n"
+    )
+    assert command("budget", "show", "plain", "--ledger-url", pg_url).stdout == (
+        "budget plain (no period)\nall time: cap 5, spent 0, held 0, available 5\nopen holds: 0\n"
+    )
+    daily = command(
+        "budget", "create", "daily", "--cap", "5", "--period", "day", "--ledger-url", pg_url
+    )
+    assert daily.stdout == "created budget daily: cap 5 per day\n"
+    shown = command("budget", "show", "daily", "--ledger-url", pg_url).stdout.splitlines()
+    assert shown[0] == "budget daily (period day, renewal reset)"
+    assert shown[1].startswith("period from 20")

@@ -1,0 +1,86 @@
+"""The ledger's typed errors for a bad URL and for a database without the ledger schema."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from budget_tasks import (
+    BudgetTasksError,
+    Ledger,
+    LedgerConfigError,
+    LedgerUnavailable,
+    SchemaMissing,
+)
+from budget_tasks.ledger.statements import Driver
+
+from ..services import check_postgres, scratch_database
+
+EXPECTED = "expected postgresql://USER@HOST:5432/DBNAME or sqlite:///PATH/ledger.db"
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("notaurl", f"invalid ledger URL: it does not parse; {EXPECTED}"),
+        ("", f"invalid ledger URL: it is empty; {EXPECTED}"),
+        ("postgresql://u:secret@h:notaport/db", "invalid ledger URL: its port is not a number"),
+        (
+            "mysql://h/db",
+            "invalid ledger URL: the ledger runs on PostgreSQL or SQLite, not 'mysql'",
+        ),
+        (
+            "postgresql+nosuchdriver://h/db",
+            "invalid ledger URL: no driver for 'postgresql+nosuchdriver' is installed: "
+            "Can't load plugin: sqlalchemy.dialects:postgresql.nosuchdriver",
+        ),
+    ],
+    ids=["notaurl", "empty", "port", "backend", "driver"],
+)
+def test_a_bad_ledger_url_raises_ledger_config_error(url: str, message: str) -> None:
+    with pytest.raises(LedgerConfigError) as caught:
+        Ledger(url)
+    assert str(caught.value) == message  # and never the URL itself: it may hold a password
+    assert isinstance(caught.value, ValueError)  # what callers caught before it had a type
+
+
+@pytest.mark.parametrize(
+    "error",
+    [LedgerConfigError("it is empty"), SchemaMissing('relation "budgets" does not exist')],
+    ids=lambda e: type(e).__name__,
+)
+def test_the_new_errors_pickle_with_their_facts(error: BudgetTasksError) -> None:
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), str(copy), copy.facts) == (type(error), str(error), error.facts)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def schemaless_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database that exists and has no ledger tables."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/empty.db"
+        return
+    check_postgres()
+    with scratch_database() as url:
+        yield url
+
+
+def test_a_database_without_the_schema_raises_schema_missing(schemaless_url: str) -> None:
+    ledger = Ledger(schemaless_url)
+    try:
+        # SQLAlchemy Core (engine.transaction), then the admission path
+        with pytest.raises(SchemaMissing) as caught:
+            ledger.budgets()
+        with pytest.raises(SchemaMissing):
+            ledger.reserve("acme", "call-1", 10)
+        # the hot path's statements on the driver connection (statements.Driver)
+        with pytest.raises(SchemaMissing), Driver(ledger.engine).transaction() as cur:
+            cur.one("SELECT id FROM budgets WHERE name = :name", {"name": "acme"})
+    finally:
+        ledger.dispose()
+    assert isinstance(caught.value, LedgerUnavailable)  # callers still fail closed
+    assert str(caught.value).startswith("the ledger schema is missing or out of date (")
+    assert str(caught.value).endswith("): run `budget-tasks db upgrade`")
