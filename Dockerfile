@@ -3,9 +3,8 @@
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
-COPY pyproject.toml README.md celeryconfig.py ./
+COPY pyproject.toml README.md ./
 COPY budget_tasks ./budget_tasks
-COPY workers ./workers
 RUN pip install ".[openai,anthropic]"
 RUN useradd --create-home app
 USER app

@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 import psycopg
 
 from budget_tasks import Ledger
-from budget_tasks.testing import race
+from budget_tasks.testing.harness import race
 
 ADMIN_URL = os.environ.get(
     "BUDGET_TASKS_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -6,7 +6,7 @@ flagged (and alerted through :data:`stale_hold`), and only a provider's answer, 
 operator, resolves it. Every job is safe to run twice at once: claims are made by
 the database (conditional UPDATEs, SKIP LOCKED, unique constraints), not in Python.
 
-Schedule them from ``celeryconfig.beat_schedule``; tune them with the settings
+``budget_tasks.configure(app)`` registers and schedules them; tune them with the settings
 ``budget_stale_after`` (seconds, default 900), ``budget_reconcile_margin`` (seconds
 past the client timeout before "not found" counts, default 300),
 ``budget_requeue_not_found`` (default False) and ``budget_retention_days`` (default 7).
@@ -191,7 +191,10 @@ def _reconcile_one(
         )
         _told_settled(attempt, actual)
         log.info(
-            "reconciled %s: found, charged %d (%s)", attempt.key, actual, done.operation_status
+            "reconciled %s: found at the provider, charged %d%s",
+            attempt.key,
+            actual,
+            f"; operation {done.operation_status}" if done.operation_status else "",
         )
         return "found"
     if isinstance(outcome, NotFound):
@@ -217,7 +220,7 @@ def _reconcile_one(
             operation = ledger.operation(done.operation)
             if operation.task and operation.payload is not None:
                 requeue(operation.task, operation.key, operation.payload)
-        log.info("reconciled %s: not found (%s)", attempt.key, outcome.reason)
+        log.info("reconciled %s: not found%s", attempt.key, _because(outcome.reason))
         return "not_found"
     name = "pending" if not isinstance(outcome, Unknowable) else "unknowable"
     if name == "unknowable" and recorded:
@@ -231,8 +234,12 @@ def _reconcile_one(
             expected="unknown",
         )
         _told_settled(attempt, recorded)
-    log.info("reconciled %s: %s (%s)", attempt.key, name, outcome.reason)
+    log.info("reconciled %s: %s%s", attempt.key, name, _because(outcome.reason))
     return name
+
+
+def _because(reason: str) -> str:
+    return f" ({reason})" if reason else ""
 
 
 def renew_periods(ledger: Ledger) -> int:

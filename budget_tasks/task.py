@@ -22,6 +22,7 @@ from celery import Task
 from celery.exceptions import Retry
 
 from . import _validate as check
+from . import wiring  # noqa: F401  (a worker running BudgetTasks checks its wiring at start)
 from .config import LEDGER_URL_ENV, LEDGER_URL_SETTING, close_ledgers, ledger_for, ledger_of
 from .delivery import (
     PERSIST_DELAYS,
@@ -33,7 +34,13 @@ from .delivery import (
     RetryLater,
     catch_up,
 )
-from .errors import SideEffectUncertain
+from .errors import (
+    BudgetExceeded,
+    BudgetFrozen,
+    OperationFailed,
+    OutcomeUnknown,
+    SideEffectUncertain,
+)
 from .ledger import Ledger
 
 __all__ = [
@@ -82,6 +89,15 @@ class BudgetTask(Task):  # type: ignore[misc]
 
     acks_late = True
     reject_on_worker_lost = True
+    #: Outcomes of normal operation, not faults: Celery logs them as one INFO line
+    #: ("raised expected") with no traceback. A denial, a frozen budget, a call whose
+    #: outcome is still unknown, a replay of an operation that failed before.
+    throws: ClassVar[tuple[type[BaseException], ...]] = (
+        BudgetExceeded,
+        BudgetFrozen,
+        OutcomeUnknown,
+        OperationFailed,
+    )
 
     budget: ClassVar[Any] = None
     on_unknown: ClassVar[str] = "hold"

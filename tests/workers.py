@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Worker(_Worker):
-    """``celery -A workers worker -I <include>`` started from the project root."""
+    """``celery -A budget_tasks.demo.app worker -I <include>`` started from the project root."""
 
     def __init__(
         self,

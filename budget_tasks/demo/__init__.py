@@ -1,6 +1,2 @@
-"""``budget-tasks demo``: the Celery scenario (the main job) and the ledger walk-through."""
-
-from .scenario import run as run_scenario
-from .walkthrough import run as run_walkthrough
-
-__all__ = ["run_scenario", "run_walkthrough"]
+"""``budget-tasks demo``: the Celery scenario (the main job, :mod:`.scenario`), the ledger
+walk-through (:mod:`.walkthrough`) and the reference app they run (:mod:`.app`)."""

@@ -118,7 +118,7 @@ HEADERS = (
     "done",
     "denied",
     "replays",
-    "reserved",
+    "reserved*",
     "spent",
     "held",
     "overrun",
@@ -157,4 +157,9 @@ def render_table(rows: Sequence[BudgetRow]) -> str:
                 for i, (v, w) in enumerate(zip(row, widths, strict=True))
             )
         )
+    lines.append(
+        "   * reserved: every hold taken over the run, added up. Each was settled at its "
+        "actual cost or released;\n"
+        "     the holds open at any one moment never passed the cap (see the first invariant)."
+    )
     return "\n".join(lines)

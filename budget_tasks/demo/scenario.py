@@ -2,8 +2,8 @@
 
 On embedded defaults it needs no services: a SQLite ledger, kombu's SQLAlchemy
 transport on SQLite as the broker, the fake provider in a thread, and a real
-``celery -A workers worker`` process (prefork pool) running the reference
-``workers.tasks.summarize``, which calls the provider through the official openai SDK.
+``celery -A budget_tasks.demo.app worker`` process (prefork pool) running the reference
+``budget_tasks.demo.tasks.summarize``, which calls the provider through the official openai SDK.
 ``ledger_url`` and ``broker_url`` run the same scenario against PostgreSQL and Redis.
 
 The scenario, each step checked against the ledger and against what the provider saw:
@@ -31,11 +31,17 @@ from typing import Any
 import click
 
 from ..ledger import Ledger
-from ..testing import FakeProvider, Worker, wait_for, worker_env
+from ..testing import FakeProvider
+from ..testing.harness import Worker, wait_for, worker_env
 from .checks import Checks, budget_rows, render_table
 
 Echo = Callable[[str], None]
 
+APP, TASKS, SETTINGS = (
+    "budget_tasks.demo.app",
+    "budget_tasks.demo.tasks",
+    "budget_tasks.demo.settings",
+)
 PROVIDER_TIMEOUT = 2  # seconds: the SDK gives up on the stalled call after this
 STALE_AFTER = 1  # seconds: the demo's beat flags holds this old (production: 900)
 KILL_DELAY = 4  # the provider answers the killed call after this long (billing it)
@@ -76,17 +82,6 @@ class Run:
     jobs: list[Job] = field(default_factory=list)
 
 
-def project_root() -> Path:
-    """Where the reference ``workers`` package is: the current directory, or the
-    checkout this package was installed from (editable install)."""
-    for candidate in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        if (candidate / "workers" / "__init__.py").exists():
-            return candidate
-    raise click.ClickException(
-        "the demo runs the reference Celery app in workers/: run it from the project root"
-    )
-
-
 def document(tenant: str, index: int) -> str:
     lines = [
         f"{tenant.title()} quarterly report, section {index}.",
@@ -119,7 +114,6 @@ def run(
 def _setup(
     home: Path, ledger_url: str | None, broker_url: str | None, concurrency: int, echo: Echo
 ) -> Iterator[Run]:
-    root = project_root()
     ledger_url = ledger_url or f"sqlite:///{home / 'ledger.db'}"
     broker_url = broker_url or f"sqla+sqlite:///{home / 'broker.db'}"
     redis_broker = broker_url.startswith(("redis://", "rediss://"))
@@ -142,25 +136,24 @@ def _setup(
         BUDGET_TASKS_STALE_AFTER=str(STALE_AFTER),
         BUDGET_TASKS_RECONCILE_MARGIN="0",
     )
-    # This process is the producer, with the same app and settings as the worker.
+    # This process is the producer, with the same app and settings as the worker: the
+    # reference app reads them from the environment when it is imported.
     os.environ.update(env)
-    sys.path.insert(0, str(root))
-    for module in ("celeryconfig", "workers", "workers.tasks"):
+    for module in (APP, TASKS, SETTINGS):
         sys.modules.pop(module, None)
-    # imported by name: the reference app is a deployment, not part of this package
-    app = importlib.import_module("workers").app
-    summarize = importlib.import_module("workers.tasks").summarize
+    app = importlib.import_module(APP).app
+    summarize = importlib.import_module(TASKS).summarize
 
     echo("budget-tasks demo: Celery workers spend two tenants' budgets through one ledger")
     echo(f"  ledger    {_redact(ledger_url)}")
     echo(f"  broker    {_redact(broker_url)}  (acks_late, prefetch 1)")
     echo(f"  provider  fake OpenAI API at {fake.url}, called with the official openai SDK")
     started = time.monotonic()
-    worker = Worker(env, f"demo-{run_id}", home, concurrency, include="", cwd=root)
+    worker = Worker(env, f"demo-{run_id}", home, concurrency, include="", app=APP, cwd=home)
     try:
         worker.wait_ready()
         echo(
-            f"  worker    celery -A workers worker, prefork pool of {concurrency}"
+            f"  worker    celery -A {APP} worker, prefork pool of {concurrency}"
             f" (ready in {time.monotonic() - started:.1f}s)"
         )
         yield Run(home, ledger, fake, app, summarize, worker, budgets, run_id)

@@ -1,9 +1,12 @@
-"""Helpers for testing code that uses budget-tasks (and for budget-tasks' own tests)."""
+"""For testing code that uses budget-tasks: the fake provider, a manual clock, and the
+pytest plugin (:mod:`.pytest_plugin`, loaded by pytest on its own: fixtures
+``budget_ledger``, ``fake_llm``, ``budget_eager``).
+
+budget-tasks' own harness (worker processes, the fault proxy, races) is apart, in
+:mod:`budget_tasks.testing.harness`, and is not part of this API.
+"""
 
 from .clock import ManualClock
 from .fake_provider import FakeProvider
-from .processes import race
-from .proxy import FaultProxy
-from .worker import Worker, wait_for, worker_env
 
-__all__ = ["FakeProvider", "FaultProxy", "ManualClock", "Worker", "race", "wait_for", "worker_env"]
+__all__ = ["FakeProvider", "ManualClock"]

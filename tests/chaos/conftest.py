@@ -20,7 +20,8 @@ import pytest
 from celery import Celery
 
 from budget_tasks import Ledger
-from budget_tasks.testing import FakeProvider, worker_env
+from budget_tasks.testing import FakeProvider
+from budget_tasks.testing.harness import worker_env
 
 from ..services import missing
 from ..workers import Worker
@@ -129,7 +130,7 @@ def start_worker(
     tmp_path: Path,
     request: pytest.FixtureRequest,
 ) -> Iterator[Callable[..., Worker]]:
-    """Start ``celery -A workers worker -I tests.chaos.worker_tasks`` on the test's
+    """Start ``celery -A budget_tasks.demo.app worker -I tests.chaos.worker_tasks`` on the test's
     Redis and the scratch ledger; env overrides as keyword arguments."""
     started: list[Worker] = []
 

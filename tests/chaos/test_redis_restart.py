@@ -22,7 +22,8 @@ from celery import Celery
 from sqlalchemy import text
 
 from budget_tasks import Ledger
-from budget_tasks.testing import FakeProvider, wait_for
+from budget_tasks.testing import FakeProvider
+from budget_tasks.testing.harness import wait_for
 
 from ..workers import Worker
 from .conftest import celery_client, outcome

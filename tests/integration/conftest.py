@@ -13,7 +13,8 @@ import redis
 from celery import Celery
 
 from budget_tasks import Ledger
-from budget_tasks.testing import FakeProvider, worker_env
+from budget_tasks.testing import FakeProvider
+from budget_tasks.testing.harness import worker_env
 
 from ..services import REDIS_HOST, REDIS_PORT, check_redis
 from ..workers import Worker

@@ -28,7 +28,8 @@ from budget_tasks.beat import (
 from budget_tasks.ledger.leases import owner_id, this_process
 from budget_tasks.providers import estimates, openai_chat, openai_client
 from budget_tasks.providers.calls import LOOKUP_ANTHROPIC_MESSAGES, LOOKUP_OPENAI_CHAT
-from budget_tasks.testing import FakeProvider, ManualClock, race
+from budget_tasks.testing import FakeProvider, ManualClock
+from budget_tasks.testing.harness import race
 
 PROMPT = {
     "model": "gpt-4o-mini",
@@ -157,7 +158,7 @@ def test_not_found_releases_and_requeues_pending_backs_off(
         owner="me",
         lease=timedelta(minutes=5),
         max_runs=3,
-        task="workers.tasks.summarize",
+        task="budget_tasks.demo.tasks.summarize",
         payload={"args": ["lost", "text"], "kwargs": {}},
     )
     pg_ledger.reserve("team", "op-lost#1", 10_000, operation_id=start.operation_id)
@@ -178,7 +179,7 @@ def test_not_found_releases_and_requeues_pending_backs_off(
     assert pg_ledger.attempt("op-lost#1").state == "released"
     assert pg_ledger.operation("op-lost").status == "retryable"
     assert requeued == [
-        ("workers.tasks.summarize", "op-lost", {"args": ["lost", "text"], "kwargs": {}})
+        ("budget_tasks.demo.tasks.summarize", "op-lost", {"args": ["lost", "text"], "kwargs": {}})
     ]
     # A send that is recent (on the real clock) is only pending, and is not looked up
     # again before its backoff has passed.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from budget_tasks import BudgetExceeded, Ledger
-from budget_tasks.testing import race
+from budget_tasks.testing.harness import race
 
 
 def reserve_once(url: str, key: str, amount: int) -> bool:

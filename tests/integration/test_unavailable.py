@@ -11,7 +11,7 @@ from celery import Celery
 
 from budget_tasks import BudgetTask, Ledger, LedgerUnavailable, OutcomeUnknown
 from budget_tasks.config import close_ledgers
-from budget_tasks.testing import FaultProxy
+from budget_tasks.testing.harness import FaultProxy
 
 from ..services import PG_ADMIN_URL
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -32,6 +33,10 @@ from ..workers import Worker
 from .worker_tasks import fixed_request
 
 TASKS = 200
+
+# hundreds of tasks through real workers (a fork per task for prefork): slow on a
+# loaded machine, so more than the suite's default of 300 s before calling it a hang
+pytestmark = pytest.mark.timeout(900)
 
 
 def socket_ports(pids: list[int]) -> set[int]:

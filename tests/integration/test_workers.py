@@ -15,9 +15,13 @@ from celery import Celery
 from sqlalchemy import text
 
 from budget_tasks import Ledger
-from budget_tasks.testing import FakeProvider, wait_for
+from budget_tasks.testing import FakeProvider
+from budget_tasks.testing.harness import wait_for
 
 from ..workers import Worker
+
+SUMMARIZE = "budget_tasks.demo.tasks.summarize"
+RESEARCH = "budget_tasks.demo.tasks.research"
 
 
 def operation_counts(ledger: Ledger, key: str) -> tuple[int, int]:
@@ -37,7 +41,7 @@ def test_sigkill_mid_call_then_redelivery_keeps_the_hold_and_never_resends(
 ) -> None:
     worker = start_worker()
     fake.plan("delay=4", path="/chat/completions")
-    result = client.send_task("workers.tasks.summarize", args=["doc-kill", "Board minutes."])
+    result = client.send_task(SUMMARIZE, args=["doc-kill", "Board minutes."])
     wait_for(lambda: requests_for(fake, "summarize:doc-kill"), what="the provider call")
     [child] = worker.children()
     os.kill(child, signal.SIGKILL)  # mid-request: the provider is still working on it
@@ -56,11 +60,11 @@ def test_duplicate_deliveries_replay_one_provider_call(
 ) -> None:
     start_worker(concurrency=2)
     args = ["doc-dup", "Same document, sent twice."]
-    first = client.send_task("workers.tasks.summarize", args=args, task_id="dup-1")
+    first = client.send_task(SUMMARIZE, args=args, task_id="dup-1")
     value = first.get(timeout=60)
     # the same message again (same task id), and another message for the same document
-    again = client.send_task("workers.tasks.summarize", args=args, task_id="dup-1")
-    other = client.send_task("workers.tasks.summarize", args=args, task_id="dup-2")
+    again = client.send_task(SUMMARIZE, args=args, task_id="dup-1")
+    other = client.send_task(SUMMARIZE, args=args, task_id="dup-2")
     assert again.get(timeout=60) == value
     assert other.get(timeout=60) == value
     assert len(requests_for(fake, "summarize:doc-dup")) == 1
@@ -75,7 +79,7 @@ def test_two_task_ids_same_business_key_at_once_make_one_call(
     start_worker("b")
     fake.plan("delay=2", path="/chat/completions")
     args = ["doc-twin", "Two clicks on the same button."]
-    results = [client.send_task("workers.tasks.summarize", args=args) for _ in range(2)]
+    results = [client.send_task(SUMMARIZE, args=args) for _ in range(2)]
     values = [r.get(timeout=90) for r in results]
     assert values[0] == values[1]
     assert len(requests_for(fake, "summarize:doc-twin")) == 1
@@ -89,7 +93,7 @@ def test_visibility_timeout_redelivery_while_running_replays(
     start_worker("a", **settings)
     start_worker("b", **settings)
     fake.plan("delay=7", path="/chat/completions")
-    result = client.send_task("workers.tasks.summarize", args=["doc-vis", "A long job."])
+    result = client.send_task(SUMMARIZE, args=["doc-vis", "A long job."])
     value = result.get(timeout=120)
     assert len(requests_for(fake, "summarize:doc-vis")) == 1
     assert value["cost"] == fake.billed_for("summarize:doc-vis#1")
@@ -114,8 +118,10 @@ def test_two_hundred_tasks_against_a_cap_for_fifty(
 
     each = estimates.openai_chat(fixed_request(0)).amount
     pg_ledger.create_budget("capped", 50 * each)
-    start_worker("a", concurrency=2, BUDGET_TASKS_BUDGET="capped")
-    start_worker("b", concurrency=2, BUDGET_TASKS_BUDGET="capped")
+    workers = [
+        start_worker("a", concurrency=2, BUDGET_TASKS_BUDGET="capped"),
+        start_worker("b", concurrency=2, BUDGET_TASKS_BUDGET="capped"),
+    ]
     results = [client.send_task("tests.fixed_cost", args=[n]) for n in range(200)]
     outcomes = []
     for r in results:
@@ -130,6 +136,12 @@ def test_two_hundred_tasks_against_a_cap_for_fifty(
     bal = pg_ledger.balance("capped")
     assert bal.spent + bal.held == 50 * each == bal.cap
     assert pg_ledger.audit() == []
+    # a denial is normal operation: one INFO line each in the worker log, no traceback
+    log = "".join(w.log_path.read_text() for w in workers)
+    denials = [line for line in log.splitlines() if "BudgetExceeded" in line]
+    assert len(denials) == 150, denials[:5]
+    assert all("INFO/" in line and "raised expected" in line for line in denials), denials[:5]
+    assert "Traceback" not in log
 
 
 def test_poison_message_stops_at_max_deliveries(
@@ -152,10 +164,10 @@ def test_agent_task_spends_per_step_and_notifies_once(
     client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
 ) -> None:
     start_worker()
-    value = client.send_task("workers.tasks.research", args=["tides", 3]).get(timeout=60)
+    value = client.send_task(RESEARCH, args=["tides", 3]).get(timeout=60)
     assert len(value["notes"]) == 3
     assert value["notified"] == "notified: tides after 3 steps"
-    again = client.send_task("workers.tasks.research", args=["tides", 3]).get(timeout=60)
+    again = client.send_task(RESEARCH, args=["tides", 3]).get(timeout=60)
     assert again == value
     assert len(requests_for(fake, "research:tides:3:step:")) == 3
     steps = [a for a in pg_ledger.attempts() if a.label == "step"]
@@ -173,7 +185,7 @@ def test_beat_jobs_through_a_real_worker_flag_then_reconcile_a_timeout(
     )
     fake.plan("hang=2", path="/chat/completions")
     with pytest.raises(Exception, match=r"timed out|Timeout"):
-        client.send_task("workers.tasks.summarize", args=["doc-late", "Slow."]).get(timeout=60)
+        client.send_task(SUMMARIZE, args=["doc-late", "Slow."]).get(timeout=60)
     [attempt] = pg_ledger.attempts()
     assert attempt.state == "unknown"
     assert client.send_task("budget_tasks.flag_stale_holds").get(timeout=60) == 1
@@ -183,7 +195,7 @@ def test_beat_jobs_through_a_real_worker_flag_then_reconcile_a_timeout(
     settled = pg_ledger.attempt(attempt.key)
     assert (settled.state, settled.actual) == ("settled", fake.billed_for(attempt.key))
     # the next delivery of that document replays the reconciled answer
-    value = client.send_task("workers.tasks.summarize", args=["doc-late", "Slow."]).get(timeout=60)
+    value = client.send_task(SUMMARIZE, args=["doc-late", "Slow."]).get(timeout=60)
     assert value == pg_ledger.operation("summarize:doc-late").result
     assert len(requests_for(fake, "summarize:doc-late")) == 1
     assert client.send_task("budget_tasks.renew_periods").get(timeout=60) == 0
@@ -196,7 +208,7 @@ def test_whole_worker_killed_mid_call_then_a_new_worker_never_resends(
     settings = {"BUDGET_TASKS_VISIBILITY_TIMEOUT": "3", "BUDGET_TASKS_RESTORE_INTERVAL": "1"}
     first = start_worker("first", **settings)
     fake.plan("delay=4", path="/chat/completions")
-    result = client.send_task("workers.tasks.summarize", args=["doc-crash", "Power cut."])
+    result = client.send_task(SUMMARIZE, args=["doc-crash", "Power cut."])
     wait_for(lambda: requests_for(fake, "summarize:doc-crash"), what="the provider call")
     os.killpg(first.proc.pid, signal.SIGKILL)  # the machine dies: no ack, no requeue
     first.proc.wait(timeout=10)

@@ -1,4 +1,4 @@
-"""Extra tasks that the test workers load (``celery worker -I``) beside workers.tasks."""
+"""Extra tasks that the test workers load (``celery worker -I``) beside budget_tasks.demo.tasks."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import signal
 from typing import Any
 
 from budget_tasks import BudgetTask
+from budget_tasks.demo.app import app
+from budget_tasks.demo.tasks import BUDGET, client
 from budget_tasks.providers import estimates, openai_chat
-from workers import app
-from workers.tasks import BUDGET, client
 
 
 def fixed_request(n: int) -> dict[str, Any]:

@@ -19,7 +19,7 @@ def test_the_table_lines_up_every_column() -> None:
         BudgetRow("acme", 689, 25, 16, 9, 5, 2926, 373, 0, 0),
         BudgetRow("globex-a1", 9, 1, 1, 0, 0, 7, 5, 2, 0),
     ]
-    header, *body = render_table(rows).splitlines()
+    header, *body, note1, note2 = render_table(rows).splitlines()
     assert header.split() == [
         "budget",
         "cap",
@@ -27,10 +27,12 @@ def test_the_table_lines_up_every_column() -> None:
         "done",
         "denied",
         "replays",
-        "reserved",
+        "reserved*",
         "spent",
         "held",
         "overrun",
     ]
     assert body[1].split() == ["globex-a1", "9", "1", "1", "0", "0", "7", "5", "2", "0"]
     assert len({len(line) for line in (header, *body)}) == 1
+    # the sum of every hold reads like overspend against the cap without a word
+    assert note1.split()[:2] == ["*", "reserved:"] and "never passed the cap" in note2

@@ -11,7 +11,7 @@ from typing import Any
 from budget_tasks import BudgetTask
 from budget_tasks.providers import estimates, openai_chat, openai_client
 
-from . import app
+from .app import app
 
 BUDGET = os.environ.get("BUDGET_TASKS_BUDGET", "default")
 MODEL = os.environ.get("BUDGET_TASKS_MODEL", "gpt-4o-mini")
@@ -38,7 +38,7 @@ def summary_request(text: str) -> dict[str, Any]:
     }
 
 
-@app.task(
+@app.task(  # type: ignore[untyped-decorator]
     base=BudgetTask,
     bind=True,
     # a tenant's jobs charge that tenant's budget; without one, BUDGET_TASKS_BUDGET
@@ -74,7 +74,7 @@ def step_estimate(topic: str, notes: list[str]) -> int:
     return estimates.openai_chat(step_request(topic, notes)).amount
 
 
-@app.task(
+@app.task(  # type: ignore[untyped-decorator]
     base=BudgetTask,
     bind=True,
     budget=BUDGET,

@@ -1,0 +1,125 @@
+"""One line that wires a Celery app for BudgetTask, and the checks a worker makes at
+start.
+
+``configure(app)`` registers the beat jobs, merges their schedule into the app's, and
+sets, as defaults the app's own configuration still overrides, the settings BudgetTask
+relies on. Whether or not an app calls it, a worker that runs BudgetTasks warns at
+start about what would silently weaken the guarantees.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery
+from celery.signals import celeryd_after_setup
+
+from .config import LEDGER_URL_SETTING
+
+log = logging.getLogger("budget_tasks")
+
+#: The periodic ledger jobs and how often they run (seconds).
+BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
+    "budget-tasks-flag-stale-holds": {"task": "budget_tasks.flag_stale_holds", "schedule": 60.0},
+    "budget-tasks-reconcile-unknown": {"task": "budget_tasks.reconcile_unknown", "schedule": 60.0},
+    "budget-tasks-renew-periods": {"task": "budget_tasks.renew_periods", "schedule": 60.0},
+    "budget-tasks-purge-expired-operations": {
+        "task": "budget_tasks.purge_expired_operations",
+        "schedule": 3600.0,
+    },
+}
+
+#: What at-least-once delivery needs: a message acked only after its task ran, a killed
+#: worker's message back in the queue, one message at a time per process.
+DELIVERY_DEFAULTS: dict[str, Any] = {
+    "task_acks_late": True,
+    "task_reject_on_worker_lost": True,
+    "worker_prefetch_multiplier": 1,
+}
+
+#: kombu's own default visibility timeout for Redis (seconds).
+REDIS_VISIBILITY_DEFAULT = 3600.0
+REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "sentinel://")
+
+
+def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
+    """Wire ``app`` for BudgetTask: the beat jobs registered, their schedule merged into
+    ``beat_schedule`` (entries of the same name the app sets win), and
+    ``task_acks_late``, ``task_reject_on_worker_lost`` and ``worker_prefetch_multiplier=1``
+    as defaults. ``ledger_url`` sets ``budget_ledger_url``. Returns ``app``."""
+    from . import beat  # noqa: F401  (registers the beat jobs as shared tasks)
+
+    defaults = dict(DELIVERY_DEFAULTS)
+    if ledger_url is not None:
+        defaults[LEDGER_URL_SETTING] = ledger_url
+
+    def wire(sender: Celery, **_: Any) -> None:
+        conf = sender.conf
+        # Celery's add_defaults() would rank above the app's own config source, so
+        # each default is set only where the app's configuration does not name it.
+        for key, value in defaults.items():
+            if not _set_by_app(conf, key):
+                conf[key] = value
+        schedule = dict(BEAT_SCHEDULE)
+        schedule.update(conf.beat_schedule or {})
+        conf.beat_schedule = schedule
+
+    if app.configured:
+        wire(app)
+    else:
+        app.on_after_configure.connect(wire, weak=False)
+    return app
+
+
+def _set_by_app(conf: Any, key: str) -> bool:
+    """Whether the app's own configuration (its config source or explicit changes)
+    names ``key``, as opposed to Celery's built-in defaults."""
+    # Settings is a chain: the app's changes, then its config source(s), then
+    # Celery's own defaults, always last.
+    layers = [conf.changes, *conf.defaults[:-1]]
+    return any(key in layer for layer in layers)
+
+
+def startup_problems(app: Celery) -> list[str]:
+    """What would weaken BudgetTask's guarantees in this worker, one sentence each."""
+    from .task import BudgetTask
+
+    budget_tasks = [t for t in app.tasks.values() if isinstance(t, BudgetTask)]
+    if not budget_tasks:
+        return []
+    problems = []
+    missing = sorted({e["task"] for e in BEAT_SCHEDULE.values()} - set(app.tasks))
+    if missing:
+        problems.append(
+            f"the beat jobs are not registered ({', '.join(missing)}): unknown outcomes are "
+            "never reconciled and stale holds never flagged; call "
+            "budget_tasks.configure(app) in the app module and run `celery beat`"
+        )
+    broker = str(app.conf.broker_url or "")
+    if broker.startswith(REDIS_SCHEMES):
+        options = app.conf.broker_transport_options or {}
+        visibility = float(options.get("visibility_timeout", REDIS_VISIBILITY_DEFAULT))
+        longest = max(budget_tasks, key=lambda t: t.lease_seconds)
+        if visibility < longest.lease_seconds:
+            problems.append(
+                f"the Redis visibility timeout ({visibility:g} s) is shorter than "
+                f"{longest.name}'s lease ({longest.lease_seconds:g} s): Redis will redeliver "
+                "messages still running, each redelivery waits on the lease; raise "
+                "broker_transport_options['visibility_timeout'] above the longest lease"
+            )
+    return problems
+
+
+def _warn_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    app = getattr(instance, "app", None)
+    if app is None:
+        return
+    for problem in startup_problems(app):
+        log.warning("budget-tasks: %s", problem)
+
+
+celeryd_after_setup.connect(_warn_at_start, weak=False)
+
+
+__all__ = ["BEAT_SCHEDULE", "DELIVERY_DEFAULTS", "configure", "startup_problems"]

@@ -1,0 +1,267 @@
+"""The first hour of a user, as a user has it: the wheel and the sdist built, the wheel
+installed into a fresh virtualenv outside the checkout, and from a new directory:
+
+1. the README's Quick start run as written (its shell lines in order, its ``jobs.py``
+   verbatim), with a real ``celery worker`` and ``celery beat``, Redis, and a fresh
+   PostgreSQL database after ``budget-tasks db upgrade``; only the values of what the
+   README exports (the ledger, the API key) and the broker are pointed at the test's
+   own services, and the SDK at the fake provider;
+2. ``budget-tasks demo`` from the installed wheel;
+3. the example test of the pytest plugin, with the venv's own pytest;
+4. a worker of an app that skips the wiring warns about it at start.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from budget_tasks import Ledger
+from budget_tasks.testing import FakeProvider
+from budget_tasks.testing.harness import wait_for
+
+from ..services import REDIS_HOST, REDIS_PORT, check_postgres, check_redis, scratch_database
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+RECONCILED = re.compile(r"Task budget_tasks\.reconcile_unknown\[.*\] succeeded")
+REDIS_DBS = (10, 11)  # broker, results: apart from the other tests' db 9
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis]
+
+
+def quick_start() -> tuple[list[str], str, list[str]]:
+    """The Quick start's setup lines, its ``jobs.py`` and its run lines, as written."""
+    text = README.read_text()
+    section = text[text.index("## Quick start") : text.index("### Testing your own tasks")]
+    blocks = re.findall(r"```(bash|python)\n(.*?)```", section, re.S)
+    assert [kind for kind, _ in blocks] == ["bash", "python", "bash"], "the section changed"
+    setup, code, run = (body for _, body in blocks)
+
+    def lines(body: str) -> list[str]:
+        return [line.split("  #")[0].strip() for line in body.splitlines() if line.strip()]
+
+    return lines(setup), code, lines(run)
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel (built with the sdist) installed in a new venv outside the checkout."""
+    dist = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    [wheel] = dist.glob("budget_tasks-*.whl")
+    [sdist] = dist.glob("budget_tasks-*.tar.gz")
+    assert sdist.stat().st_size > 0
+    env_dir = tmp_path_factory.mktemp("user") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=120)
+    subprocess.run(
+        [str(env_dir / "bin" / "pip"), "install", "-q", f"{wheel}[openai,testing]"],
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
+    return env_dir
+
+
+@pytest.fixture
+def user_env(venv: Path) -> dict[str, str]:
+    """A shell of the user's: the venv first on PATH, nothing of this checkout."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CELERY_", "BUDGET_", "OPENAI_", "ANTHROPIC_", "PYTHON", "VIRTUAL"))
+    }
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(venv)
+    return env
+
+
+@pytest.fixture
+def services() -> Iterator[tuple[str, str, str]]:
+    check_postgres()
+    check_redis()
+    urls = []
+    for db in REDIS_DBS:
+        redis.Redis(REDIS_HOST, REDIS_PORT, db=db).flushdb()
+        urls.append(f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}")
+    with scratch_database("bt_user") as ledger_url:
+        yield ledger_url, urls[0], urls[1]
+
+
+def run(command: str, cwd: Path, env: dict[str, str], timeout: float = 300) -> str:
+    done = subprocess.run(
+        shlex.split(command), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+class Background:
+    """A long-running command of the Quick start (worker, beat), with its log."""
+
+    def __init__(self, command: str, cwd: Path, env: dict[str, str], name: str) -> None:
+        self.log_path = cwd / f"{name}.log"
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            shlex.split(command),
+            cwd=cwd,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(10)
+        self.log.close()
+
+
+def test_the_quick_start_as_written_then_the_demo_then_the_plugin_example(
+    venv: Path,
+    user_env: dict[str, str],
+    services: tuple[str, str, str],
+    fake: FakeProvider,
+    tmp_path: Path,
+    wheel_installed_outside: None,
+) -> None:
+    ledger_url, broker_url, backend_url = services
+    setup, code, commands = quick_start()
+    home = tmp_path / "project"
+    home.mkdir()
+    (home / "jobs.py").write_text(code)
+    env = dict(user_env)
+    # Celery reads these over the app's own broker and backend: the test's Redis dbs
+    env.update(CELERY_BROKER_URL=broker_url, CELERY_RESULT_BACKEND=backend_url)
+    env["OPENAI_BASE_URL"] = fake.openai_base_url  # read by the official SDK
+    env["BUDGET_TASKS_HOME"] = str(tmp_path / "budget-tasks-home")
+
+    for line in setup:
+        if line.startswith("pip install"):
+            assert line == 'pip install "budget-tasks[openai]"'
+            continue  # done by the venv fixture, from the wheel just built
+        if line.startswith("export "):
+            name, value = line.removeprefix("export ").split("=", 1)
+            env[name] = {"BUDGET_TASKS_LEDGER_URL": ledger_url, "OPENAI_API_KEY": "sk-test"}[name]
+            assert value, line
+            continue
+        run(line, home, env)
+
+    background = [c for c in commands if c.split()[:2] == ["celery", "-A"]]
+    assert [c.split()[3] for c in background] == ["worker", "beat"]
+    worker = Background(background[0], home, env, "worker")
+    beat = Background(background[1], home, env, "beat")
+    try:
+        wait_for(lambda: "ready." in worker.text(), 90, "the worker to be ready")
+        assert "budget-tasks:" not in worker.text(), worker.text()  # no wiring warning
+        outputs = [run(c, home, env) for c in commands if c not in background]
+        first, again, status = outputs
+        assert first == again and first.strip()  # the second job replayed the first
+        posts = [s for s in fake.served() if s.method == "POST"]
+        assert [s.idempotency_key for s in posts] == ["summarize:doc-7#1"]
+        ledger = Ledger(ledger_url)
+        try:
+            assert ledger.balance("acme").spent == posts[0].billed > 0
+            assert ledger.balance("acme").held == 0
+            assert ledger.audit() == []
+        finally:
+            ledger.dispose()
+        assert "acme" in status
+
+        # the demo, from the wheel, in a directory of its own (SQLite, no services);
+        # meanwhile beat's first minute passes
+        demo_dir = tmp_path / "demo"
+        demo_dir.mkdir()
+        demo_env = {k: v for k, v in user_env.items()}
+        demo_env["HOME"] = str(tmp_path / "demo-home")
+        demo = run("budget-tasks demo", demo_dir, demo_env, timeout=400)
+        assert "all invariants held" in demo
+
+        # beat sent the reconciliation job, and the worker ran it
+        wait_for(lambda: "budget_tasks.reconcile_unknown" in beat.text(), 120, "beat's first run")
+        wait_for(
+            lambda: re.search(
+                r"Task budget_tasks\.reconcile_unknown\[.*\] succeeded", worker.text()
+            ),
+            60,
+            "the worker to run the reconciliation",
+        )
+    finally:
+        worker.stop()
+        beat.stop()
+
+    # the plugin's example test, with the venv's own pytest, from a new directory
+    tests_dir = tmp_path / "usertests"
+    tests_dir.mkdir()
+    shutil.copy(ROOT / "examples" / "test_summarize.py", tests_dir)
+    out = run("python -m pytest -q -p no:cacheprovider test_summarize.py", tests_dir, user_env)
+    assert "2 passed" in out
+
+
+@pytest.fixture
+def wheel_installed_outside(venv: Path) -> None:
+    """The venv's budget_tasks is the installed wheel's, not this checkout."""
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import budget_tasks; print(budget_tasks.__file__)"],
+        cwd=venv,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert str(venv) in where and str(ROOT) not in where, where
+
+
+BARE_APP = """
+from celery import Celery
+from budget_tasks import BudgetTask
+
+app = Celery("bare")
+app.conf.broker_transport_options = {"visibility_timeout": 60}
+
+
+@app.task(base=BudgetTask, bind=True, budget="acme", estimate_cost=lambda: 1)
+def job(self):
+    return 1
+"""
+
+
+def test_a_worker_of_an_app_without_the_wiring_warns_at_start(
+    venv: Path, user_env: dict[str, str], services: tuple[str, str, str], tmp_path: Path
+) -> None:
+    ledger_url, broker_url, _ = services
+    (tmp_path / "bare.py").write_text(BARE_APP)
+    env = dict(user_env, CELERY_BROKER_URL=broker_url, BUDGET_TASKS_LEDGER_URL=ledger_url)
+    worker = Background("celery -A bare worker --loglevel=INFO", tmp_path, env, "bare")
+    try:
+        wait_for(lambda: "ready." in worker.text(), 90, "the worker to be ready")
+        time.sleep(0.5)
+        log = worker.text()
+    finally:
+        worker.stop()
+    warnings = [line for line in log.splitlines() if "WARNING" in line and "budget-tasks:" in line]
+    assert len(warnings) == 2, log
+    assert "beat jobs are not registered" in warnings[0]
+    assert "visibility timeout (60 s) is shorter than bare.job's lease (600 s)" in warnings[1]
