@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -37,6 +37,7 @@ from .errors import (
     BudgetExceeded,
     BudgetFrozen,
     BudgetTasksError,
+    CallConflict,
     IdempotencyConflict,
     InvalidTransition,
     LedgerUnavailable,
@@ -49,6 +50,7 @@ from .errors import (
     RetriesEnabled,
     SideEffectUncertain,
     StepNotReplayable,
+    UnguardedCall,
     UnknownBudget,
 )
 from .hooks import Hooks, hooks
@@ -58,6 +60,25 @@ from .ledger.states import OPEN, AttemptState, OperationStatus
 from .providers.outcomes import ErrorOutcome, classify
 
 log = logging.getLogger("budget_tasks.delivery")
+
+_running = threading.local()
+
+
+def current_scope() -> AttemptScope | None:
+    """The attempt scope of the BudgetTask run on this thread, if one runs."""
+    return getattr(_running, "scope", None)
+
+
+@contextmanager
+def running(scope: AttemptScope) -> Iterator[AttemptScope]:
+    """Make ``scope`` this thread's current run (a run inside another's nests)."""
+    outer = current_scope()
+    _running.scope = scope
+    try:
+        yield scope
+    finally:
+        _running.scope = outer
+
 
 #: Pauses between tries of a write that must land after a provider call.
 PERSIST_DELAYS = (0.5, 1.0, 2.0, 4.0)
@@ -91,6 +112,8 @@ BEFORE_SEND_ERRORS: tuple[type[BaseException], ...] = (
     SideEffectUncertain,
     StepNotReplayable,
     RetriesEnabled,
+    CallConflict,
+    UnguardedCall,
 )
 
 
@@ -280,6 +303,18 @@ class AttemptScope(Recorded):
         self.billed_unstored = False
         #: a labelled call of this run whose outcome is unknown (its hold kept)
         self.left_open = False
+
+    @property
+    def key(self) -> str:
+        """The main attempt's key. Refused when ``estimate_cost`` was 0: nothing is
+        reserved for a call under it (use ``spend()`` or the guarded transport)."""
+        if self.amount == 0:
+            raise ValueError(
+                f"operation {self.operation_key!r}: estimate_cost is 0, so nothing was "
+                "reserved for a call under the main attempt; give an estimate, or make "
+                "the calls with self.spend(...) or through the guarded transport"
+            )
+        return super().key
 
     @property
     def ledger(self) -> Ledger:
@@ -546,6 +581,23 @@ class OperationManager:
         attempt, reserve it. None: the state moved under us; read again."""
         last = start.last_attempt
         reason = start.next_reason or ("first" if start.attempts == 0 else "redelivery")
+        if (
+            last is not None
+            and last.state in (AttemptState.SENDING, AttemptState.UNKNOWN)
+            and last.amount == 0
+            and not last.recorded_actual
+        ):
+            # A main attempt of 0 reserved nothing, and its key is never given out (see
+            # AttemptScope.key): nothing was sent under it. A dead run's is released and
+            # the run goes again; its metered calls replay by position.
+            try:
+                self.ledger.release(
+                    last.key, "a dead run's main attempt of 0: nothing sent", expected=last.state
+                )
+            except InvalidTransition:
+                self._end(d, None)
+                return None
+            last = replace(last, state=AttemptState.RELEASED)
         left = [a for a in (last, *start.open_steps) if a is not None and a.state in OPEN]
         if left:
             for attempt in left:

@@ -328,3 +328,30 @@ class StepNotReplayable(BudgetTasksError):
 class NotBilled(Exception):
     """Raise from a task's ``run`` when the provider certainly did not bill: the hold is
     released instead of kept."""
+
+
+class UnguardedCall(BudgetTasksError):
+    """A billable request through the guarded transport outside a BudgetTask's run:
+    refused before sending, so nothing bypasses the ledger by accident."""
+
+    def __init__(self, method: str, path: str) -> None:
+        super().__init__(
+            f"{method} {path} is billable and no BudgetTask runs on this thread: nothing was "
+            "sent (make the call inside run(), or build the client with allow_unguarded=True)",
+            method=method,
+            path=path,
+        )
+
+
+class CallConflict(BudgetTasksError):
+    """On a redelivery, the call at a position of the run sends another request body than
+    the one stored there: the run is not deterministic up to that point."""
+
+    def __init__(self, key: str, attempt: str) -> None:
+        super().__init__(
+            f"operation {key!r}: call {attempt!r} now sends another request than the one it "
+            "sent before; a redelivery replays calls by position, so the run must make the "
+            "same calls in the same order (or use another idempotency key)",
+            key=key,
+            attempt=attempt,
+        )

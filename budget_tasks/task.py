@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import threading
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -33,6 +32,8 @@ from .delivery import (
     OperationManager,
     RetryLater,
     catch_up,
+    current_scope,
+    running,
 )
 from .errors import (
     BudgetExceeded,
@@ -42,6 +43,7 @@ from .errors import (
     SideEffectUncertain,
 )
 from .ledger import Ledger
+from .transport import raised_by_transport
 
 __all__ = [
     "LEDGER_URL_ENV",
@@ -112,8 +114,6 @@ class BudgetTask(Task):  # type: ignore[misc]
     idempotency_key: ClassVar[Any] = None
     fingerprint: ClassVar[Any] = None
 
-    _scope = threading.local()
-
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.__dict__.get("_decorated"):
@@ -140,7 +140,7 @@ class BudgetTask(Task):  # type: ignore[misc]
     @property
     def attempt(self) -> AttemptScope:
         """The current attempt, inside ``run``."""
-        scope: AttemptScope | None = getattr(self._scope, "current", None)
+        scope = current_scope()
         if scope is None:
             raise RuntimeError("self.attempt exists only while a BudgetTask runs")
         return scope
@@ -200,12 +200,16 @@ class BudgetTask(Task):  # type: ignore[misc]
             raise self._later(later.cause, countdown) from later.cause
 
     def _run_in(self, scope: AttemptScope, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        outer = getattr(self._scope, "current", None)  # a BudgetTask run inside another's
-        self._scope.current = scope
-        try:
-            return self.run(*args, **kwargs)
-        finally:
-            self._scope.current = outer
+        with running(scope):
+            try:
+                return self.run(*args, **kwargs)
+            except Exception as exc:
+                # An SDK may wrap what the guarded transport raised (Anthropic's turns any
+                # error into a connection error): the task raises ours, typed.
+                ours = raised_by_transport(exc)
+                if ours is None or ours is exc:
+                    raise
+                raise ours from exc
 
     def _later(self, exc: BaseException, countdown: float) -> BaseException:
         """A retry of the same message later (same task id), with no retry limit;

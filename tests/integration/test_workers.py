@@ -354,3 +354,53 @@ def test_retry_when_budget_frees_works_for_a_step(
         "steps:budget:two:1",
     ]
     assert pg_ledger.holds() == [] and pg_ledger.audit() == []
+
+
+def guarded_posts(fake: FakeProvider, topic: str) -> list[str]:
+    return [
+        s.idempotency_key or ""
+        for s in fake.served()
+        if s.method == "POST" and (s.idempotency_key or "").startswith(f"guarded:{topic}:")
+    ]
+
+
+def test_an_sdk_agent_killed_after_three_calls_replays_them_and_sends_the_rest_once(
+    client: Celery,
+    start_worker: Callable[..., Worker],
+    fake: FakeProvider,
+    pg_ledger: Ledger,
+    tmp_path: Path,
+) -> None:
+    """Five calls through the SDK's own code and the guarded transport; SIGKILL after
+    call three; the redelivery replays calls one to three from the ledger (no request)
+    and sends four and five once. Each call is charged once, at the fake's bill."""
+    start_worker()
+    marker = tmp_path / "died-once"
+    value = client.send_task("tests.guarded_agent", args=["tides", str(marker)]).get(timeout=90)
+    assert marker.exists() and len(value) == 5
+    keys = guarded_posts(fake, "tides")
+    assert keys == [f"guarded:tides:openai.chat:{n}" for n in range(1, 6)]  # each once
+    steps = {a.key: a for a in pg_ledger.attempts() if a.key.startswith("guarded:tides:")}
+    billed = {s.idempotency_key: s.billed for s in fake.served() if s.method == "POST"}
+    assert {k: (a.state, a.actual) for k, a in steps.items()} == {
+        k: ("settled", billed[k]) for k in keys
+    }
+    assert pg_ledger.balance("default").held == 0
+    assert pg_ledger.audit() == []
+
+
+def test_a_redelivery_that_asks_something_else_at_a_replayed_position_is_a_conflict(
+    client: Celery,
+    start_worker: Callable[..., Worker],
+    fake: FakeProvider,
+    pg_ledger: Ledger,
+    tmp_path: Path,
+) -> None:
+    start_worker()
+    marker = tmp_path / "died-once"
+    result = client.send_task("tests.guarded_agent", args=["ebb", str(marker), 2])
+    with pytest.raises(Exception, match=r"CallConflict|another request"):
+        result.get(timeout=90)
+    assert guarded_posts(fake, "ebb") == [f"guarded:ebb:openai.chat:{n}" for n in range(1, 4)]
+    assert pg_ledger.operation("guarded:ebb").status == "failed"
+    assert pg_ledger.balance("default").held == 0

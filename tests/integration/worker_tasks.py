@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from typing import Any
@@ -100,3 +101,41 @@ def agent_steps(self: BudgetTask, topic: str, faults: dict[str, str] | None = No
                 call.result = f"{step} done"
         notes.append(str(call.result))
     return notes
+
+
+@functools.cache
+def guarded() -> Any:
+    from budget_tasks.transport import guarded_openai_client
+
+    return guarded_openai_client(
+        base_url=os.environ.get("OPENAI_BASE_URL"), api_key="sk-test", timeout=30.0
+    )
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    budget=BUDGET,
+    name="tests.guarded_agent",
+    idempotency_key=lambda topic, marker, change_at=0: f"guarded:{topic}",
+    fingerprint=lambda topic, marker, change_at=0: topic,
+    estimate_cost=lambda topic, marker, change_at=0: 0,
+)
+def guarded_agent(self: BudgetTask, topic: str, marker: str, change_at: int = 0) -> list[str]:
+    """Five calls through the SDK's own code (the guarded transport meters them). The
+    first delivery SIGKILLs itself after call three (``marker`` does not exist yet);
+    ``change_at`` makes the redelivery's call of that number ask something else."""
+    first = not os.path.exists(marker)
+    answers = []
+    for n in range(1, 6):
+        question = f"{topic}: step {n}" + (" (rephrased)" if n == change_at and not first else "")
+        completion = guarded().chat.completions.create(
+            model="gpt-4o-mini",
+            max_completion_tokens=32,
+            messages=[{"role": "user", "content": question}],
+        )
+        answers.append(completion.choices[0].message.content)
+        if n == 3 and first:
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+    return answers

@@ -1,0 +1,362 @@
+"""The guarded transport: the SDKs' own code (or any library that takes an HTTP client)
+unchanged, each billable request its own reserved attempt.
+
+Install it with :func:`guarded_http_client` (an ``httpx2.Client``, which the official
+``openai`` and ``anthropic`` SDKs take as ``http_client=``), or with
+``openai_client(guarded=True)`` / ``anthropic_client(guarded=True)``. Inside a
+BudgetTask's ``run``, each billable request (chat completions, Responses, Messages) is:
+
+1. estimated from its JSON body (an upper bound; a body it cannot bound is refused
+   before any byte is sent, naming the field: ``EstimateRefused``);
+2. reserved, as the next call of its endpoint in this operation (its *position*:
+   ``op:<endpoint>:n``), and granted;
+3. sent with the attempt key as ``Idempotency-Key``; its request id recorded as soon
+   as the headers arrive; the whole response read, its usage priced and settled;
+4. stored, response bytes and all, so that a redelivery that makes the same call at the
+   same position gets the stored response back without sending (a different request
+   body there is :class:`~budget_tasks.errors.CallConflict`; a call whose outcome is
+   unknown raises ``OutcomeUnknown``, never a resend).
+
+Streams are read to the end (usage from the final event) before the SDK sees them: the
+SDK gets every event, at once, after the call finished. Outside a BudgetTask a billable
+request is refused (:class:`~budget_tasks.errors.UnguardedCall`) unless the client was
+built with ``allow_unguarded=True``; other requests (lookups, model lists, files) pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+
+from .delivery import AttemptScope, Call, current_scope
+from .errors import (
+    BudgetTasksError,
+    CallConflict,
+    EstimateRefused,
+    StepNotReplayable,
+    UnguardedCall,
+)
+from .pricing import Estimate, PriceTable, Usage, default_prices
+from .providers import estimates
+from .providers import usage as usage_of
+from .providers.calls import LOOKUP_ANTHROPIC_MESSAGES, LOOKUP_NONE, LOOKUP_OPENAI_CHAT, Sent
+from .providers.clients import _refuse_retries
+
+#: Version of what a guarded call stores for replay.
+STORED_VERSION = 1
+#: Response headers kept with a stored response (what the SDKs read).
+KEPT_HEADERS = ("content-type", "x-request-id", "request-id", "openai-processing-ms")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A billable endpoint: how to bound a request to it and read what it used."""
+
+    name: str
+    provider: str
+    path: re.Pattern[str]
+    estimate: Callable[[Mapping[str, Any], PriceTable | None], Estimate]
+    usage: Callable[[Any], Usage]
+
+    def lookup(self, body: Mapping[str, Any]) -> str:
+        if self.name == "openai.chat":
+            return LOOKUP_OPENAI_CHAT if body.get("store") else LOOKUP_NONE
+        if self.name == "anthropic.messages":
+            return LOOKUP_ANTHROPIC_MESSAGES
+        return LOOKUP_NONE
+
+
+ENDPOINTS = (
+    Endpoint(
+        "openai.chat",
+        "openai",
+        re.compile(r"/chat/completions/?$"),
+        estimates.openai_chat,
+        usage_of.from_openai_chat,
+    ),
+    Endpoint(
+        "openai.responses",
+        "openai",
+        re.compile(r"/responses/?$"),
+        estimates.openai_response,
+        usage_of.from_openai_response,
+    ),
+    Endpoint(
+        "anthropic.messages",
+        "anthropic",
+        re.compile(r"/v1/messages/?$"),
+        estimates.anthropic_message,
+        usage_of.from_anthropic,
+    ),
+)
+
+
+def endpoint_of(request: httpx2.Request) -> Endpoint | None:
+    """The billable endpoint a request goes to, or None (it passes untouched)."""
+    if request.method != "POST":
+        return None
+    for endpoint in ENDPOINTS:
+        if endpoint.path.search(request.url.path):
+            return endpoint
+    return None
+
+
+class _StatusOutcome(Exception):
+    """An error status from the provider, raised inside the call's block so its hold
+    follows the status (429 and refusals released, 5xx kept unknown), then the
+    response goes back to the SDK, which raises its own error."""
+
+    def __init__(self, response: httpx2.Response) -> None:
+        super().__init__(f"HTTP {response.status_code}")
+        self.response = response
+        self.status_code = response.status_code
+
+
+class GuardedTransport(httpx2.BaseTransport):
+    """An ``httpx2`` transport that meters billable requests through the ledger."""
+
+    def __init__(
+        self,
+        inner: httpx2.BaseTransport | None = None,
+        *,
+        allow_unguarded: bool = False,
+        prices: PriceTable | None = None,
+    ) -> None:
+        self.inner = inner or httpx2.HTTPTransport()
+        self.allow_unguarded = allow_unguarded
+        self.prices = prices
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        endpoint = endpoint_of(request)
+        if endpoint is None:
+            return self.inner.handle_request(request)
+        scope = current_scope()
+        if scope is None:
+            if self.allow_unguarded:
+                return self.inner.handle_request(request)
+            raise _marked(UnguardedCall(request.method, request.url.path))
+        try:
+            return self._guarded(scope, endpoint, request)
+        except BudgetTasksError as exc:
+            raise _marked(exc) from None
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def _guarded(
+        self, scope: AttemptScope, endpoint: Endpoint, request: httpx2.Request
+    ) -> httpx2.Response:
+        raw = request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise EstimateRefused("the request body is not JSON: nothing to bound it by") from None
+        if not isinstance(body, dict):
+            raise EstimateRefused("the request body is not a JSON object: nothing to bound it by")
+        streamed = bool(body.get("stream"))
+        if streamed and endpoint.name == "openai.chat":
+            # the usage arrives only in a last chunk the request asks for
+            options = body.get("stream_options") or {}
+            if not options.get("include_usage"):
+                body["stream_options"] = {**options, "include_usage": True}
+                request = _with_body(request, body)
+        estimate = endpoint.estimate(body, self.prices)
+        digest = _digest(body)
+        manager = scope.manager
+        assert manager is not None
+        try:
+            with manager.step(scope, estimate.amount, endpoint.name) as call:
+                if call.replayed:
+                    return _replay(scope, call, digest, request)
+                return self._send(call, endpoint, request, body, digest, streamed)
+        except _StatusOutcome as status:
+            return status.response
+
+    def _send(
+        self,
+        call: Call,
+        endpoint: Endpoint,
+        request: httpx2.Request,
+        body: dict[str, Any],
+        digest: str,
+        streamed: bool,
+    ) -> httpx2.Response:
+        model = str(body.get("model", ""))
+        call.describe(endpoint.lookup(body), model, timeout=_timeout(request))
+        request.headers["Idempotency-Key"] = call.key  # reading the key grants the send
+        response = self.inner.handle_request(request)
+        request_id = response.headers.get("x-request-id") or response.headers.get("request-id")
+        if request_id:
+            call.record_request_id(request_id)
+        content = response.read()
+        response.close()
+        stored = {
+            "v": STORED_VERSION,
+            "request": digest,
+            "status": response.status_code,
+            "headers": [[k, v] for k, v in response.headers.items() if k.lower() in KEPT_HEADERS],
+            "body": content.decode("utf-8", errors="replace"),
+        }
+        answer = httpx2.Response(
+            response.status_code,
+            headers=[(k, v) for k, v in response.headers.items() if k.lower() != "content-length"]
+            + [("content-length", str(len(content)))],
+            content=content,
+            request=request,
+            extensions={k: v for k, v in response.extensions.items() if k != "network_stream"},
+        )
+        if response.status_code >= 400:
+            raise _StatusOutcome(answer)
+        used, response_id = _usage(endpoint, content, streamed)
+        if used is None:
+            # answered without usage (a background Response): reconciliation reads it
+            call.record(Sent(endpoint.provider, model, request_id, response_id, None, None, stored))
+            return answer
+        cost = (self.prices or default_prices()).cost(model, used)
+        call.record(Sent(endpoint.provider, model, request_id, response_id, used, cost, stored))
+        return answer
+
+
+def _replay(
+    scope: AttemptScope, call: Call, digest: str, request: httpx2.Request
+) -> httpx2.Response:
+    stored = call.result
+    if not isinstance(stored, dict) or stored.get("v") != STORED_VERSION:
+        # billed, and what is stored is not the response (reconciliation's answer):
+        # not sent again, and not replayable as the SDK's response either
+        raise StepNotReplayable(scope.operation_key, call.key)
+    if stored["request"] != digest:
+        raise CallConflict(scope.operation_key, call.key)
+    content = str(stored["body"]).encode()
+    headers = [(k, v) for k, v in stored["headers"] if k.lower() != "content-length"]
+    return httpx2.Response(
+        int(stored["status"]),
+        headers=[*headers, ("content-length", str(len(content)))],
+        content=content,
+        request=request,
+    )
+
+
+def _usage(endpoint: Endpoint, content: bytes, streamed: bool) -> tuple[Usage | None, str | None]:
+    """The usage and the response id in a response body (JSON, or server-sent events)."""
+    if not streamed:
+        data = json.loads(content)
+        raw = data.get("usage")
+        return (endpoint.usage(raw) if raw else None), data.get("id")
+    raw_usage: dict[str, Any] = {}
+    response_id = None
+    for line in content.decode("utf-8", errors="replace").splitlines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if not payload or payload == "[DONE]":
+            continue
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            continue
+        if endpoint.provider == "anthropic":
+            if event.get("type") == "message_start":
+                message = event.get("message") or {}
+                response_id = message.get("id")
+                raw_usage.update(message.get("usage") or {})
+            elif event.get("type") == "message_delta":
+                raw_usage.update(event.get("usage") or {})  # output_tokens, cumulative
+        else:
+            response_id = event.get("id") or response_id
+            if event.get("usage"):
+                raw_usage = event["usage"]
+            if isinstance(event.get("response"), dict) and event["response"].get("usage"):
+                raw_usage = event["response"]["usage"]
+    return (endpoint.usage(raw_usage) if raw_usage else None), response_id
+
+
+def _digest(body: Mapping[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _with_body(request: httpx2.Request, body: dict[str, Any]) -> httpx2.Request:
+    content = json.dumps(body).encode()
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() != "content-length"]
+    return httpx2.Request(
+        request.method,
+        request.url,
+        headers=headers,
+        content=content,
+        extensions=request.extensions,
+    )
+
+
+def _timeout(request: httpx2.Request) -> float | None:
+    parts = (request.extensions.get("timeout") or {}).values()
+    finite = [float(p) for p in parts if isinstance(p, int | float)]
+    return sum(finite) if finite else None
+
+
+def _marked(exc: BudgetTasksError) -> BudgetTasksError:
+    """Mark an error of ours raised inside the transport: an SDK that wraps it (as a
+    connection error) does not hide it from the task (see :func:`raised_by_transport`)."""
+    exc.__dict__["budget_tasks_transport"] = True
+    return exc
+
+
+def raised_by_transport(exc: BaseException) -> BudgetTasksError | None:
+    """The error the guarded transport raised under ``exc`` (an SDK's wrapper), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, BudgetTasksError) and current.__dict__.get("budget_tasks_transport"):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def guarded_http_client(
+    *, allow_unguarded: bool = False, prices: PriceTable | None = None, **options: Any
+) -> httpx2.Client:
+    """An ``httpx2.Client`` whose billable requests go through the ledger; give it to
+    an SDK (``openai.OpenAI(http_client=..., max_retries=0)``) or any library that takes
+    one. ``options`` go to ``httpx2.Client`` (``timeout=...``)."""
+    return httpx2.Client(
+        transport=GuardedTransport(allow_unguarded=allow_unguarded, prices=prices), **options
+    )
+
+
+def guarded_openai_client(*, allow_unguarded: bool = False, **kwargs: Any) -> Any:
+    """``openai.OpenAI(**kwargs)`` with retries off and the guarded transport."""
+    import openai
+
+    _refuse_retries("guarded_openai_client(...)", kwargs)
+    timeout = kwargs.get("timeout", 600.0)
+    http = guarded_http_client(allow_unguarded=allow_unguarded, timeout=timeout)
+    return openai.OpenAI(**{**kwargs, "max_retries": 0, "http_client": http})
+
+
+def guarded_anthropic_client(*, allow_unguarded: bool = False, **kwargs: Any) -> Any:
+    """``anthropic.Anthropic(**kwargs)`` with retries off and the guarded transport."""
+    import anthropic
+
+    _refuse_retries("guarded_anthropic_client(...)", kwargs)
+    timeout = kwargs.get("timeout", 600.0)
+    http = guarded_http_client(allow_unguarded=allow_unguarded, timeout=timeout)
+    return anthropic.Anthropic(**{**kwargs, "max_retries": 0, "http_client": http})
+
+
+__all__ = [
+    "ENDPOINTS",
+    "Endpoint",
+    "GuardedTransport",
+    "endpoint_of",
+    "guarded_anthropic_client",
+    "guarded_http_client",
+    "guarded_openai_client",
+    "raised_by_transport",
+]

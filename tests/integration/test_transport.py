@@ -1,0 +1,206 @@
+"""The guarded transport: the official SDKs' own code, unchanged, inside a BudgetTask's
+run (eager mode here; a real worker in test_workers.py), against the fake provider
+over HTTP and a real ledger (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import openai
+import pytest
+from celery import Celery
+
+from budget_tasks import BudgetExceeded, BudgetTask, Ledger
+from budget_tasks.errors import EstimateRefused, UnguardedCall
+from budget_tasks.testing import FakeProvider
+from budget_tasks.transport import guarded_anthropic_client, guarded_openai_client
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look a word up.",
+            "parameters": {"type": "object", "properties": {"word": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture
+def app(backend_url: str, fake: FakeProvider) -> Any:
+    prefix = f"guarded{uuid.uuid4().hex[:8]}"
+    app = Celery("guarded-tests", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True, task_eager_propagates=True, budget_ledger_url=backend_url
+    )
+    client = guarded_openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
+    claude = guarded_anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"{prefix}.agent",
+        budget="team",
+        idempotency_key=lambda topic, calls=3: f"agent:{topic}",
+        estimate_cost=lambda topic, calls=3: 0,  # each call reserves for itself
+    )
+    def agent(self: BudgetTask, topic: str, calls: int = 3) -> list[Any]:
+        seen = []
+        for n in range(calls):
+            # the SDK's own code, as a team writes it without budget-tasks
+            completion = client.chat.completions.create(
+                model="gpt-4o-mini",
+                max_completion_tokens=32,
+                n=2,
+                tools=TOOLS,
+                messages=[{"role": "user", "content": f"{topic}, step {n}"}],
+            )
+            seen.append([len(completion.choices), completion.usage.total_tokens])
+        return seen
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"{prefix}.unbounded",
+        budget="team",
+        estimate_cost=lambda: 0,
+    )
+    def unbounded(self: BudgetTask) -> None:
+        client.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "no output cap"}]
+        )
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"{prefix}.claude",
+        budget=lambda budget="team": budget,
+        estimate_cost=lambda budget="team": 0,
+    )
+    def ask_claude(self: BudgetTask, budget: str = "team") -> str:
+        message = claude.messages.create(
+            model="claude-haiku-4-5",
+            max_tokens=64,
+            messages=[{"role": "user", "content": "Hello"}],
+        )
+        return str(message.content[0].text)
+
+    app.jobs = {"agent": agent, "unbounded": unbounded, "claude": ask_claude}
+    app.openai = client
+    Ledger(backend_url).create_budget("team", 10_000_000)
+    Ledger(backend_url).create_budget("tiny", 1)
+    return app
+
+
+def posts(fake: FakeProvider) -> list[Any]:
+    return [s for s in fake.served() if s.method == "POST"]
+
+
+def test_each_sdk_call_is_its_own_attempt_settled_at_the_bill(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    value = app.jobs["agent"].delay("tides").get()
+    assert [n for n, _ in value] == [2, 2, 2]  # the SDK's full response: both choices
+    sent = posts(fake)
+    assert [s.idempotency_key for s in sent] == [
+        "agent:tides:openai.chat:1",
+        "agent:tides:openai.chat:2",
+        "agent:tides:openai.chat:3",
+    ]
+    ledger = Ledger(backend_url)
+    steps = {a.key: a for a in ledger.attempts() if ":openai.chat:" in a.key}
+    for s in sent:
+        attempt = steps[s.idempotency_key]
+        assert attempt.state == "settled"
+        assert attempt.actual == s.billed > 0
+        assert attempt.actual <= attempt.amount  # the estimate bounded it
+    assert ledger.balance("team").spent == sum(s.billed for s in sent)
+    assert ledger.balance("team").held == 0
+    assert ledger.audit() == []
+    # the same business key again: the operation replays, nothing is sent
+    assert app.jobs["agent"].delay("tides").get() == value
+    assert len(posts(fake)) == 3
+
+
+def test_a_billable_request_outside_a_task_is_refused_before_sending(
+    app: Any, fake: FakeProvider
+) -> None:
+    with pytest.raises(UnguardedCall, match="no BudgetTask runs"):
+        app.openai.chat.completions.create(
+            model="gpt-4o-mini",
+            max_completion_tokens=8,
+            messages=[{"role": "user", "content": "hi"}],
+        )
+    assert posts(fake) == []
+    # a request that bills nothing passes (a stored completion looked up)
+    with pytest.raises(openai.NotFoundError):
+        app.openai.chat.completions.retrieve("chatcmpl-none")
+    assert [s.method for s in fake.served()] == ["GET"]
+
+
+def test_a_request_without_an_upper_bound_is_refused_before_sending(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    with pytest.raises(EstimateRefused, match=r"max_completion_tokens|max_tokens"):
+        app.jobs["unbounded"].delay().get()
+    assert posts(fake) == []
+    assert Ledger(backend_url).balance("team").held == 0
+
+
+def test_a_rate_limited_call_is_released_not_billed(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    fake.plan("status=429", path="/chat/completions")
+    with pytest.raises(openai.RateLimitError):
+        app.jobs["agent"].delay("limited", 1).get()
+    [step] = [a for a in Ledger(backend_url).attempts() if ":openai.chat:" in a.key]
+    assert (step.state, step.actual) == ("released", 0)
+    assert Ledger(backend_url).balance("team").held == 0
+
+
+def test_anthropic_through_the_transport_and_its_denials_stay_typed(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    text = app.jobs["claude"].delay().get()
+    [sent] = posts(fake)
+    assert text and sent.path.endswith("/v1/messages")
+    [step] = [a for a in Ledger(backend_url).attempts() if "anthropic.messages" in a.key]
+    assert (step.state, step.actual) == ("settled", sent.billed)
+    # Anthropic's SDK wraps any transport error as a connection error: the task still
+    # raises the ledger's own, typed (and nothing was sent)
+    with pytest.raises(BudgetExceeded):
+        app.jobs["claude"].delay("tiny").get()
+    assert len(posts(fake)) == 1
+
+
+def test_the_main_attempt_of_a_zero_estimate_gives_out_no_key(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    """Nothing is reserved for it, so nothing may be sent under it: that is what lets a
+    dead run's zero main attempt be released and the run go again."""
+    from budget_tasks.providers import openai_chat, openai_client
+
+    plain = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"zero-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        estimate_cost=lambda: 0,
+    )
+    def zero(self: BudgetTask) -> None:
+        openai_chat(
+            plain,
+            attempt=self.attempt,
+            model="gpt-4o-mini",
+            max_completion_tokens=8,
+            messages=[{"role": "user", "content": "hi"}],
+        )
+
+    with pytest.raises(ValueError, match="estimate_cost is 0"):
+        zero.delay().get()
+    assert posts(fake) == []
+    assert Ledger(backend_url).balance("team").held == 0
