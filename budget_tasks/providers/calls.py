@@ -35,22 +35,37 @@ class Sent:
     usage: Usage | None
     cost: int | None
     result: dict[str, Any]
+    #: the SDK's own response object (None for a stream, which the helper consumed)
+    response: Any = None
+
+
+def _dump(obj: Any) -> Any:
+    dump = getattr(obj, "model_dump", None)
+    return dump(mode="json") if callable(dump) else None
 
 
 def chat_result(completion: Any) -> dict[str, Any]:
-    """What a task keeps of a chat completion."""
+    """What a task keeps of a chat completion: the first choice's text, and the whole
+    completion as JSON under ``response`` (every choice, tool calls, refusals)."""
     choice = completion.choices[0] if completion.choices else None
     return {
         "id": completion.id,
         "content": choice.message.content if choice else None,
         "finish_reason": choice.finish_reason if choice else None,
+        "response": _dump(completion),
     }
 
 
 def message_result(message: Any) -> dict[str, Any]:
-    """What a task keeps of an Anthropic message."""
+    """What a task keeps of an Anthropic message: its text, and the whole message as
+    JSON under ``response`` (tool_use blocks included)."""
     text = "".join(getattr(block, "text", "") for block in message.content)
-    return {"id": message.id, "content": text, "stop_reason": message.stop_reason}
+    return {
+        "id": message.id,
+        "content": text,
+        "stop_reason": message.stop_reason,
+        "response": _dump(message),
+    }
 
 
 class AttemptLike(Protocol):
@@ -118,9 +133,10 @@ def _priced(
     used: Usage,
     result: dict[str, Any],
     prices: PriceTable | None,
+    response: Any = None,
 ) -> Sent:
     cost = (prices or default_prices()).cost(model, used)
-    return Sent(provider, model, request_id, result["id"], used, cost, result)
+    return Sent(provider, model, request_id, result["id"], used, cost, result, response)
 
 
 def openai_chat(
@@ -159,6 +175,7 @@ def openai_chat(
                 raise StreamIncomplete("openai", "the completion carried no usage")
             result = chat_result(completion)
             raw_usage = completion.usage
+            sdk_response: Any = completion
         else:
             parts: list[str] = []
             finish = completion_id = raw_usage = None
@@ -173,8 +190,10 @@ def openai_chat(
                     "openai", "no finish_reason" if finish is None else "no usage chunk"
                 )
             result = {"id": completion_id, "content": "".join(parts), "finish_reason": finish}
+            sdk_response = None
     used = usage_of.from_openai_chat(raw_usage)
-    return _done(attempt, _priced("openai", params["model"], request_id, used, result, prices))
+    sent = _priced("openai", params["model"], request_id, used, result, prices, sdk_response)
+    return _done(attempt, sent)
 
 
 def openai_response(
@@ -201,13 +220,19 @@ def openai_response(
         request_id = r.request_id
         _report(request_id, on_request_id)
         response = r.parse()
-    result = {"id": response.id, "status": response.status, "output_text": response.output_text}
+    result = {
+        "id": response.id,
+        "status": response.status,
+        "output_text": response.output_text,
+        "response": _dump(response),
+    }
+    model = params["model"]
     if response.usage is None:
         return _done(
-            attempt, Sent("openai", params["model"], request_id, response.id, None, None, result)
+            attempt, Sent("openai", model, request_id, response.id, None, None, result, response)
         )
     used = usage_of.from_openai_response(response.usage)
-    return _done(attempt, _priced("openai", params["model"], request_id, used, result, prices))
+    return _done(attempt, _priced("openai", model, request_id, used, result, prices, response))
 
 
 def anthropic_message(
@@ -231,13 +256,15 @@ def anthropic_message(
     with client.messages.with_streaming_response.create(extra_headers=headers, **params) as r:
         request_id = r.request_id
         _report(request_id, on_request_id)
+        message: Any = None
         if not params.get("stream"):
             message = r.parse()
             result = message_result(message)
             used = usage_of.from_anthropic(message.usage)
         else:
             result, used = _read_anthropic_stream(r.parse())
-    return _done(attempt, _priced("anthropic", params["model"], request_id, used, result, prices))
+    sent = _priced("anthropic", params["model"], request_id, used, result, prices, message)
+    return _done(attempt, sent)
 
 
 def _done(attempt: AttemptLike | None, sent: Sent) -> Sent:

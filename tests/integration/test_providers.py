@@ -260,3 +260,34 @@ def test_every_request_carries_its_attempt_key(fake: FakeProvider, oai: Any, cla
     message(claude, "a-3")
     openai_response(oai, key="a-4", model="gpt-4o-mini", input="x", max_output_tokens=8)
     assert fake.state()["by_key"] == {"a-1": 1, "a-2": 1, "a-3": 1, "a-4": 1}
+
+
+def test_the_helpers_hand_back_the_sdks_own_response_and_keep_all_of_it(
+    fake: FakeProvider, oai: Any, claude: Any
+) -> None:
+    """Every choice past the first (n=2), the SDK's object itself, and the whole
+    response as JSON in what is stored for replay."""
+    import anthropic.types
+    import openai.types.chat
+
+    sent = openai_chat(
+        oai,
+        key="full:1",
+        model="gpt-4o-mini",
+        max_completion_tokens=16,
+        n=2,
+        messages=[{"role": "user", "content": "Two answers, please."}],
+    )
+    assert isinstance(sent.response, openai.types.chat.ChatCompletion)
+    assert len(sent.response.choices) == 2
+    assert len(sent.result["response"]["choices"]) == 2
+    assert sent.result["response"]["id"] == sent.response_id
+    said = anthropic_message(
+        claude,
+        key="full:2",
+        model="claude-haiku-4-5",
+        max_tokens=16,
+        messages=[{"role": "user", "content": "Hello"}],
+    )
+    assert isinstance(said.response, anthropic.types.Message)
+    assert said.result["response"]["content"][0]["text"] == said.result["content"]
