@@ -13,6 +13,10 @@ Endpoints: ``POST /v1/chat/completions`` (plain and streamed, ``store`` + ``meta
 ``POST /v1/messages`` (plain and streamed), ``POST /v1/messages/batches``,
 ``GET /v1/messages/batches/{id}`` and ``.../results``.
 
+Tools: a (non-streamed) chat completion or message whose request carries tools and
+ends with the user's own message asks for the first tool (``tool_calls`` /
+``tool_use``); after a tool result the answer is text: a tool round trip.
+
 Billing is deterministic: a message's text costs ``ceil(utf8 bytes / 4) + 4`` input
 tokens, a request 3 more; output tokens are ``x-fake-output-tokens`` if given, else
 ``min(max tokens, 12 + input tokens % 17)``. Each served request is billed at the
@@ -131,6 +135,26 @@ def prompt_tokens(messages: list[Any], system: Any = None, extras: Any = None) -
     if extras:
         tokens += message_tokens(json.dumps(extras)) + TOOL_PROMPT_TOKENS
     return tokens
+
+
+def _tool_to_call(body: dict[str, Any], *, anthropic: bool) -> str | None:
+    """The tool a request's answer calls: its first function tool, when the last message
+    is the user's own (after a tool result, the answer is text)."""
+    tools = body.get("tools") or []
+    messages = body.get("messages") or []
+    if not tools or not messages:
+        return None
+    last = messages[-1]
+    if last.get("role") != "user":
+        return None
+    content = last.get("content")
+    if isinstance(content, list) and any(
+        isinstance(b, dict) and b.get("type") == "tool_result" for b in content
+    ):
+        return None
+    first = tools[0]
+    name = first.get("name") if anthropic else (first.get("function") or {}).get("name")
+    return str(name) if name else None
 
 
 def _extras(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -515,6 +539,24 @@ class _Handler(BaseHTTPRequestHandler):
             "usage": _openai_chat_usage(usage),
             "metadata": body.get("metadata") or {},
         }
+        tool = _tool_to_call(body, anthropic=False)
+        if tool is not None and not body.get("stream"):
+            # a request with tools whose last message is the user's: the model asks for
+            # the first tool (a tool result after it gets text): a tool round trip
+            for choice in completion["choices"]:
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": None,
+                    "refusal": None,
+                    "tool_calls": [
+                        {
+                            "id": self.fake._next_id("call_"),
+                            "type": "function",
+                            "function": {"name": tool, "arguments": "{}"},
+                        }
+                    ],
+                }
+                choice["finish_reason"] = "tool_calls"
         if body.get("store") and self.fake.completion_storage == "on":
             with self.fake._lock:
                 self.fake._completions[completion_id] = completion
@@ -683,6 +725,12 @@ class _Handler(BaseHTTPRequestHandler):
         message = _anthropic_message(
             self.fake._next_id("msg_"), model, usage, body.get("max_tokens")
         )
+        tool = _tool_to_call(body, anthropic=True)
+        if tool is not None and not body.get("stream"):
+            message["content"] = [
+                {"type": "tool_use", "id": self.fake._next_id("toolu_"), "name": tool, "input": {}}
+            ]
+            message["stop_reason"] = "tool_use"
         if self._after_billing(record):
             return
         if not body.get("stream"):

@@ -204,3 +204,75 @@ def test_the_main_attempt_of_a_zero_estimate_gives_out_no_key(
         zero.delay().get()
     assert posts(fake) == []
     assert Ledger(backend_url).balance("team").held == 0
+
+
+def test_tool_call_round_trips_through_both_sdks_are_metered_call_by_call(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    oai = app.openai
+    claude = guarded_anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
+    anthropic_tools = [
+        {"name": "lookup", "description": "Look a word up.", "input_schema": {"type": "object"}}
+    ]
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"tools-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        idempotency_key=lambda: "tools:1",
+        estimate_cost=lambda: 0,
+    )
+    def with_tools(self: BudgetTask) -> list[str]:
+        messages: list[Any] = [{"role": "user", "content": "What does 'ebb' mean?"}]
+        first = oai.chat.completions.create(
+            model="gpt-4o-mini", max_completion_tokens=32, tools=TOOLS, messages=messages
+        )
+        [call] = first.choices[0].message.tool_calls
+        messages += [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "the tide going out"},
+        ]
+        second = oai.chat.completions.create(
+            model="gpt-4o-mini", max_completion_tokens=32, tools=TOOLS, messages=messages
+        )
+        asked = [{"role": "user", "content": "And 'flow'?"}]
+        use = claude.messages.create(
+            model="claude-haiku-4-5", max_tokens=32, tools=anthropic_tools, messages=asked
+        )
+        [block] = use.content
+        asked += [
+            {"role": "assistant", "content": [block.model_dump()]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": block.id, "content": "coming in"}
+                ],
+            },
+        ]
+        answer = claude.messages.create(
+            model="claude-haiku-4-5", max_tokens=32, tools=anthropic_tools, messages=asked
+        )
+        return [
+            first.choices[0].finish_reason,
+            call.function.name,
+            str(second.choices[0].message.content),
+            use.stop_reason,
+            block.name,
+            answer.content[0].text,
+        ]
+
+    value = with_tools.delay().get()
+    assert value[:2] == ["tool_calls", "lookup"] and value[3:5] == ["tool_use", "lookup"]
+    assert value[2].startswith("fake") and value[5].startswith("fake")
+    sent = posts(fake)
+    assert [s.idempotency_key for s in sent] == [
+        "tools:1:openai.chat:1",
+        "tools:1:openai.chat:2",
+        "tools:1:anthropic.messages:1",
+        "tools:1:anthropic.messages:2",
+    ]
+    ledger = Ledger(backend_url)
+    charged = {a.key: a.actual for a in ledger.attempts() if a.key.startswith("tools:1:")}
+    assert charged == {s.idempotency_key: s.billed for s in sent}
+    assert ledger.audit() == []
