@@ -276,3 +276,41 @@ def test_tool_call_round_trips_through_both_sdks_are_metered_call_by_call(
     charged = {a.key: a.actual for a in ledger.attempts() if a.key.startswith("tools:1:")}
     assert charged == {s.idempotency_key: s.billed for s in sent}
     assert ledger.audit() == []
+
+
+def test_langchain_chat_openai_unchanged_through_the_guarded_http_client(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    """A framework on top of the SDK: LangChain's ChatOpenAI takes the guarded client
+    as ``http_client`` and is metered like the SDK (the ``langchain`` extra)."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from budget_tasks.transport import guarded_http_client
+
+    llm = langchain_openai.ChatOpenAI(
+        model="gpt-4o-mini",
+        max_tokens=16,
+        base_url=fake.openai_base_url,
+        api_key="x",
+        max_retries=0,
+        http_client=guarded_http_client(timeout=5.0),
+    )
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"lc-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        idempotency_key=lambda: "lc:1",
+        estimate_cost=lambda: 0,
+    )
+    def ask(self: BudgetTask) -> str:
+        return str(llm.invoke("Hello there").content)
+
+    assert ask.delay().get().startswith("fake")
+    [sent] = posts(fake)
+    assert sent.idempotency_key == "lc:1:openai.chat:1"
+    [step] = [a for a in Ledger(backend_url).attempts() if a.key == "lc:1:openai.chat:1"]
+    assert (step.state, step.actual) == ("settled", sent.billed)
+    with pytest.raises(UnguardedCall):
+        llm.invoke("Outside any task")
+    assert len(posts(fake)) == 1
