@@ -45,7 +45,13 @@ from .errors import (
 from .pricing import Estimate, PriceTable, Usage, default_prices
 from .providers import estimates
 from .providers import usage as usage_of
-from .providers.calls import LOOKUP_ANTHROPIC_MESSAGES, LOOKUP_NONE, LOOKUP_OPENAI_CHAT, Sent
+from .providers.calls import (
+    ATTEMPT_METADATA_KEY,
+    LOOKUP_ANTHROPIC_MESSAGES,
+    LOOKUP_NONE,
+    LOOKUP_OPENAI_CHAT,
+    Sent,
+)
 from .providers.clients import _refuse_retries
 
 #: Version of what a guarded call stores for replay.
@@ -173,7 +179,7 @@ class GuardedTransport(httpx2.BaseTransport):
         try:
             with manager.step(scope, estimate.amount, endpoint.name) as call:
                 if call.replayed:
-                    return _replay(scope, call, digest, request)
+                    return _replay(scope, call, digest, request, streamed)
                 return self._send(call, endpoint, request, body, digest, streamed)
         except _StatusOutcome as status:
             return status.response
@@ -189,7 +195,13 @@ class GuardedTransport(httpx2.BaseTransport):
     ) -> httpx2.Response:
         model = str(body.get("model", ""))
         call.describe(endpoint.lookup(body), model, timeout=_timeout(request))
-        request.headers["Idempotency-Key"] = call.key  # reading the key grants the send
+        key = call.key  # reading the key grants the send
+        if endpoint.name == "openai.chat" and body.get("store"):
+            # a stored completion carries its attempt key: reconciliation finds it even
+            # when the response (and its id) never arrived
+            body["metadata"] = {**(body.get("metadata") or {}), ATTEMPT_METADATA_KEY: key}
+            request = _with_body(request, body)
+        request.headers["Idempotency-Key"] = key
         response = self.inner.handle_request(request)
         request_id = response.headers.get("x-request-id") or response.headers.get("request-id")
         if request_id:
@@ -224,12 +236,22 @@ class GuardedTransport(httpx2.BaseTransport):
 
 
 def _replay(
-    scope: AttemptScope, call: Call, digest: str, request: httpx2.Request
+    scope: AttemptScope, call: Call, digest: str, request: httpx2.Request, streamed: bool
 ) -> httpx2.Response:
     stored = call.result
+    if call.reconciled and isinstance(stored, dict) and isinstance(stored.get("response"), dict):
+        if streamed:
+            raise StepNotReplayable(scope.operation_key, call.key)  # no events were kept
+        # what reconciliation found at the provider: the whole response, as JSON
+        content = json.dumps(stored["response"]).encode()
+        return httpx2.Response(
+            200,
+            headers=[("content-type", "application/json"), ("content-length", str(len(content)))],
+            content=content,
+            request=request,
+        )
     if not isinstance(stored, dict) or stored.get("v") != STORED_VERSION:
-        # billed, and what is stored is not the response (reconciliation's answer):
-        # not sent again, and not replayable as the SDK's response either
+        # billed, and nothing replayable is stored: not sent again
         raise StepNotReplayable(scope.operation_key, call.key)
     if stored["request"] != digest:
         raise CallConflict(scope.operation_key, call.key)

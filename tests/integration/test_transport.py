@@ -314,3 +314,54 @@ def test_langchain_chat_openai_unchanged_through_the_guarded_http_client(
     with pytest.raises(UnguardedCall):
         llm.invoke("Outside any task")
     assert len(posts(fake)) == 1
+
+
+def test_a_call_reconciliation_found_is_replayed_to_the_sdk_as_the_task_built_it(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    """The provider billed a call and answered too late (the SDK timed out): its hold
+    stays unknown. Beat finds the stored completion by the attempt key in its metadata;
+    the next delivery runs ``run`` again and the found response is handed to the SDK for
+    that call, so the stored result is what ``run`` builds, and nothing is resent."""
+    from datetime import timedelta
+
+    from budget_tasks.beat import reconcile_unknown
+    from budget_tasks.providers import openai_client
+
+    slow = guarded_openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"found-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        idempotency_key=lambda: "found:1",
+        estimate_cost=lambda: 0,
+    )
+    def summary(self: BudgetTask) -> dict[str, Any]:
+        completion = slow.chat.completions.create(
+            model="gpt-4o-mini",
+            max_completion_tokens=16,
+            store=True,
+            n=2,
+            messages=[{"role": "user", "content": "Summarise the minutes."}],
+        )
+        return {"choices": len(completion.choices), "text": completion.choices[0].message.content}
+
+    fake.plan("hang=3", path="/chat/completions")
+    with pytest.raises(openai.APITimeoutError):
+        summary.delay().get()
+    ledger = Ledger(backend_url)
+    [step] = [a for a in ledger.attempts() if a.key == "found:1:openai.chat:1"]
+    assert step.state == "unknown"
+    lookups = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
+    counts = reconcile_unknown(ledger, lambda kind: lookups, margin=timedelta(0))
+    assert counts["found"] == 1
+    [billed] = posts(fake)
+    value = summary.delay().get()
+    assert value["choices"] == 2 and value["text"].startswith("fake")  # run's own shape
+    assert posts(fake) == [billed]  # found, not resent
+    assert ledger.operation("found:1").result == value
+    [step] = [a for a in ledger.attempts() if a.key == "found:1:openai.chat:1"]
+    assert (step.state, step.actual) == ("settled", billed.billed)
+    assert ledger.balance("team").held == 0 and ledger.audit() == []
