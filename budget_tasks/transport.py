@@ -166,12 +166,16 @@ class GuardedTransport(httpx2.BaseTransport):
         if not isinstance(body, dict):
             raise EstimateRefused("the request body is not a JSON object: nothing to bound it by")
         streamed = bool(body.get("stream"))
+        hidden_usage = False
         if streamed and endpoint.name == "openai.chat":
-            # the usage arrives only in a last chunk the request asks for
+            # the usage arrives only in a last chunk the request asks for; the SDK is
+            # not shown that chunk unless the caller asked for it (code that reads
+            # chunk.choices[0] of every chunk would break on it)
             options = body.get("stream_options") or {}
             if not options.get("include_usage"):
                 body["stream_options"] = {**options, "include_usage": True}
                 request = _with_body(request, body)
+                hidden_usage = True
         estimate = endpoint.estimate(body, self.prices)
         digest = _digest(body)
         manager = scope.manager
@@ -180,7 +184,7 @@ class GuardedTransport(httpx2.BaseTransport):
             with manager.step(scope, estimate.amount, endpoint.name) as call:
                 if call.replayed:
                     return _replay(scope, call, digest, request, streamed)
-                return self._send(call, endpoint, request, body, digest, streamed)
+                return self._send(call, endpoint, request, body, digest, streamed, hidden_usage)
         except _StatusOutcome as status:
             return status.response
 
@@ -192,6 +196,7 @@ class GuardedTransport(httpx2.BaseTransport):
         body: dict[str, Any],
         digest: str,
         streamed: bool,
+        hidden_usage: bool = False,
     ) -> httpx2.Response:
         model = str(body.get("model", ""))
         call.describe(endpoint.lookup(body), model, timeout=_timeout(request))
@@ -206,8 +211,9 @@ class GuardedTransport(httpx2.BaseTransport):
         request_id = response.headers.get("x-request-id") or response.headers.get("request-id")
         if request_id:
             call.record_request_id(request_id)
-        content = response.read()
+        full = response.read()
         response.close()
+        content = _without_usage_chunk(full) if hidden_usage else full
         stored = {
             "v": STORED_VERSION,
             "request": digest,
@@ -225,7 +231,7 @@ class GuardedTransport(httpx2.BaseTransport):
         )
         if response.status_code >= 400:
             raise _StatusOutcome(answer)
-        used, response_id = _usage(endpoint, content, streamed)
+        used, response_id = _usage(endpoint, full, streamed)
         if used is None:
             # answered without usage (a background Response): reconciliation reads it
             call.record(Sent(endpoint.provider, model, request_id, response_id, None, None, stored))
@@ -297,6 +303,22 @@ def _usage(endpoint: Endpoint, content: bytes, streamed: bool) -> tuple[Usage | 
             if isinstance(event.get("response"), dict) and event["response"].get("usage"):
                 raw_usage = event["response"]["usage"]
     return (endpoint.usage(raw_usage) if raw_usage else None), response_id
+
+
+def _without_usage_chunk(content: bytes) -> bytes:
+    """A chat stream without the usage-only chunk (no choices) the transport asked for."""
+    kept = []
+    for event in content.split(b"\n\n"):
+        data = event.strip()
+        if data.startswith(b"data:") and data[5:].strip() != b"[DONE]":
+            try:
+                chunk = json.loads(data[5:])
+            except ValueError:
+                chunk = None
+            if isinstance(chunk, dict) and not chunk.get("choices") and chunk.get("usage"):
+                continue
+        kept.append(event)
+    return b"\n\n".join(kept)
 
 
 def _digest(body: Mapping[str, Any]) -> str:

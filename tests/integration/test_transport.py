@@ -365,3 +365,50 @@ def test_a_call_reconciliation_found_is_replayed_to_the_sdk_as_the_task_built_it
     [step] = [a for a in ledger.attempts() if a.key == "found:1:openai.chat:1"]
     assert (step.state, step.actual) == ("settled", billed.billed)
     assert ledger.balance("team").held == 0 and ledger.audit() == []
+
+
+@pytest.mark.parametrize("asked_for_usage", [False, True])
+def test_streams_through_the_sdk_are_settled_from_their_last_event(
+    app: Any, fake: FakeProvider, backend_url: str, asked_for_usage: bool
+) -> None:
+    """The SDK sees every event; the usage chunk the transport had to ask for is shown
+    only to a caller who asked for it (code reading chunk.choices[0] keeps working)."""
+    oai = app.openai
+    claude = guarded_anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
+    options = {"stream_options": {"include_usage": True}} if asked_for_usage else {}
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"streams-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        idempotency_key=lambda: "streams:1",
+        estimate_cost=lambda: 0,
+    )
+    def streams(self: BudgetTask) -> list[Any]:
+        words, usage_chunks = [], 0
+        for chunk in oai.chat.completions.create(
+            model="gpt-4o-mini",
+            max_completion_tokens=16,
+            stream=True,
+            messages=[{"role": "user", "content": "Stream it."}],
+            **options,
+        ):
+            if chunk.usage is not None:
+                usage_chunks += 1
+                continue
+            words.append(chunk.choices[0].delta.content or "")
+        told = []
+        with claude.messages.stream(
+            model="claude-haiku-4-5", max_tokens=16, messages=[{"role": "user", "content": "Hi"}]
+        ) as events:
+            told = list(events.text_stream)
+        return ["".join(words).strip(), usage_chunks, "".join(told).strip()]
+
+    text, usage_chunks, said = streams.delay().get()
+    assert text.startswith("fake") and said.startswith("fake")
+    assert usage_chunks == (1 if asked_for_usage else 0)
+    sent = posts(fake)
+    charged = {a.key: a.actual for a in Ledger(backend_url).attempts() if "#" not in a.key}
+    assert charged == {s.idempotency_key: s.billed for s in sent}
+    assert len(sent) == 2 and all(s.billed > 0 for s in sent)
