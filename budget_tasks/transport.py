@@ -103,6 +103,11 @@ ENDPOINTS = (
 )
 
 
+#: Batch creation bills later, for requests the body may not hold (OpenAI's are in an
+#: uploaded file): not metered here, so refused unless the client allows it.
+BATCH_PATHS = re.compile(r"(/v1/batches|/messages/batches)/?$")
+
+
 def endpoint_of(request: httpx2.Request) -> Endpoint | None:
     """The billable endpoint a request goes to, or None (it passes untouched)."""
     if request.method != "POST":
@@ -132,15 +137,29 @@ class GuardedTransport(httpx2.BaseTransport):
         inner: httpx2.BaseTransport | None = None,
         *,
         allow_unguarded: bool = False,
+        allow_batches: bool = False,
         prices: PriceTable | None = None,
     ) -> None:
         self.inner = inner or httpx2.HTTPTransport()
         self.allow_unguarded = allow_unguarded
+        self.allow_batches = allow_batches
         self.prices = prices
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         endpoint = endpoint_of(request)
         if endpoint is None:
+            if (
+                request.method == "POST"
+                and BATCH_PATHS.search(request.url.path)
+                and not self.allow_batches
+            ):
+                raise _marked(
+                    EstimateRefused(
+                        "batch creation is not metered by the guarded transport (its cost "
+                        "is known when the batch ends): reserve for it with self.spend() and "
+                        "a client built with allow_batches=True"
+                    )
+                )
             return self.inner.handle_request(request)
         scope = current_scope()
         if scope is None:
@@ -364,13 +383,21 @@ def raised_by_transport(exc: BaseException) -> BudgetTasksError | None:
 
 
 def guarded_http_client(
-    *, allow_unguarded: bool = False, prices: PriceTable | None = None, **options: Any
+    *,
+    allow_unguarded: bool = False,
+    allow_batches: bool = False,
+    prices: PriceTable | None = None,
+    **options: Any,
 ) -> httpx2.Client:
     """An ``httpx2.Client`` whose billable requests go through the ledger; give it to
     an SDK (``openai.OpenAI(http_client=..., max_retries=0)``) or any library that takes
-    one. ``options`` go to ``httpx2.Client`` (``timeout=...``)."""
+    one. ``options`` go to ``httpx2.Client`` (``timeout=...``). ``allow_batches`` lets
+    batch creation through unmetered (reserve for it yourself)."""
     return httpx2.Client(
-        transport=GuardedTransport(allow_unguarded=allow_unguarded, prices=prices), **options
+        transport=GuardedTransport(
+            allow_unguarded=allow_unguarded, allow_batches=allow_batches, prices=prices
+        ),
+        **options,
     )
 
 

@@ -412,3 +412,36 @@ def test_streams_through_the_sdk_are_settled_from_their_last_event(
     charged = {a.key: a.actual for a in Ledger(backend_url).attempts() if "#" not in a.key}
     assert charged == {s.idempotency_key: s.billed for s in sent}
     assert len(sent) == 2 and all(s.billed > 0 for s in sent)
+
+
+def test_batch_creation_is_refused_before_sending_not_let_through_unmetered(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    claude = guarded_anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"batch-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        estimate_cost=lambda: 0,
+    )
+    def batch(self: BudgetTask) -> str:
+        created = claude.messages.batches.create(
+            requests=[
+                {
+                    "custom_id": "one",
+                    "params": {
+                        "model": "claude-haiku-4-5",
+                        "max_tokens": 16,
+                        "messages": [{"role": "user", "content": "Hi"}],
+                    },
+                }
+            ]
+        )
+        return str(created.id)
+
+    with pytest.raises(EstimateRefused, match="batch creation is not metered"):
+        batch.delay().get()
+    assert posts(fake) == []
+    assert Ledger(backend_url).balance("team").held == 0
