@@ -30,6 +30,7 @@ from budget_tasks import Ledger
 from budget_tasks.testing import FakeProvider
 from budget_tasks.testing.harness import wait_for
 
+from ..demo_output import check_embedded_demo
 from ..services import REDIS_HOST, REDIS_PORT, check_postgres, check_redis, scratch_database
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,7 +199,7 @@ def test_the_quick_start_as_written_then_the_demo_then_the_plugin_example(
         demo_env = {k: v for k, v in user_env.items()}
         demo_env["HOME"] = str(tmp_path / "demo-home")
         demo = run("budget-tasks demo", demo_dir, demo_env, timeout=400)
-        assert "all invariants held" in demo
+        check_embedded_demo(demo, Path(demo_env["HOME"]))
 
         # beat sent the reconciliation job, and the worker ran it
         wait_for(lambda: "budget_tasks.reconcile_unknown" in beat.text(), 120, "beat's first run")
@@ -222,11 +223,12 @@ def test_the_quick_start_as_written_then_the_demo_then_the_plugin_example(
 
 
 @pytest.fixture
-def wheel_installed_outside(venv: Path) -> None:
+def wheel_installed_outside(venv: Path, user_env: dict[str, str]) -> None:
     """The venv's budget_tasks is the installed wheel's, not this checkout."""
     where = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import budget_tasks; print(budget_tasks.__file__)"],
         cwd=venv,
+        env=user_env,
         capture_output=True,
         text=True,
         check=True,

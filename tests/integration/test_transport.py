@@ -11,7 +11,7 @@ import openai
 import pytest
 from celery import Celery
 
-from budget_tasks import BudgetExceeded, BudgetTask, Ledger
+from budget_tasks import BudgetExceeded, BudgetTask, Ledger, OutcomeUnknown
 from budget_tasks.errors import EstimateRefused, UnguardedCall
 from budget_tasks.testing import FakeProvider
 from budget_tasks.transport import guarded_anthropic_client, guarded_openai_client
@@ -354,6 +354,10 @@ def test_a_call_reconciliation_found_is_replayed_to_the_sdk_as_the_task_built_it
     ledger = Ledger(backend_url)
     [step] = [a for a in ledger.attempts() if a.key == "found:1:openai.chat:1"]
     assert step.state == "unknown"
+    # before reconciliation, a redelivery never resends an unknown call
+    with pytest.raises(OutcomeUnknown):
+        summary.delay().get()
+    assert len(posts(fake)) == 1
     lookups = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
     counts = reconcile_unknown(ledger, lambda kind: lookups, margin=timedelta(0))
     assert counts["found"] == 1

@@ -404,3 +404,24 @@ def test_a_redelivery_that_asks_something_else_at_a_replayed_position_is_a_confl
     assert guarded_posts(fake, "ebb") == [f"guarded:ebb:openai.chat:{n}" for n in range(1, 4)]
     assert pg_ledger.operation("guarded:ebb").status == "failed"
     assert pg_ledger.balance("default").held == 0
+
+
+def test_the_sdks_own_calls_through_the_guarded_transport_in_a_real_worker(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    start_worker()
+    value = client.send_task("tests.sdk_tour").get(timeout=90)
+    assert value == {
+        "tool_round_trip": ["lookup", "stop"],
+        "n": 3,
+        "structured": True,
+        "stream_usage_False": 0,
+        "stream_usage_True": 1,
+        "anthropic": ["tool_use", "tool_use"],
+    }
+    sent = [s for s in fake.served() if s.method == "POST"]
+    assert len(sent) == 7
+    charged = {a.key: (a.state, a.actual) for a in pg_ledger.attempts() if "#" not in a.key}
+    assert charged == {s.idempotency_key: ("settled", s.billed) for s in sent}
+    assert pg_ledger.balance("default").spent == sum(s.billed for s in sent)
+    assert pg_ledger.audit() == []

@@ -139,3 +139,84 @@ def guarded_agent(self: BudgetTask, topic: str, marker: str, change_at: int = 0)
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
     return answers
+
+
+@functools.cache
+def guarded_claude() -> Any:
+    from budget_tasks.transport import guarded_anthropic_client
+
+    base = (os.environ.get("OPENAI_BASE_URL") or "").removesuffix("/v1")
+    return guarded_anthropic_client(base_url=base, api_key="sk-test", timeout=30.0)
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a word up.",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}},
+    },
+}
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    budget=BUDGET,
+    name="tests.sdk_tour",
+    idempotency_key=lambda: "tour:1",
+    estimate_cost=lambda: 0,
+)
+def sdk_tour(self: BudgetTask) -> dict[str, Any]:
+    """The SDKs' own calls, as a team writes them: a tool round trip, n=3, structured
+    output, a stream with and without usage, Anthropic tool use."""
+    oai, claude = guarded(), guarded_claude()
+    out: dict[str, Any] = {}
+    ask = [{"role": "user", "content": "What does 'ebb' mean?"}]
+    first = oai.chat.completions.create(
+        model="gpt-4o-mini", max_completion_tokens=32, tools=[TOOL], messages=ask
+    )
+    [call] = first.choices[0].message.tool_calls
+    ask += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "the tide going out"},
+    ]
+    second = oai.chat.completions.create(
+        model="gpt-4o-mini", max_completion_tokens=32, tools=[TOOL], messages=ask
+    )
+    out["tool_round_trip"] = [call.function.name, second.choices[0].finish_reason]
+    three = oai.chat.completions.create(
+        model="gpt-4o-mini", max_completion_tokens=16, n=3, messages=ask[:1]
+    )
+    out["n"] = len(three.choices)
+    shaped = oai.chat.completions.create(
+        model="gpt-4o-mini",
+        max_completion_tokens=16,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "word", "schema": {"type": "object"}},
+        },
+        messages=ask[:1],
+    )
+    out["structured"] = bool(shaped.choices[0].message.content)
+    for with_usage in (False, True):
+        options = {"stream_options": {"include_usage": True}} if with_usage else {}
+        chunks = list(
+            oai.chat.completions.create(
+                model="gpt-4o-mini",
+                max_completion_tokens=16,
+                stream=True,
+                messages=ask[:1],
+                **options,
+            )
+        )
+        out[f"stream_usage_{with_usage}"] = sum(c.usage is not None for c in chunks)
+    tools = [{"name": "lookup", "description": "Look up.", "input_schema": {"type": "object"}}]
+    used = claude.messages.create(
+        model="claude-haiku-4-5",
+        max_tokens=16,
+        tools=tools,
+        messages=[{"role": "user", "content": "And 'flow'?"}],
+    )
+    out["anthropic"] = [used.stop_reason, used.content[0].type]
+    return out
