@@ -28,7 +28,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +108,30 @@ ENDPOINTS = (
 #: Batch creation bills later, for requests the body may not hold (OpenAI's are in an
 #: uploaded file): not metered here, so refused unless the client allows it.
 BATCH_PATHS = re.compile(r"(/v1/batches|/messages/batches)/?$")
+
+
+_local = threading.local()
+
+
+def _labels() -> list[str]:
+    labels: list[str] = getattr(_local, "labels", None) or []
+    return labels
+
+
+@contextmanager
+def call_label(name: str) -> Iterator[None]:
+    """Count the calls made inside this block apart, under ``name``: their positions
+    are ``<key>:<name>/<endpoint>:n``. A loop whose branches make calls in an order
+    that may differ between runs gives each branch its label, so a redelivery still
+    meets each call at its own position."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("a call label is a non-empty string")
+    labels = _labels()
+    _local.labels = [*labels, name]
+    try:
+        yield
+    finally:
+        _local.labels = labels
 
 
 def endpoint_of(request: httpx2.Request) -> Endpoint | None:
@@ -200,7 +226,8 @@ class GuardedTransport(httpx2.BaseTransport):
         manager = scope.manager
         assert manager is not None
         try:
-            with manager.step(scope, estimate.amount, endpoint.name) as call:
+            label = endpoint.name if not _labels() else f"{_labels()[-1]}/{endpoint.name}"
+            with manager.step(scope, estimate.amount, label) as call:
                 if call.replayed:
                     return _replay(scope, call, digest, request, streamed)
                 return self._send(call, endpoint, request, body, digest, streamed, hidden_usage)
@@ -425,6 +452,7 @@ __all__ = [
     "ENDPOINTS",
     "Endpoint",
     "GuardedTransport",
+    "call_label",
     "endpoint_of",
     "guarded_anthropic_client",
     "guarded_http_client",

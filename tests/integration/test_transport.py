@@ -449,3 +449,47 @@ def test_batch_creation_is_refused_before_sending_not_let_through_unmetered(
         batch.delay().get()
     assert posts(fake) == []
     assert Ledger(backend_url).balance("team").held == 0
+
+
+def test_plain_http_clients_and_call_labels(app: Any, fake: FakeProvider, backend_url: str) -> None:
+    """Any code holding the guarded httpx2 client is metered the same; a call label
+    counts the calls of a block apart (their positions do not depend on the order of
+    the blocks)."""
+    from budget_tasks.transport import call_label, guarded_http_client
+
+    http = guarded_http_client(timeout=5.0)
+    body = {
+        "model": "gpt-4o-mini",
+        "max_completion_tokens": 8,
+        "messages": [{"role": "user", "content": "Plain HTTP."}],
+    }
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"plain-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        idempotency_key=lambda: "plain:1",
+        estimate_cost=lambda: 0,
+    )
+    def plain(self: BudgetTask) -> list[int]:
+        statuses = []
+        for name in ("summary", "search"):
+            with call_label(name):
+                reply = http.post(f"{fake.openai_base_url}/chat/completions", json=body)
+                statuses.append(reply.status_code)
+        unlabelled = http.post(f"{fake.openai_base_url}/chat/completions", json=body)
+        return [*statuses, unlabelled.status_code]
+
+    assert plain.delay().get() == [200, 200, 200]
+    sent = posts(fake)
+    assert [s.idempotency_key for s in sent] == [
+        "plain:1:summary/openai.chat:1",
+        "plain:1:search/openai.chat:1",
+        "plain:1:openai.chat:1",
+    ]
+    charged = {a.key: a.actual for a in Ledger(backend_url).attempts() if "#" not in a.key}
+    assert charged == {s.idempotency_key: s.billed for s in sent}
+    with pytest.raises(UnguardedCall):
+        http.post(f"{fake.openai_base_url}/chat/completions", json=body)
+    assert len(posts(fake)) == 3
