@@ -35,7 +35,8 @@ class Sent:
     usage: Usage | None
     cost: int | None
     result: dict[str, Any]
-    #: the SDK's own response object (None for a stream, which the helper consumed)
+    #: the SDK's own response object; for a stream, the list of the SDK's own events
+    #: (chunks) in the order they came
     response: Any = None
 
 
@@ -179,7 +180,9 @@ def openai_chat(
         else:
             parts: list[str] = []
             finish = completion_id = raw_usage = None
+            chunks: list[Any] = []
             for chunk in response.parse():
+                chunks.append(chunk)
                 completion_id = chunk.id
                 for delta in chunk.choices:
                     parts.append(delta.delta.content or "")
@@ -190,7 +193,7 @@ def openai_chat(
                     "openai", "no finish_reason" if finish is None else "no usage chunk"
                 )
             result = {"id": completion_id, "content": "".join(parts), "finish_reason": finish}
-            sdk_response = None
+            sdk_response = chunks
     used = usage_of.from_openai_chat(raw_usage)
     sent = _priced("openai", params["model"], request_id, used, result, prices, sdk_response)
     return _done(attempt, sent)
@@ -262,7 +265,9 @@ def anthropic_message(
             result = message_result(message)
             used = usage_of.from_anthropic(message.usage)
         else:
-            result, used = _read_anthropic_stream(r.parse())
+            events = list(r.parse())
+            result, used = _read_anthropic_stream(events)
+            message = events
     sent = _priced("anthropic", params["model"], request_id, used, result, prices, message)
     return _done(attempt, sent)
 

@@ -205,6 +205,14 @@ def test_openai_chat_reports_request_id_usage_and_the_billed_cost(
     assert sent.cost == served.billed > 0
     assert sent.result["finish_reason"] in ("stop", "length")
     assert sent.result["content"].strip()
+    import openai.types.chat as chat_types
+
+    if stream:  # the SDK's own events, every one, in order
+        assert len(sent.response) > 2
+        assert all(isinstance(c, chat_types.ChatCompletionChunk) for c in sent.response)
+        assert sent.response[-1].usage is not None
+    else:
+        assert isinstance(sent.response, chat_types.ChatCompletion)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -227,6 +235,11 @@ def test_anthropic_message_reports_request_id_usage_and_the_billed_cost(
     assert sent.usage.output_tokens == 40
     assert sent.cost == served.billed > 0
     assert sent.result["stop_reason"] == "end_turn"
+    if stream:
+        types = [event.type for event in sent.response]
+        assert types[0] == "message_start" and types[-1] == "message_stop"
+    else:
+        assert sent.response.id == sent.response_id
 
 
 def test_openai_response_background_has_no_usage_until_done(fake: FakeProvider, oai: Any) -> None:
