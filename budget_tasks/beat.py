@@ -41,12 +41,14 @@ from .providers import (
     settle_after,
 )
 from .providers.calls import (
+    LOOKUP_ANTHROPIC_BATCH,
     LOOKUP_ANTHROPIC_MESSAGES,
     LOOKUP_NONE,
     LOOKUP_OPENAI_CHAT,
     LOOKUP_OPENAI_RESPONSES,
 )
 from .providers.clients import DEFAULT_MARGIN
+from .providers.lookups import lookup_anthropic_batch_total
 
 log = logging.getLogger("budget_tasks.beat")
 
@@ -120,6 +122,17 @@ def look_up(
         )
     if attempt.lookup == LOOKUP_ANTHROPIC_MESSAGES:
         return lookup_anthropic_message()
+    if attempt.lookup == LOOKUP_ANTHROPIC_BATCH:
+        if attempt.response_id is None:
+            return Unknowable("the batch's id never arrived: an operator resolves it")
+        client = clients("anthropic")
+        return lookup_anthropic_batch_total(
+            client,
+            batch_id=attempt.response_id,
+            sent_at=sent_at,
+            settle_after=_settle_after(attempt, client, margin),
+            now=now,
+        )
     if attempt.lookup == LOOKUP_NONE:
         return Unknowable("the call was sent without storing it: the provider cannot find it")
     return Unknowable(f"no lookup named {attempt.lookup!r}")

@@ -49,9 +49,11 @@ from .providers import estimates
 from .providers import usage as usage_of
 from .providers.calls import (
     ATTEMPT_METADATA_KEY,
+    LOOKUP_ANTHROPIC_BATCH,
     LOOKUP_ANTHROPIC_MESSAGES,
     LOOKUP_NONE,
     LOOKUP_OPENAI_CHAT,
+    LOOKUP_OPENAI_RESPONSES,
     Sent,
 )
 from .providers.clients import _refuse_retries
@@ -77,7 +79,29 @@ class Endpoint:
             return LOOKUP_OPENAI_CHAT if body.get("store") else LOOKUP_NONE
         if self.name == "anthropic.messages":
             return LOOKUP_ANTHROPIC_MESSAGES
+        if self.name == "anthropic.batches":
+            return LOOKUP_ANTHROPIC_BATCH
+        if self.name == "openai.responses":
+            return LOOKUP_OPENAI_RESPONSES
         return LOOKUP_NONE
+
+
+def _anthropic_batch_estimate(body: Mapping[str, Any], prices: PriceTable | None) -> Estimate:
+    """An Anthropic Message Batch: the sum of its requests' bounds, at full price (the
+    batch discount only lowers what is billed)."""
+    requests = body.get("requests")
+    if not isinstance(requests, list) or not requests:
+        raise EstimateRefused("a message batch without requests: nothing to bound it by")
+    parts = [
+        estimates.anthropic_message((item or {}).get("params") or {}, prices) for item in requests
+    ]
+    return Estimate(
+        amount=sum(p.amount for p in parts),
+        model=parts[0].model,
+        input_tokens=sum(p.input_tokens for p in parts),
+        output_tokens=sum(p.output_tokens for p in parts),
+        price_version=parts[0].price_version,
+    )
 
 
 ENDPOINTS = (
@@ -96,6 +120,13 @@ ENDPOINTS = (
         usage_of.from_openai_response,
     ),
     Endpoint(
+        "anthropic.batches",
+        "anthropic",
+        re.compile(r"/v1/messages/batches/?$"),
+        _anthropic_batch_estimate,
+        usage_of.from_anthropic,  # a batch answers without usage: read when it ends
+    ),
+    Endpoint(
         "anthropic.messages",
         "anthropic",
         re.compile(r"/v1/messages/?$"),
@@ -105,9 +136,9 @@ ENDPOINTS = (
 )
 
 
-#: Batch creation bills later, for requests the body may not hold (OpenAI's are in an
-#: uploaded file): not metered here, so refused unless the client allows it.
-BATCH_PATHS = re.compile(r"(/v1/batches|/messages/batches)/?$")
+#: OpenAI batch creation: its requests are in an uploaded file, not in the body, so
+#: nothing bounds it here: refused unless the client allows it.
+BATCH_PATHS = re.compile(r"/v1/batches/?$")
 
 
 _local = threading.local()
@@ -230,7 +261,9 @@ class GuardedTransport(httpx2.BaseTransport):
             with manager.step(scope, estimate.amount, label) as call:
                 if call.replayed:
                     return _replay(scope, call, digest, request, streamed)
-                return self._send(call, endpoint, request, body, digest, streamed, hidden_usage)
+                return self._send(
+                    call, endpoint, request, body, digest, streamed, hidden_usage, estimate.model
+                )
         except _StatusOutcome as status:
             return status.response
 
@@ -242,9 +275,9 @@ class GuardedTransport(httpx2.BaseTransport):
         body: dict[str, Any],
         digest: str,
         streamed: bool,
-        hidden_usage: bool = False,
+        hidden_usage: bool,
+        model: str,
     ) -> httpx2.Response:
-        model = str(body.get("model", ""))
         call.describe(endpoint.lookup(body), model, timeout=_timeout(request))
         key = call.key  # reading the key grants the send
         if endpoint.name == "openai.chat" and body.get("store"):

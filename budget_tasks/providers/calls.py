@@ -91,6 +91,8 @@ class AttemptLike(Protocol):
 LOOKUP_OPENAI_CHAT = "openai.chat"
 LOOKUP_OPENAI_RESPONSES = "openai.responses"
 LOOKUP_ANTHROPIC_MESSAGES = "anthropic.messages"
+#: A whole Anthropic Message Batch, by its id: settled when it has ended.
+LOOKUP_ANTHROPIC_BATCH = "anthropic.batch"
 #: A call nothing can find again (a chat completion sent without ``store``).
 LOOKUP_NONE = "none"
 

@@ -176,6 +176,48 @@ def lookup_anthropic_batch(
     return NotFound(f"batch {batch_id} has no request {custom_id}")
 
 
+def lookup_anthropic_batch_total(
+    client: Any,
+    *,
+    batch_id: str,
+    sent_at: datetime,
+    settle_after: timedelta,
+    now: datetime | None = None,
+    prices: PriceTable | None = None,
+) -> Lookup:
+    """A whole Anthropic Message Batch, by its id: once it has ended, the sum of what its
+    succeeded requests used, each at its own model's price (errored, canceled and
+    expired requests are not billed)."""
+    require_no_retries(client)
+    table = prices or default_prices()
+    try:
+        batch = client.messages.batches.retrieve(batch_id)
+        if batch.processing_status != "ended":
+            return Pending(f"batch {batch_id} is {batch.processing_status}")
+        total, succeeded, failed = 0, 0, 0
+        tokens = Usage()
+        for item in client.messages.batches.results(batch_id):
+            if item.result.type != "succeeded":
+                failed += 1
+                continue
+            message = item.result.message
+            used = usage_of.from_anthropic(message.usage)
+            total += table.cost(message.model, used)
+            tokens = Usage(
+                input_tokens=tokens.input_tokens + used.input_tokens,
+                cached_input_tokens=tokens.cached_input_tokens + used.cached_input_tokens,
+                cache_write_tokens=tokens.cache_write_tokens + used.cache_write_tokens,
+                output_tokens=tokens.output_tokens + used.output_tokens,
+            )
+            succeeded += 1
+    except Exception as exc:
+        if _status(exc) == 404:
+            return _not_found(f"batch {batch_id} not found", sent_at, settle_after, now)
+        return Pending(f"lookup failed: {type(exc).__name__}: {exc}")
+    result = {"id": batch_id, "succeeded": succeeded, "not_billed": failed}
+    return Found(total, tokens, result)
+
+
 def lookup_anthropic_message(**_: Any) -> Lookup:
     """Anthropic's Messages API keeps no record to ask: the hold waits for an operator."""
     return Unknowable("the Anthropic Messages API has no lookup; resolve the hold by hand")

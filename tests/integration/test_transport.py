@@ -418,30 +418,69 @@ def test_streams_through_the_sdk_are_settled_from_their_last_event(
     assert len(sent) == 2 and all(s.billed > 0 for s in sent)
 
 
-def test_batch_creation_is_refused_before_sending_not_let_through_unmetered(
+def test_an_anthropic_batch_is_held_until_it_ends_then_settled_at_what_it_billed(
     app: Any, fake: FakeProvider, backend_url: str
 ) -> None:
+    """A batch answers before its work is done: its hold (the sum of its requests'
+    bounds) stays open until beat reads the ended batch's usage."""
+    from datetime import timedelta
+
+    from budget_tasks.beat import reconcile_unknown
+    from budget_tasks.providers import anthropic_client
+
     claude = guarded_anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
+
+    def ask(n: int) -> dict[str, Any]:
+        return {
+            "custom_id": f"q{n}",
+            "params": {
+                "model": "claude-haiku-4-5",
+                "max_tokens": 16,
+                "messages": [{"role": "user", "content": f"Question {n}"}],
+            },
+        }
 
     @app.task(
         base=BudgetTask,
         bind=True,
         name=f"batch-{uuid.uuid4().hex[:6]}",
         budget="team",
+        idempotency_key=lambda: "batch:1",
         estimate_cost=lambda: 0,
     )
     def batch(self: BudgetTask) -> str:
-        created = claude.messages.batches.create(
-            requests=[
-                {
-                    "custom_id": "one",
-                    "params": {
-                        "model": "claude-haiku-4-5",
-                        "max_tokens": 16,
-                        "messages": [{"role": "user", "content": "Hi"}],
-                    },
-                }
-            ]
+        return str(claude.messages.batches.create(requests=[ask(1), ask(2)]).id)
+
+    batch_id = batch.delay().get()
+    [sent] = posts(fake)
+    assert sent.idempotency_key == "batch:1:anthropic.batches:1" and sent.billed > 0
+    ledger = Ledger(backend_url)
+    [step] = [a for a in ledger.attempts() if a.key == sent.idempotency_key]
+    assert step.state == "unknown" and step.amount >= sent.billed  # held, bounded
+    assert ledger.balance("team").held == step.amount
+    lookups = anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
+    assert reconcile_unknown(ledger, lambda kind: lookups, margin=timedelta(0))["found"] == 1
+    [step] = [a for a in ledger.attempts() if a.key == sent.idempotency_key]
+    assert (step.state, step.actual) == ("settled", sent.billed)
+    assert ledger.balance("team").held == 0 and ledger.balance("team").spent == sent.billed
+    assert ledger.audit() == []
+    assert batch.delay().get() == batch_id  # the operation replays
+    assert len(posts(fake)) == 1
+
+
+def test_an_openai_batch_is_refused_before_sending_not_let_through_unmetered(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"obatch-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        estimate_cost=lambda: 0,
+    )
+    def batch(self: BudgetTask) -> str:
+        created = app.openai.batches.create(
+            input_file_id="file-1", endpoint="/v1/chat/completions", completion_window="24h"
         )
         return str(created.id)
 
