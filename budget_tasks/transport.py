@@ -17,10 +17,11 @@ BudgetTask's ``run``, each billable request (chat completions, Responses, Messag
    body there is :class:`~budget_tasks.errors.CallConflict`; a call whose outcome is
    unknown raises ``OutcomeUnknown``, never a resend).
 
-Streams are read to the end (usage from the final event) before the SDK sees them: the
-SDK gets every event, at once, after the call finished. Outside a BudgetTask a billable
-request is refused (:class:`~budget_tasks.errors.UnguardedCall`) unless the client was
-built with ``allow_unguarded=True``; other requests (lookups, model lists, files) pass.
+Streams pass to the SDK as they arrive and settle at their end (usage from the final
+event); one cut or left before its usage arrived keeps its hold as unknown. Outside a
+BudgetTask a billable request is refused (:class:`~budget_tasks.errors.UnguardedCall`)
+unless the client was built with ``allow_unguarded=True``; other requests (lookups,
+model lists, files) pass.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .errors import (
     CallConflict,
     EstimateRefused,
     StepNotReplayable,
+    StreamIncomplete,
     UnguardedCall,
 )
 from .pricing import Estimate, PriceTable, Usage, default_prices
@@ -256,16 +258,29 @@ class GuardedTransport(httpx2.BaseTransport):
         digest = _digest(body)
         manager = scope.manager
         assert manager is not None
+        label = endpoint.name if not _labels() else f"{_labels()[-1]}/{endpoint.name}"
+        # Entered by hand: a live stream's call ends when the SDK has read it, after
+        # this method returned.
+        step = manager.step(scope, estimate.amount, label)
+        call = step.__enter__()
         try:
-            label = endpoint.name if not _labels() else f"{_labels()[-1]}/{endpoint.name}"
-            with manager.step(scope, estimate.amount, label) as call:
-                if call.replayed:
-                    return _replay(scope, call, digest, request, streamed)
-                return self._send(
+            if call.replayed:
+                answer: httpx2.Response | _LiveStream = _replay(
+                    scope, call, digest, request, streamed
+                )
+            else:
+                answer = self._send(
                     call, endpoint, request, body, digest, streamed, hidden_usage, estimate.model
                 )
-        except _StatusOutcome as status:
-            return status.response
+        except BaseException as exc:
+            step.__exit__(type(exc), exc, exc.__traceback__)
+            if isinstance(exc, _StatusOutcome):
+                return exc.response
+            raise
+        if isinstance(answer, _LiveStream):
+            return answer.start(step)
+        step.__exit__(None, None, None)
+        return answer
 
     def _send(
         self,
@@ -277,7 +292,7 @@ class GuardedTransport(httpx2.BaseTransport):
         streamed: bool,
         hidden_usage: bool,
         model: str,
-    ) -> httpx2.Response:
+    ) -> httpx2.Response | _LiveStream:
         call.describe(endpoint.lookup(body), model, timeout=_timeout(request))
         key = call.key  # reading the key grants the send
         if endpoint.name == "openai.chat" and body.get("store"):
@@ -290,6 +305,10 @@ class GuardedTransport(httpx2.BaseTransport):
         request_id = response.headers.get("x-request-id") or response.headers.get("request-id")
         if request_id:
             call.record_request_id(request_id)
+        if streamed and response.status_code < 400:
+            return _LiveStream(
+                call, endpoint, response, request, digest, hidden_usage, model, self.prices
+            )
         full = response.read()
         response.close()
         content = _without_usage_chunk(full) if hidden_usage else full
@@ -318,6 +337,109 @@ class GuardedTransport(httpx2.BaseTransport):
         cost = (self.prices or default_prices()).cost(model, used)
         call.record(Sent(endpoint.provider, model, request_id, response_id, used, cost, stored))
         return answer
+
+
+class _LiveStream(httpx2.SyncByteStream):
+    """A streamed answer passed to the SDK as it arrives. The call is settled when the
+    stream ends (its usage from the last event); cut or closed before its end, the
+    call's outcome is unknown and its hold kept."""
+
+    def __init__(
+        self,
+        call: Call,
+        endpoint: Endpoint,
+        response: httpx2.Response,
+        request: httpx2.Request,
+        digest: str,
+        hidden_usage: bool,
+        model: str,
+        prices: PriceTable | None,
+    ) -> None:
+        self.call, self.endpoint, self.inner, self.request = call, endpoint, response, request
+        self.digest, self.hidden_usage, self.model, self.prices = (
+            digest,
+            hidden_usage,
+            model,
+            prices,
+        )
+        self.full: list[bytes] = []
+        self.shown: list[bytes] = []
+        self.step: Any = None
+        self.finished = False
+
+    def start(self, step: Any) -> httpx2.Response:
+        self.step = step
+        headers = [(k, v) for k, v in self.inner.headers.items() if k.lower() != "content-length"]
+        return httpx2.Response(
+            self.inner.status_code,
+            headers=headers,
+            stream=self,
+            request=self.request,
+            extensions={k: v for k, v in self.inner.extensions.items() if k != "network_stream"},
+        )
+
+    def __iter__(self) -> Iterator[bytes]:
+        pending = b""
+        try:
+            for chunk in self.inner.iter_raw():
+                self.full.append(chunk)
+                if not self.hidden_usage:
+                    self.shown.append(chunk)
+                    yield chunk
+                    continue
+                pending += chunk
+                *events, pending = pending.split(b"\n\n")
+                for event in events:
+                    kept = _without_usage_chunk(event)
+                    if kept.strip():
+                        self.shown.append(kept + b"\n\n")
+                        yield kept + b"\n\n"
+            if pending:
+                self.shown.append(pending)
+                yield pending
+        except GeneratorExit:
+            # the SDK stops reading (after [DONE], or the caller broke off): settled if
+            # the usage had arrived, else unknown
+            self._finish(None)
+            raise
+        except BaseException as exc:
+            self._finish(exc)
+            raise
+        self._finish(None)
+
+    def close(self) -> None:
+        try:
+            self.inner.close()
+        finally:
+            self._finish(None)
+
+    def _finish(self, exc: BaseException | None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if exc is None:
+            used, response_id = _usage(self.endpoint, b"".join(self.full), True)
+            if used is None:
+                exc = StreamIncomplete(self.endpoint.provider, "closed before its usage arrived")
+            else:
+                stored = {
+                    "v": STORED_VERSION,
+                    "request": self.digest,
+                    "status": self.inner.status_code,
+                    "headers": [
+                        [k, v] for k, v in self.inner.headers.items() if k.lower() in KEPT_HEADERS
+                    ],
+                    "body": b"".join(self.shown).decode("utf-8", errors="replace"),
+                }
+                cost = (self.prices or default_prices()).cost(self.model, used)
+                request_id = self.call.request_id
+                provider = self.endpoint.provider
+                self.call.record(
+                    Sent(provider, self.model, request_id, response_id, used, cost, stored)
+                )
+                self.step.__exit__(None, None, None)
+                return
+        self.step.__exit__(type(exc), exc, exc.__traceback__)
 
 
 def _replay(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import httpx2
 import openai
 import pytest
 from celery import Celery
@@ -375,8 +376,10 @@ def test_a_call_reconciliation_found_is_replayed_to_the_sdk_as_the_task_built_it
 def test_streams_through_the_sdk_are_settled_from_their_last_event(
     app: Any, fake: FakeProvider, backend_url: str, asked_for_usage: bool
 ) -> None:
-    """The SDK sees every event; the usage chunk the transport had to ask for is shown
-    only to a caller who asked for it (code reading chunk.choices[0] keeps working)."""
+    """The SDK gets each event as it arrives (the call is still out when the first
+    chunk is read) and every event; the usage chunk the transport had to ask for is
+    shown only to a caller who asked for it (code reading chunk.choices[0] keeps
+    working); the call settles at the stream's end."""
     oai = app.openai
     claude = guarded_anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
     options = {"stream_options": {"include_usage": True}} if asked_for_usage else {}
@@ -390,7 +393,7 @@ def test_streams_through_the_sdk_are_settled_from_their_last_event(
         estimate_cost=lambda: 0,
     )
     def streams(self: BudgetTask) -> list[Any]:
-        words, usage_chunks = [], 0
+        words, usage_chunks, mid_stream = [], 0, []
         for chunk in oai.chat.completions.create(
             model="gpt-4o-mini",
             max_completion_tokens=16,
@@ -402,14 +405,18 @@ def test_streams_through_the_sdk_are_settled_from_their_last_event(
                 usage_chunks += 1
                 continue
             words.append(chunk.choices[0].delta.content or "")
+            if not mid_stream:  # the SDK has a chunk while the call is still out
+                [live] = [a for a in self.ledger.attempts() if a.key == "streams:1:openai.chat:1"]
+                mid_stream.append(live.state)
         told = []
         with claude.messages.stream(
             model="claude-haiku-4-5", max_tokens=16, messages=[{"role": "user", "content": "Hi"}]
         ) as events:
             told = list(events.text_stream)
-        return ["".join(words).strip(), usage_chunks, "".join(told).strip()]
+        return ["".join(words).strip(), usage_chunks, "".join(told).strip(), mid_stream]
 
-    text, usage_chunks, said = streams.delay().get()
+    text, usage_chunks, said, mid_stream = streams.delay().get()
+    assert mid_stream == ["sending"]  # passed on as it arrives, settled at its end
     assert text.startswith("fake") and said.startswith("fake")
     assert usage_chunks == (1 if asked_for_usage else 0)
     sent = posts(fake)
@@ -532,3 +539,38 @@ def test_plain_http_clients_and_call_labels(app: Any, fake: FakeProvider, backen
     with pytest.raises(UnguardedCall):
         http.post(f"{fake.openai_base_url}/chat/completions", json=body)
     assert len(posts(fake)) == 3
+
+
+def test_a_stream_cut_mid_way_keeps_its_hold_as_unknown(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    oai = app.openai
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"cut-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        idempotency_key=lambda: "cut:1",
+        estimate_cost=lambda: 0,
+    )
+    def cut(self: BudgetTask) -> str:
+        stream = oai.chat.completions.create(
+            model="gpt-4o-mini",
+            max_completion_tokens=16,
+            stream=True,
+            messages=[{"role": "user", "content": "Stream it."}],
+        )
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    fake.plan("cut-stream", path="/chat/completions")
+    with pytest.raises((openai.APIError, httpx2.TransportError)):  # the cut, as the SDK sees it
+        cut.delay().get()
+    [sent] = posts(fake)
+    assert sent.billed > 0  # the provider billed before the cut
+    [step] = [a for a in Ledger(backend_url).attempts() if a.key == "cut:1:openai.chat:1"]
+    assert step.state == "unknown"
+    assert Ledger(backend_url).balance("team").held == step.amount
+    with pytest.raises(OutcomeUnknown):
+        cut.delay().get()
+    assert len(posts(fake)) == 1
