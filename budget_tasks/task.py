@@ -19,9 +19,10 @@ from typing import Any, ClassVar
 
 from celery import Task
 from celery.exceptions import Retry
+from celery.signals import celeryd_after_setup
 
 from . import _validate as check
-from . import wiring  # noqa: F401  (a worker running BudgetTasks checks its wiring at start)
+from . import wiring
 from .config import LEDGER_URL_ENV, LEDGER_URL_SETTING, close_ledgers, ledger_for, ledger_of
 from .delivery import (
     PERSIST_DELAYS,
@@ -252,3 +253,11 @@ class BudgetTask(Task):  # type: ignore[misc]
             raise
         ledger.finish_side_effect(scope.operation_id, record, value)
         return value
+
+
+def _check_wiring(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    wiring.warn_at_start(instance, BudgetTask)
+
+
+# A worker that loads any BudgetTask checks its wiring at start, configure() or not.
+celeryd_after_setup.connect(_check_wiring, weak=False)

@@ -4,7 +4,7 @@ start.
 ``configure(app)`` registers the beat jobs, merges their schedule into the app's, and
 sets, as defaults the app's own configuration still overrides, the settings BudgetTask
 relies on. Whether or not an app calls it, a worker that runs BudgetTasks warns at
-start about what would silently weaken the guarantees.
+start about what would silently weaken the guarantees (task.py connects the check).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import logging
 from typing import Any
 
 from celery import Celery
-from celery.signals import celeryd_after_setup
 
 from .config import LEDGER_URL_SETTING
 
@@ -81,11 +80,10 @@ def _set_by_app(conf: Any, key: str) -> bool:
     return any(key in layer for layer in layers)
 
 
-def startup_problems(app: Celery) -> list[str]:
-    """What would weaken BudgetTask's guarantees in this worker, one sentence each."""
-    from .task import BudgetTask
-
-    budget_tasks = [t for t in app.tasks.values() if isinstance(t, BudgetTask)]
+def startup_problems(app: Celery, base: type) -> list[str]:
+    """What would weaken the guarantees of the app's tasks of class ``base`` (BudgetTask)
+    in this worker, one sentence each."""
+    budget_tasks: list[Any] = [t for t in app.tasks.values() if isinstance(t, base)]
     if not budget_tasks:
         return []
     problems = []
@@ -111,15 +109,13 @@ def startup_problems(app: Celery) -> list[str]:
     return problems
 
 
-def _warn_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None:
+def warn_at_start(instance: Any, base: type) -> None:
+    """Log each startup problem of a worker (``celeryd_after_setup``'s instance)."""
     app = getattr(instance, "app", None)
     if app is None:
         return
-    for problem in startup_problems(app):
+    for problem in startup_problems(app, base):
         log.warning("budget-tasks: %s", problem)
 
 
-celeryd_after_setup.connect(_warn_at_start, weak=False)
-
-
-__all__ = ["BEAT_SCHEDULE", "DELIVERY_DEFAULTS", "configure", "startup_problems"]
+__all__ = ["BEAT_SCHEDULE", "DELIVERY_DEFAULTS", "configure", "startup_problems", "warn_at_start"]

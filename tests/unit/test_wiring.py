@@ -60,11 +60,11 @@ def test_a_visibility_timeout_shorter_than_a_lease_is_a_problem() -> None:
     def job() -> int:
         return 1
 
-    problems = startup_problems(app)
+    problems = startup_problems(app, BudgetTask)
     assert len(problems) == 1
     assert "visibility timeout (300 s) is shorter than" in problems[0]
     app.conf.broker_transport_options = {"visibility_timeout": 600}
-    assert startup_problems(app) == []  # exactly the lease is enough
+    assert startup_problems(app, BudgetTask) == []  # exactly the lease is enough
     app.close()
 
 
