@@ -47,7 +47,7 @@ import celery  # noqa: E402
 import psycopg  # noqa: E402
 import redis  # noqa: E402
 
-from benchmarks import ledger_bench, scrape_bench, task_overhead  # noqa: E402
+from benchmarks import commit_count, ledger_bench, scrape_bench, task_overhead  # noqa: E402
 from benchmarks.task_overhead import Services, latency, run_all_of, services  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
@@ -75,6 +75,7 @@ class Sizes:
     concurrency: int
     scrape_budgets: int
     scrape_holds: int
+    commit_tasks: int
 
 
 FULL = Sizes(
@@ -95,6 +96,7 @@ FULL = Sizes(
     concurrency=2,
     scrape_budgets=10_000,
     scrape_holds=100_000,
+    commit_tasks=50,
 )
 QUICK = Sizes(
     ledger_procs=(2,),
@@ -114,6 +116,7 @@ QUICK = Sizes(
     concurrency=2,
     scrape_budgets=200,
     scrape_holds=2_000,
+    commit_tasks=5,
 )
 
 
@@ -489,6 +492,27 @@ def scrape_section(report: Report, admin_url: str) -> None:
         report.note(5, f"the scrape took {result.scrape:.2f} s: target NOT met")
 
 
+def commits_section(report: Report) -> None:
+    counts = commit_count.run(report.sizes.commit_tasks)
+    for kind, value in counts.commits.items():
+        target = commit_count.TARGETS[kind]
+        print(f"  {kind}: {value:.1f} commits per task (target {target})", flush=True)
+        report.figures.append(
+            Figure(
+                6,
+                f"ledger commits per task, {kind}",
+                "commits",
+                "issue 15's target",
+                float(target),
+                "bench.summarize (eager)",
+                value,
+                "lower is better; ratio 1 meets the target",
+            )
+        )
+        report.note(6, f"{kind}: {counts.rollbacks[kind]:.1f} rollbacks per task besides")
+    report.note(6, f"{counts.tasks} tasks of each kind; statements are not counted yet")
+
+
 # -- output ------------------------------------------------------------------------------
 
 
@@ -581,6 +605,15 @@ SECTIONS = {
         "baseline is the same five gauges per budget read by one hand-written query with "
         "psycopg; most of either is the Prometheus text format itself.",
     ),
+    6: (
+        "Ledger commits per task: a first run, a replay, a denial",
+        "Counted by PostgreSQL: `pg_stat_database.xact_commit` of a scratch database that "
+        "nothing else uses, read after the ledger's connections have exited (a backend "
+        "writes its statistics as it exits). The tasks run in eager mode (the same "
+        "operation manager a worker runs), each one call through the official openai "
+        "SDK to the fake provider; a denial is a budget of 1. The baseline is the target "
+        "issue 15 sets (2 commits for a first run, 1 for a replay or a denial).",
+    ),
 }
 
 
@@ -642,7 +675,8 @@ def markdown(report: Report) -> str:
         f"replay: {s.replay_samples} samples, {s.replay_tasks} throughput "
         f"tasks; memory: checkpoints {s.memory_checkpoints[0]} and "
         f"{s.memory_checkpoints[1]}, batches of {s.memory_batch}; worker concurrency "
-        f"{s.concurrency}; scrape: {s.scrape_budgets:,} budgets, {s.scrape_holds:,} holds.",
+        f"{s.concurrency}; scrape: {s.scrape_budgets:,} budgets, {s.scrape_holds:,} holds; "
+        f"commits: {s.commit_tasks} tasks of each kind.",
         "",
     ]
     return "\n".join(out)
@@ -717,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
         audit = stack.ledger.audit()
     report.note(4, f"ledger audit after sections 2-4: {audit or 'clean'}")
     timed(5, lambda: scrape_section(report, admin_url))
+    timed(6, lambda: commits_section(report))
     report.problems += [f"task ledger audit: {finding}" for finding in audit]
     report.total_seconds = time.perf_counter() - begun
 

@@ -1,0 +1,154 @@
+"""How many transactions the ledger commits per BudgetTask: a first run, a replay of a
+finished key, a denial. Counted by PostgreSQL (``pg_stat_database.xact_commit`` of a
+scratch database that nothing else uses), not by the library counting itself.
+
+    .venv/bin/python benchmarks/commit_count.py [--tasks 20]
+
+The tasks run in eager mode in this process (the same operation manager a worker
+runs), each making one call through the official openai SDK to the fake provider. A
+backend flushes its statistics when it exits, so the ledger's connections are closed
+before each reading; a warm-up run (connections, the database clock) is flushed
+before the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from celery import Celery  # noqa: E402
+
+from benchmarks.ledger_bench import ADMIN_URL  # noqa: E402
+from budget_tasks import BudgetExceeded, BudgetTask, Ledger  # noqa: E402
+from budget_tasks.config import close_ledgers  # noqa: E402
+from budget_tasks.providers import estimates, openai_chat, openai_client  # noqa: E402
+from budget_tasks.testing import FakeProvider  # noqa: E402
+
+#: Issue 15's targets: commits per first run, per replay, per denial.
+TARGETS = {"first run": 2, "replay": 1, "denial": 1}
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Transactions per task, by kind of delivery."""
+
+    commits: dict[str, float]
+    rollbacks: dict[str, float]
+    tasks: int
+
+
+def _stat(database: str) -> tuple[int, int]:
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = %s",
+            (database,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def _flushed(database: str) -> tuple[int, int]:
+    """The counters once every ledger connection of this process has exited."""
+    close_ledgers()
+    time.sleep(0.5)  # backends write their statistics as they exit
+    return _stat(database)
+
+
+def run(tasks: int = 20) -> Counts:
+    name = f"bt_commits_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')  # a generated name
+    url = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1)
+    url = f"{url}/{name}"
+    try:
+        with FakeProvider() as fake:
+            return _count(url, name, fake, tasks)
+    finally:
+        close_ledgers()
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _count(url: str, database: str, fake: FakeProvider, tasks: int) -> Counts:
+    setup = Ledger(url)
+    setup.create_schema()
+    setup.create_budget("plenty", 10**12)
+    setup.create_budget("none", 1)
+    setup.dispose()
+    app = Celery("commit-count", set_as_current=False)
+    app.conf.update(task_always_eager=True, task_eager_propagates=True, budget_ledger_url=url)
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=10.0)
+
+    def request(text: str) -> dict[str, Any]:
+        return {
+            "model": "gpt-4o-mini",
+            "max_completion_tokens": 16,
+            "messages": [{"role": "user", "content": text}],
+        }
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name="commits.summarize",
+        budget=lambda budget, key: budget,
+        idempotency_key=lambda budget, key: key,
+        estimate_cost=lambda budget, key: estimates.openai_chat(request(key)).amount,
+    )
+    def summarize(self: BudgetTask, budget: str, key: str) -> str:
+        sent = openai_chat(client, attempt=self.attempt, **request(key))
+        return str(sent.result["content"])
+
+    def each(kind: str, budget: str, keys: list[str]) -> Callable[[], None]:
+        def go() -> None:
+            for key in keys:
+                try:
+                    summarize.delay(budget, key).get()
+                except BudgetExceeded:
+                    if kind != "denial":
+                        raise
+
+        return go
+
+    keys = [f"k{n}" for n in range(tasks)]
+    each("first run", "plenty", ["warm-up"])()  # connections, the clock, the period
+    commits: dict[str, float] = {}
+    rollbacks: dict[str, float] = {}
+    for kind, budget, batch in (
+        ("first run", "plenty", keys),
+        ("replay", "plenty", keys),
+        ("denial", "none", [f"d{n}" for n in range(tasks)]),
+    ):
+        before = _flushed(database)
+        each(kind, budget, batch)()
+        after = _flushed(database)
+        commits[kind] = (after[0] - before[0]) / len(batch)
+        rollbacks[kind] = (after[1] - before[1]) / len(batch)
+    return Counts(commits, rollbacks, tasks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=20)
+    args = parser.parse_args()
+    counts = run(args.tasks)
+    for kind, value in counts.commits.items():
+        print(
+            f"{kind:10} {value:5.1f} commits per task (target {TARGETS[kind]}), "
+            f"{counts.rollbacks[kind]:.1f} rollbacks"
+        )
+
+
+if __name__ == "__main__":
+    main()
