@@ -1,6 +1,8 @@
-"""How many transactions the ledger commits per BudgetTask: a first run, a replay of a
-finished key, a denial. Counted by PostgreSQL (``pg_stat_database.xact_commit`` of a
-scratch database that nothing else uses), not by the library counting itself.
+"""How many transactions the ledger commits, and how many statements it sends, per
+BudgetTask: a first run, a replay of a finished key, a denial. Commits are counted by
+PostgreSQL (``pg_stat_database.xact_commit`` of a scratch database that nothing else
+uses), statements by the driver (a psycopg cursor class that counts ``execute``
+calls), not by the library counting itself.
 
     .venv/bin/python benchmarks/commit_count.py [--tasks 20]
 
@@ -29,24 +31,45 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from celery import Celery  # noqa: E402
+from sqlalchemy import event  # noqa: E402
 
 from benchmarks.ledger_bench import ADMIN_URL  # noqa: E402
-from budget_tasks import BudgetExceeded, BudgetTask, Ledger  # noqa: E402
-from budget_tasks.config import close_ledgers  # noqa: E402
+from budget_tasks import BudgetExceeded, BudgetTask, CallFacts, Ledger  # noqa: E402
+from budget_tasks.config import close_ledgers, ledger_of  # noqa: E402
 from budget_tasks.providers import estimates, openai_chat, openai_client  # noqa: E402
+from budget_tasks.providers.calls import LOOKUP_OPENAI_CHAT  # noqa: E402
+from budget_tasks.providers.clients import client_timeout  # noqa: E402
 from budget_tasks.testing import FakeProvider  # noqa: E402
 
 #: Issue 15's targets: commits per first run, per replay, per denial.
 TARGETS = {"first run": 2, "replay": 1, "denial": 1}
+MODEL = "gpt-4o-mini"
 
 
 @dataclass(frozen=True)
 class Counts:
-    """Transactions per task, by kind of delivery."""
+    """Transactions and statements per task, by kind of delivery."""
 
     commits: dict[str, float]
     rollbacks: dict[str, float]
     tasks: int
+    statements: dict[str, float]
+
+
+class _CountingCursor(psycopg.Cursor[Any]):
+    """A psycopg cursor that counts the statements it sends."""
+
+    sent = 0
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        _CountingCursor.sent += 1
+        return super().execute(*args, **kwargs)
+
+
+def _count_statements(engine: Any) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.cursor_factory = _CountingCursor
 
 
 def _stat(database: str) -> tuple[int, int]:
@@ -59,14 +82,19 @@ def _stat(database: str) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
-def _flushed(database: str) -> tuple[int, int]:
-    """The counters once every ledger connection of this process has exited."""
-    close_ledgers()
+def _flushed(database: str, app: Celery | None = None) -> tuple[int, int]:
+    """The counters once every ledger connection of this process has exited. The
+    ledger itself is kept (its cached budget chain, periods and clock offset, as in a
+    worker that has run a while): only its pooled connections are closed."""
+    if app is None:
+        close_ledgers()
+    else:
+        ledger_of(app).engine.dispose()
     time.sleep(0.5)  # backends write their statistics as they exit
     return _stat(database)
 
 
-def run(tasks: int = 20) -> Counts:
+def run(tasks: int = 100) -> Counts:
     name = f"bt_commits_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')  # a generated name
@@ -90,10 +118,11 @@ def _count(url: str, database: str, fake: FakeProvider, tasks: int) -> Counts:
     app = Celery("commit-count", set_as_current=False)
     app.conf.update(task_always_eager=True, task_eager_propagates=True, budget_ledger_url=url)
     client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=10.0)
+    timeout = client_timeout(client)
 
     def request(text: str) -> dict[str, Any]:
         return {
-            "model": "gpt-4o-mini",
+            "model": MODEL,
             "max_completion_tokens": 16,
             "messages": [{"role": "user", "content": text}],
         }
@@ -105,6 +134,7 @@ def _count(url: str, database: str, fake: FakeProvider, tasks: int) -> Counts:
         budget=lambda budget, key: budget,
         idempotency_key=lambda budget, key: key,
         estimate_cost=lambda budget, key: estimates.openai_chat(request(key)).amount,
+        describe_call=lambda budget, key: CallFacts(LOOKUP_OPENAI_CHAT, MODEL, timeout),
     )
     def summarize(self: BudgetTask, budget: str, key: str) -> str:
         sent = openai_chat(client, attempt=self.attempt, **request(key))
@@ -122,31 +152,37 @@ def _count(url: str, database: str, fake: FakeProvider, tasks: int) -> Counts:
         return go
 
     keys = [f"k{n}" for n in range(tasks)]
-    each("first run", "plenty", ["warm-up"])()  # connections, the clock, the period
+    # the budgets' chains, their periods, the database clock: read once per process
+    each("first run", "plenty", ["warm-up"])()
+    each("denial", "none", ["warm-up-denial"])()
     commits: dict[str, float] = {}
     rollbacks: dict[str, float] = {}
+    statements: dict[str, float] = {}
+    _count_statements(ledger_of(app).engine)
     for kind, budget, batch in (
         ("first run", "plenty", keys),
         ("replay", "plenty", keys),
         ("denial", "none", [f"d{n}" for n in range(tasks)]),
     ):
-        before = _flushed(database)
+        before = _flushed(database, app)
+        sent = _CountingCursor.sent
         each(kind, budget, batch)()
-        after = _flushed(database)
+        statements[kind] = (_CountingCursor.sent - sent) / len(batch)
+        after = _flushed(database, app)
         commits[kind] = (after[0] - before[0]) / len(batch)
         rollbacks[kind] = (after[1] - before[1]) / len(batch)
-    return Counts(commits, rollbacks, tasks)
+    return Counts(commits, rollbacks, tasks, statements)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=20)
+    parser.add_argument("--tasks", type=int, default=100)
     args = parser.parse_args()
     counts = run(args.tasks)
     for kind, value in counts.commits.items():
         print(
-            f"{kind:10} {value:5.1f} commits per task (target {TARGETS[kind]}), "
-            f"{counts.rollbacks[kind]:.1f} rollbacks"
+            f"{kind:10} {value:5.2f} commits per task (target {TARGETS[kind]}), "
+            f"{counts.rollbacks[kind]:.2f} rollbacks, {counts.statements[kind]:.1f} statements"
         )
 
 

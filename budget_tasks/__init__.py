@@ -30,7 +30,16 @@ from .errors import (
     UnknownAttempt,
     UnknownBudget,
 )
-from .ledger import Attempt, AuditFinding, Balance, BudgetInfo, Hold, Ledger, Reservation
+from .ledger import (
+    Attempt,
+    AuditFinding,
+    Balance,
+    BudgetInfo,
+    CallFacts,
+    Hold,
+    Ledger,
+    Reservation,
+)
 
 if _TYPE_CHECKING:
     from .task import BudgetTask
@@ -67,6 +76,7 @@ __all__ = [
     "BudgetTask",
     "BudgetTasksError",
     "CallConflict",
+    "CallFacts",
     "CapBelowCommitted",
     "Hold",
     "IdempotencyConflict",

@@ -54,9 +54,9 @@ from .errors import (
     UnknownBudget,
 )
 from .hooks import Hooks, hooks
-from .ledger import Ledger
+from .ledger import CallFacts, Ledger
 from .ledger.operations import AttemptRef, Decision, OperationStart, RunEnd, owner_id
-from .ledger.states import OPEN, AttemptState, OperationStatus
+from .ledger.states import HOLDING, OPEN, AttemptState, OperationStatus
 from .providers.outcomes import ErrorOutcome, classify
 
 log = logging.getLogger("budget_tasks.delivery")
@@ -174,7 +174,6 @@ class _Grants(Protocol):
         response_id: str | None = ...,
         cost: int | None = ...,
     ) -> None: ...
-    def record_request_id(self, key: str, request_id: str) -> None: ...
     def describe_attempt(
         self,
         key: str,
@@ -189,15 +188,22 @@ class _Grants(Protocol):
 class Recorded:
     """One billable attempt as the code inside a task sees it.
 
-    Reading :attr:`key` marks a call as out until it reports; ``record`` and
-    ``record_usage`` write what the call reported to the ledger at once."""
+    Reading :attr:`key` marks a call as out until it reports. What a call reports (its
+    request and response ids, its usage) is kept here and written with the attempt's
+    settlement, in the same commit; only a call answered without its usage (a background
+    Response) has its ids written at once, since reconciliation reads it by them."""
 
-    def __init__(self, key: str, amount: int, ledger: Any = None) -> None:
+    def __init__(
+        self, key: str, amount: int, ledger: Any = None, described: CallFacts | None = None
+    ) -> None:
         self._key = key
         self.amount = amount
         self.actual: int | None = None
         self.request_id: str | None = None
+        self.response_id: str | None = None
         self._ledger: _Grants | None = ledger
+        #: what the ledger records of the call (written with the admission)
+        self._described = described
         #: someone asked for the key: a call may have been sent under it
         self.used = False
         #: a call on this attempt may be out (the key was read since its last report)
@@ -218,20 +224,22 @@ class Recorded:
         """The key, without granting a send (for logs)."""
         return self._key
 
+    @property
+    def ids(self) -> tuple[str | None, str | None]:
+        """The request and response ids the call reported, for its settlement."""
+        return self.request_id, self.response_id
+
     def record_usage(self, cost: int) -> None:
         """The actual cost of the call, in minor units (sums over several reports),
-        written to the ledger at once: a recorded actual is proof of billing."""
+        settled at once when the attempt settles: a recorded actual is proof of
+        billing, and whatever happens after, the hold is settled at it, never released."""
         check.money(cost, "cost")
         self.actual = (self.actual or 0) + cost
         self.in_flight = False
-        if self._ledger is not None:
-            self._ledger.record_call(self._key, cost=cost)
 
     def record_request_id(self, request_id: str) -> None:
-        """Store the provider's request id at once (reconciliation looks it up)."""
-        if self._ledger is not None and request_id != self.request_id:
-            self._ledger.record_request_id(self._key, request_id)
-        self.request_id = request_id
+        """The provider's request id, written with the attempt's settlement."""
+        self.request_id = check.text(request_id, "request_id")
 
     def describe(
         self,
@@ -240,7 +248,11 @@ class Recorded:
         response_id: str | None = None,
         timeout: float | None = None,
     ) -> None:
-        """Record what the call is, before it is sent, for reconciliation."""
+        """Record what the call is, before it is sent, for reconciliation. Where the
+        admission described it so already, nothing is written."""
+        facts = CallFacts(lookup, model, timeout)
+        if response_id is None and self._described is not None and self._described.covers(facts):
+            return
         if self._ledger is not None:
             try:
                 self._ledger.describe_attempt(
@@ -252,24 +264,24 @@ class Recorded:
                 )
             except LedgerUnavailable as exc:
                 raise before_send(exc) from None
+        self._described = facts
 
     def record(self, sent: Any) -> None:
-        """Record a guarded call's request id, response id and priced usage, in one
-        write. A call answered without usage (a background response) keeps its hold
-        open until reconciliation reads the usage."""
-        # Known here first: should the ledger write fail, the error that follows still
-        # settles this usage (written later), never treats the call as still out.
-        new_request_id = sent.request_id if sent.request_id != self.request_id else None
+        """Keep a guarded call's request id, response id and priced usage for the
+        settlement. A call answered without usage (a background response) keeps its hold
+        open until reconciliation reads the usage: its ids are written at once."""
         if sent.request_id:
             self.request_id = sent.request_id
+        if sent.response_id:
+            self.response_id = sent.response_id
         if sent.cost is not None:
             self.actual = (self.actual or 0) + sent.cost
         else:
             self.awaiting_usage = True
         self.in_flight = False
-        if self._ledger is not None:
+        if sent.cost is None and self._ledger is not None:
             self._ledger.record_call(
-                self._key, request_id=new_request_id, response_id=sent.response_id, cost=sent.cost
+                self._key, request_id=sent.request_id, response_id=sent.response_id
             )
 
 
@@ -289,8 +301,9 @@ class AttemptScope(Recorded):
         fingerprint: str,
         manager: OperationManager | None = None,
         owner: str = "",
+        described: CallFacts | None = None,
     ) -> None:
-        super().__init__(key, amount, ledger)
+        super().__init__(key, amount, ledger, described)
         self.owner = owner
         self.reason = reason
         self.operation_key = operation_key
@@ -340,8 +353,9 @@ class Call(Recorded):
         replayed: bool = False,
         result: Any = None,
         reconciled: bool = False,
+        described: CallFacts | None = None,
     ) -> None:
-        super().__init__(key, amount, ledger)
+        super().__init__(key, amount, ledger, described)
         self.label = label
         self.replayed = replayed
         self.result = result
@@ -522,6 +536,9 @@ class Delivery:
     run: Callable[[AttemptScope], Any]
     payload: Any = None
     owner: str = field(default_factory=owner_id)
+    #: what the main call is, where the task knows it before ``run`` (written with the
+    #: admission, so that describing it inside ``run`` writes nothing)
+    describe: Callable[[], CallFacts | None] = lambda: None
 
 
 class OperationManager:
@@ -537,8 +554,9 @@ class OperationManager:
     def deliver(self, d: Delivery) -> Any:
         """Run one delivery to its end: the result (run or replayed), or an exception:
         RetryLater, or the error the operation ended with."""
+        estimate, facts, failure = self._estimate(d)
         for _ in range(MAX_REREADS):
-            start = self._begin(d)
+            start = self._admit(d, estimate, facts)
             if start.decision is Decision.REPLAY:
                 log.info("operation %s replayed: no provider call, no charge", d.key)
                 self.hooks.replayed(task=self.options.task, operation=d.key)
@@ -550,18 +568,45 @@ class OperationManager:
                 raise PoisonMessage(d.key, start.error)
             if start.decision is Decision.IN_PROGRESS:
                 raise RetryLater("in_progress", OperationInProgress(d.key))
+            if failure is not None:
+                self._end_quietly(d, OperationStatus.PENDING, "estimate failed")
+                raise failure
+            assert estimate is not None
+            if start.reservation is not None:  # reserved and granted with the lease
+                reservation = start.reservation
+                self.hooks.admitted(budget=d.budget, attempt=reservation.key, amount=estimate)
+                key, reason = reservation.key, reservation.reason
+                return self._run(d, self._scope(d, start, key, estimate, reason, facts))
             try:
-                scope = self._prepare(d, start)
+                prepared = self._prepare(d, start, estimate, facts)
             except _Replayed as replayed:
                 return replayed.result
-            if scope is not None:
-                return self._run(d, scope)
+            if prepared is not None:
+                return self._run(d, prepared)
         raise RetryLater("in_progress", OperationInProgress(d.key))
 
-    def _begin(self, d: Delivery) -> OperationStart:
+    @staticmethod
+    def _estimate(d: Delivery) -> tuple[int | None, CallFacts | None, Exception | None]:
+        """The task's estimate and call description, or what they raised: raised once
+        the delivery turns out to run (a replay needs neither)."""
+        try:
+            return check.money(d.estimate(), "estimate_cost"), d.describe(), None
+        except Exception as exc:
+            return None, None, exc
+
+    def _plan(self, start: OperationStart) -> tuple[str, str] | None:
+        """The main attempt to reserve and grant with the lease, ``(key, reason)``; None
+        where an earlier run left an attempt to decide first (see :meth:`_prepare`)."""
+        last = start.last_attempt
+        if start.open_steps or (last is not None and last.state in HOLDING):
+            return None
+        reason = start.next_reason or ("first" if start.attempts == 0 else "redelivery")
+        return main_key(start.key, start.attempts + 1), reason
+
+    def _admit(self, d: Delivery, estimate: int | None, facts: CallFacts | None) -> OperationStart:
         try:
             catch_up(self.ledger)
-            return self.ledger.begin_operation(  # type: ignore[no-any-return]
+            return self.ledger.admit(  # type: ignore[no-any-return]
                 d.key,
                 fingerprint=d.fingerprint,
                 owner=d.owner,
@@ -569,14 +614,63 @@ class OperationManager:
                 max_runs=self.options.max_deliveries,
                 task=self.options.task,
                 payload=d.payload,
+                budget=d.budget if estimate is not None else None,
+                amount=estimate,
+                plan=self._plan,
+                price_version=self.options.price_version,
+                call=facts,
             )
+        except (BudgetExceeded, BudgetFrozen) as exc:
+            # Refused in the admission's transaction: the operation is pending again.
+            self._denied(exc, estimate or 0)
+            if self.options.retry_when_budget_frees:
+                raise RetryLater("budget", exc) from exc
+            raise
         except LedgerUnavailable as exc:
-            # Fail closed: no reservation, no send. The lease may have been taken all the
-            # same (a COMMIT whose answer was lost): give it back once the ledger answers.
-            _owe(self.ledger, d.key, d.owner, [_end_write(d, OperationStatus.PENDING, str(exc))])
+            # Fail closed: nothing is sent. The lease and a grant may have committed all
+            # the same (a COMMIT whose answer was lost): this process, which knows it sent
+            # nothing, gives them back once the ledger answers.
+            _owe(
+                self.ledger,
+                d.key,
+                d.owner,
+                [_end_write(d, OperationStatus.PENDING, str(exc), True)],
+            )
             raise RetryLater("ledger", exc) from exc
 
-    def _prepare(self, d: Delivery, start: OperationStart) -> AttemptScope | None:
+    def _denied(self, exc: BudgetExceeded | BudgetFrozen, amount: int) -> None:
+        self.hooks.denied(
+            budget=exc.budget,
+            reason="exceeded" if isinstance(exc, BudgetExceeded) else "frozen",
+            amount=amount,
+        )
+
+    def _scope(
+        self,
+        d: Delivery,
+        start: OperationStart,
+        key: str,
+        amount: int,
+        reason: str,
+        facts: CallFacts | None,
+    ) -> AttemptScope:
+        return AttemptScope(
+            key,
+            amount,
+            self.ledger,
+            reason=reason,
+            operation_key=d.key,
+            operation_id=start.operation_id,
+            budget=d.budget,
+            fingerprint=d.fingerprint,
+            manager=self,
+            owner=d.owner,
+            described=facts,
+        )
+
+    def _prepare(
+        self, d: Delivery, start: OperationStart, estimate: int, facts: CallFacts | None
+    ) -> AttemptScope | None:
         """Everything before ``run``: settle what the last run left behind, decide the
         attempt, reserve it. None: the state moved under us; read again."""
         last = start.last_attempt
@@ -614,11 +708,6 @@ class OperationManager:
                 return None  # resolved meanwhile: read again
             if last is not None and last.state in OPEN:
                 reason = "unknown_resend"
-        try:
-            estimate = check.money(d.estimate(), "estimate_cost")
-        except Exception:
-            self._end_quietly(d, OperationStatus.PENDING, "estimate failed")
-            raise
         reuse = last if (last is not None and last.state == AttemptState.RESERVED) else None
         if reuse is not None and reuse.amount != estimate:
             try:
@@ -634,18 +723,7 @@ class OperationManager:
             return None
         if not self._grant(d, key):
             return None
-        return AttemptScope(
-            key,
-            estimate,
-            self.ledger,
-            reason=reason,
-            operation_key=d.key,
-            operation_id=start.operation_id,
-            budget=d.budget,
-            fingerprint=d.fingerprint,
-            manager=self,
-            owner=d.owner,
-        )
+        return self._scope(d, start, key, estimate, reason, None)
 
     def _grant(self, d: Delivery, key: str) -> bool:
         """reserved -> sending: the reservation is committed; this is the one grant of
@@ -702,11 +780,7 @@ class OperationManager:
                 operation_id=operation_id,
             )
         except (BudgetExceeded, BudgetFrozen) as exc:
-            self.hooks.denied(
-                budget=exc.budget,
-                reason="exceeded" if isinstance(exc, BudgetExceeded) else "frozen",
-                amount=amount,
-            )
+            self._denied(exc, amount)
             self._end_quietly(d, OperationStatus.PENDING, str(exc))
             if self.options.retry_when_budget_frees:
                 raise RetryLater("budget", exc) from exc
@@ -759,6 +833,7 @@ class OperationManager:
             "left_open": left_open,
             "owner": d.owner,
             "attempt": scope.attempt_key,
+            "ids": {scope.attempt_key: scope.ids},
         }
         try:
             end = _persist(self.ledger.finish_operation, d.key, **kwargs)
@@ -809,7 +884,7 @@ class OperationManager:
         else:
             status = OperationStatus.FAILED
         error = _describe(exc)
-        writes = _fate_writes(scope.attempt_key, fate)
+        writes = _fate_writes(scope, fate)
         if status == OperationStatus.FAILED:
             if writes and writes[0].name == "settle":
                 settle = writes.pop(0).kwargs
@@ -823,6 +898,7 @@ class OperationManager:
                             "settlements": [
                                 (settle["key"], settle["actual"], settle["estimate_only"])
                             ],
+                            "ids": {settle["key"]: scope.ids},
                         },
                     )
                 )
@@ -893,9 +969,11 @@ class OperationManager:
     # -- labelled calls ------------------------------------------------------------------
 
     @contextmanager
-    def step(self, scope: AttemptScope, amount: int, label: str) -> Iterator[Call]:
+    def step(
+        self, scope: AttemptScope, amount: int, label: str, call: CallFacts | None = None
+    ) -> Iterator[Call]:
         """One labelled billable call of ``scope``'s run as its own attempt (see
-        ``BudgetTask.spend``)."""
+        ``BudgetTask.spend``); ``call``, where known, describes it with its admission."""
         check.text(label, "label", max_length=60)
         check.money(amount)
         seq = scope._labels.get(label, 0) + 1
@@ -909,70 +987,117 @@ class OperationManager:
                 "or idempotency key"
             )
         record = _STEP_RECORD.format(label=label, seq=seq)
+        facts = call or CallFacts()
         try:
-            found = self._step_attempt(scope, amount, label, base, record)
+            found = self._step_attempt(scope, amount, label, base, record, facts)
         except LedgerUnavailable as exc:
             raise before_send(exc) from None
         if isinstance(found, Call):
             yield found
             return
-        key = found
+        key, granted = found
         ledger = self.ledger
+        if not granted:
+            try:
+                ledger.mark_sending(key)
+            except LedgerUnavailable as exc:
+                raise before_send(exc) from None
+        made = Call(key, amount, label, ledger, described=facts if granted else None)
         try:
-            ledger.mark_sending(key)
-        except LedgerUnavailable as exc:
-            raise before_send(exc) from None
-        call = Call(key, amount, label, ledger)
-        try:
-            yield call
+            yield made
         except BaseException as exc:
-            fate = fate_after_error(call, exc)
+            fate = fate_after_error(made, exc)
             if fate.action == "settle":
                 scope.billed_unstored = True
             elif fate.action == "unknown":
                 scope.left_open = True
-            for write in _fate_writes(key, fate):
+            for write in _fate_writes(made, fate):
                 try:
                     write.apply(ledger)
                 except LedgerUnavailable:
                     # Owed: written at this process's next delivery (the run's end
                     # gives the lease back through the same list).
                     _owe(ledger, scope.operation_key, scope.owner, [write])
-            self._tell_step(scope, call, fate)
+            self._tell_step(scope, made, fate)
             raise
-        if call.awaiting_usage and call.actual is None:
+        if made.awaiting_usage and made.actual is None:
             ledger.settle_step(
                 key,
                 0,
                 estimate_only=False,
                 operation_id=scope.operation_id,
                 record=record,
-                result=call.result,
+                result=made.result,
                 left_open="answered without usage: settled by reconciliation",
+                ids=made.ids,
             )
             return
-        actual = call.actual if call.actual is not None else amount
+        actual = made.actual if made.actual is not None else amount
         ledger.settle_step(
             key,
             actual,
-            estimate_only=call.actual is None,
+            estimate_only=made.actual is None,
             operation_id=scope.operation_id,
             record=record,
-            result=call.result,
+            result=made.result,
+            ids=made.ids,
         )
         self.hooks.settled(
             budget=scope.budget, attempt=key, amount=amount, actual=actual, by="task"
         )
 
     def _step_attempt(
-        self, scope: AttemptScope, amount: int, label: str, base: str, record: str
-    ) -> Call | str:
-        """A replayed call, or the key of the attempt this call sends under (reserved)."""
+        self,
+        scope: AttemptScope,
+        amount: int,
+        label: str,
+        base: str,
+        record: str,
+        facts: CallFacts,
+    ) -> Call | tuple[str, bool]:
+        """A replayed call, or the key of the attempt this call sends under and whether
+        it was granted with its admission."""
         ledger = self.ledger
-        stored = ledger.side_effect(scope.operation_id, record)
-        if stored is not None and stored[0] == "done":
-            return Call(base, amount, label, replayed=True, result=stored[1])
-        latest, count = ledger.step_attempt(scope.operation_id, base)
+
+        def plan(latest: AttemptRef | None, count: int) -> tuple[str, str] | None:
+            # a new attempt at once where nothing earlier is left to decide
+            if latest is None:
+                return base, scope.reason
+            if latest.state == AttemptState.RELEASED:
+                return f"{base}~{count + 1}", "redelivery"
+            return None
+
+        try:
+            admission = ledger.admit_step(
+                scope.operation_id,
+                base,
+                record,
+                budget=scope.budget,
+                amount=amount,
+                fingerprint=scope.fingerprint,
+                label=label,
+                plan=plan,
+                price_version=self.options.price_version,
+                call=facts,
+            )
+        except (BudgetExceeded, BudgetFrozen) as exc:
+            self._denied(exc, amount)
+            raise
+        if admission.stored is not None:
+            return Call(base, amount, label, replayed=True, result=admission.stored[1])
+        if admission.reservation is not None:
+            if not admission.reservation.created:
+                raise IdempotencyConflict(
+                    admission.reservation.key,
+                    "attempt",
+                    admission.reservation.state,
+                    "a new attempt",
+                )
+            self.hooks.admitted(
+                budget=scope.budget, attempt=admission.reservation.key, amount=amount
+            )
+            return admission.reservation.key, True
+        latest, count = admission.latest, admission.count
         reason = scope.reason
         reuse = None
         if latest is not None:
@@ -1004,7 +1129,7 @@ class OperationManager:
                     reuse = latest
                 else:
                     ledger.release(latest.key, "never sent; re-estimated", expected="reserved")
-            else:  # released (or billed, with rerun_billed): a new attempt of this call
+            else:  # billed, with rerun_billed: a new attempt of this call
                 reason = "redelivery"
         key = reuse.key if reuse is not None else (base if count == 0 else f"{base}~{count + 1}")
         if reuse is None:
@@ -1021,16 +1146,12 @@ class OperationManager:
                     step=base,
                 )
             except (BudgetExceeded, BudgetFrozen) as exc:
-                self.hooks.denied(
-                    budget=exc.budget,
-                    reason="exceeded" if isinstance(exc, BudgetExceeded) else "frozen",
-                    amount=amount,
-                )
+                self._denied(exc, amount)
                 raise
             if not reservation.created:
                 raise IdempotencyConflict(key, "attempt", reservation.state, "a new attempt")
             self.hooks.admitted(budget=scope.budget, attempt=key, amount=amount)
-        return key
+        return key, False
 
     def _tell_step(self, scope: AttemptScope, call: Call, fate: HoldFate) -> None:
         if fate.action == "unknown":
@@ -1057,9 +1178,11 @@ class _Replayed(Exception):
         self.result = result
 
 
-def _fate_writes(key: str, fate: HoldFate) -> list[_Write]:
+def _fate_writes(call: Recorded, fate: HoldFate) -> list[_Write]:
+    key = call.attempt_key
     if fate.action == "release":
         return [_Write("release", {"key": key, "reason": fate.note or "not billed"})]
+    ids = {"request_id": call.request_id, "response_id": call.response_id}
     if fate.action == "settle":
         return [
             _Write(
@@ -1068,6 +1191,7 @@ def _fate_writes(key: str, fate: HoldFate) -> list[_Write]:
                     "key": key,
                     "actual": fate.actual,
                     "estimate_only": fate.estimate_only,
+                    **ids,
                 },
             )
         ]
@@ -1078,10 +1202,12 @@ def _fate_writes(key: str, fate: HoldFate) -> list[_Write]:
                 "key": key,
                 "reason": fate.note or "outcome unknown",
                 "recorded_actual": fate.actual or None,
+                **ids,
             },
         )
     ]
 
 
-def _end_write(d: Delivery, status: str, error: str) -> _Write:
-    return _Write("end_run", {"key": d.key, "owner": d.owner, "status": status, "error": error})
+def _end_write(d: Delivery, status: str, error: str, unsent: bool = False) -> _Write:
+    kwargs = {"key": d.key, "owner": d.owner, "status": status, "error": error}
+    return _Write("end_run", {**kwargs, "unsent": True} if unsent else kwargs)

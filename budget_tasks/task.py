@@ -43,7 +43,7 @@ from .errors import (
     OutcomeUnknown,
     SideEffectUncertain,
 )
-from .ledger import Ledger
+from .ledger import CallFacts, Ledger
 from .transport import raised_by_transport
 
 __all__ = [
@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 #: Options given to ``@app.task(...)`` that are plain functions of the task's arguments.
-_FUNCTION_OPTIONS = ("estimate_cost", "idempotency_key", "fingerprint", "budget")
+_FUNCTION_OPTIONS = ("estimate_cost", "idempotency_key", "fingerprint", "budget", "describe_call")
 #: Celery's ``retry(max_retries=None)`` means "the task's default" (3), not "no limit":
 #: the retries that wait for the ledger, a lease, a rate limit or budget pass this.
 NO_RETRY_LIMIT = sys.maxsize
@@ -87,7 +87,8 @@ class BudgetTask(Task):  # type: ignore[misc]
     (longer than the longest run), ``retry_when_budget_frees`` (seconds to wait and
     retry instead of failing on BudgetExceeded, for ``spend()`` too; 0 = fail),
     ``rerun_billed`` (let an automatic retry run an operation again although calls it
-    paid for would be sent again; default False: it ends failed).
+    paid for would be sent again; default False: it ends failed), ``describe_call``
+    (the main call's :class:`~budget_tasks.ledger.CallFacts`, known before ``run``).
     """
 
     acks_late = True
@@ -108,6 +109,10 @@ class BudgetTask(Task):  # type: ignore[misc]
     lease_seconds: ClassVar[float] = 600.0
     retry_when_budget_frees: ClassVar[float] = 0.0
     rerun_billed: ClassVar[bool] = False
+    #: What the main call is (a :class:`~budget_tasks.ledger.CallFacts`: lookup, model,
+    #: client timeout), a function of the task's arguments, where known before ``run``:
+    #: written with the admission, so the call costs two ledger commits, not three.
+    describe_call: ClassVar[Any] = None
     in_progress_countdown: ClassVar[float] = 5.0
     rate_limit_countdown: ClassVar[float] = 10.0
     ledger_unavailable_countdown: ClassVar[float] = 5.0
@@ -160,6 +165,14 @@ class BudgetTask(Task):  # type: ignore[misc]
             return check.text(self.fingerprint(*args, **kwargs), "fingerprint")
         return canonical_fingerprint(self.name, args, kwargs)
 
+    def _describe_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallFacts | None:
+        if self.describe_call is None:
+            return None
+        facts = self.describe_call(*args, **kwargs)
+        if facts is not None and not isinstance(facts, CallFacts):
+            raise TypeError(f"{self.name}: describe_call must return a CallFacts or None")
+        return facts
+
     def _budget(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         budget = self.budget(*args, **kwargs) if callable(self.budget) else self.budget
         if budget is None:
@@ -188,6 +201,7 @@ class BudgetTask(Task):  # type: ignore[misc]
             estimate=lambda: self.estimate_cost(*args, **kwargs),
             run=lambda scope: self._run_in(scope, args, kwargs),
             payload={"args": list(args), "kwargs": kwargs},
+            describe=lambda: self._describe_call(args, kwargs),
         )
         try:
             return OperationManager(self.ledger, self._options()).deliver(delivery)

@@ -46,6 +46,7 @@ from .errors import (
     StreamIncomplete,
     UnguardedCall,
 )
+from .ledger import CallFacts
 from .pricing import Estimate, PriceTable, Usage, default_prices
 from .providers import estimates
 from .providers import usage as usage_of
@@ -261,7 +262,8 @@ class GuardedTransport(httpx2.BaseTransport):
         label = endpoint.name if not _labels() else f"{_labels()[-1]}/{endpoint.name}"
         # Entered by hand: a live stream's call ends when the SDK has read it, after
         # this method returned.
-        step = manager.step(scope, estimate.amount, label)
+        facts = CallFacts(endpoint.lookup(body), estimate.model, _timeout(request))
+        step = manager.step(scope, estimate.amount, label, facts)
         call = step.__enter__()
         try:
             if call.replayed:

@@ -8,8 +8,10 @@ import os
 from functools import cache
 from typing import Any
 
-from budget_tasks import BudgetTask
+from budget_tasks import BudgetTask, CallFacts
 from budget_tasks.providers import estimates, openai_chat, openai_client
+from budget_tasks.providers.calls import LOOKUP_OPENAI_CHAT
+from budget_tasks.providers.clients import client_timeout
 
 from .app import app
 
@@ -46,6 +48,10 @@ def summary_request(text: str) -> dict[str, Any]:
     idempotency_key=lambda document_id, text, tenant=None: f"summarize:{document_id}",
     estimate_cost=lambda document_id, text, tenant=None: (
         estimates.openai_chat(summary_request(text)).amount
+    ),
+    # what the call is, known before it is sent: written with the admission
+    describe_call=lambda document_id, text, tenant=None: CallFacts(
+        LOOKUP_OPENAI_CHAT, MODEL, client_timeout(client())
     ),
 )
 def summarize(

@@ -52,6 +52,7 @@ from .periods import (
     PERIODS,
     RENEWALS,
     Period,
+    PeriodClosed,
     Renewal,
     opening_cap,
     period_start,
@@ -63,6 +64,7 @@ from .records import (
     Balance,
     BudgetInfo,
     BudgetReport,
+    CallFacts,
     Hold,
     Reservation,
 )
@@ -489,57 +491,95 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         }
         try:
             return self._reserve(chain, row)
-        except _PeriodClosed:
+        except PeriodClosed:
             # This host's clock is behind a period that another host opened (closing
             # this one): admission goes to that later period.
             self._forget_periods(budget_id for budget_id, _, _ in chain)
             return self._reserve(chain, row)
 
-    def _reserve(self, chain: tuple[tuple[int, str, str], ...], row: dict[str, Any]) -> Reservation:
-        key, amount, reason = row["key"], row["amount"], row["reason"]
-        now = self.now()
+    def _holds(
+        self, chain: tuple[tuple[int, str, str], ...], now: datetime
+    ) -> tuple[dict[int, tuple[int, datetime]], list[tuple[int, int]]]:
+        """Each budget's admitting period at ``now``, and the (budget, period) pairs to
+        hold in, in budget-id order (the order every writer locks them in)."""
         periods = {
             budget_id: self._period_id(budget_id, period_start(period, now))  # type: ignore[arg-type]
             for budget_id, _, period in chain
         }
-        holds = sorted((budget_id, found[0]) for budget_id, found in periods.items())
-        names = {budget_id: name for budget_id, name, _ in chain}
-        stamp = self._driver.ts(now)
+        return periods, sorted((budget_id, found[0]) for budget_id, found in periods.items())
+
+    def _reserve(self, chain: tuple[tuple[int, str, str], ...], row: dict[str, Any]) -> Reservation:
+        now = self.now()
+        holds = self._holds(chain, now)
         try:
             with self._driver.transaction() as cur:
-                # The attempt row goes first: a key that exists stops here, before any hold.
-                inserted = cur.one(
-                    sql.INSERT_ATTEMPT,
-                    {**row, "period_id": periods[chain[0][0]][0], "now": stamp},
-                )
-                if inserted is None:
-                    return self._existing(cur, key, chain[0][1], amount, row["fingerprint"])
-                for _, period_id in holds:
-                    _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
-                # The budget rows are the contended ones: lock them last, just before COMMIT.
-                for budget_id, period_id in holds:
-                    if cur.one(
-                        sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}
-                    ):
-                        continue
-                    available, frozen, closed = cur.one(sql.REFUSAL, {"period_id": period_id}) or (
-                        0,
-                        True,
-                        None,
-                    )
-                    if closed is not None:
-                        raise _PeriodClosed(period_id)
-                    if frozen:
-                        raise BudgetFrozen(names[budget_id])
-                    raise BudgetExceeded(names[budget_id], amount, int(available))
+                return self._reserve_in(cur, chain, holds, row, now)
         except self._driver.integrity as exc:
             if row["operation_id"] is None:
                 raise
             # the one reference the caller gives: an operation that does not exist
             raise UnknownOperation(f"id {row['operation_id']}") from exc
+
+    def _reserve_in(
+        self,
+        cur: Cursor,
+        chain: tuple[tuple[int, str, str], ...],
+        found: tuple[dict[int, tuple[int, datetime]], list[tuple[int, int]]],
+        row: dict[str, Any],
+        now: datetime,
+        call: CallFacts | None = None,
+    ) -> Reservation:
+        """Reserve in the caller's transaction, in the periods ``found`` by
+        :meth:`_holds` before it began (opening a period is a transaction of its own).
+        With ``call``, the attempt is granted its send at once (state ``sending``) and
+        described as ``call``: admission, grant and description are one commit."""
+        key, amount, reason = row["key"], row["amount"], row["reason"]
+        periods, holds = found
+        names = {budget_id: name for budget_id, name, _ in chain}
+        stamp = self._driver.ts(now)
+        granted = call is not None
+        # The attempt row goes first: a key that exists stops here, before any hold.
+        inserted = cur.one(
+            sql.INSERT_ATTEMPT,
+            {
+                **row,
+                "period_id": periods[chain[0][0]][0],
+                "now": stamp,
+                "state": "sending" if granted else "reserved",
+                "sending_at": stamp if granted else None,
+                "lookup": call.lookup if call is not None else None,
+                "model": call.model if call is not None else None,
+                "timeout_ms": call.timeout_ms if call is not None else None,
+            },
+        )
+        if inserted is None:
+            return self._existing(cur, key, chain[0][1], amount, row["fingerprint"])
+        for _, period_id in holds:
+            _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
+        # The budget rows are the contended ones: lock them last, just before COMMIT.
+        for budget_id, period_id in holds:
+            if cur.one(sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}):
+                continue
+            available, frozen, closed = cur.one(sql.REFUSAL, {"period_id": period_id}) or (
+                0,
+                True,
+                None,
+            )
+            if closed is not None:
+                raise PeriodClosed(period_id)
+            if frozen:
+                raise BudgetFrozen(names[budget_id])
+            raise BudgetExceeded(names[budget_id], amount, int(available))
         start = periods[chain[0][0]][1]
         return Reservation(
-            key, chain[0][1], amount, start, "reserved", reason, row["fingerprint"], True
+            key,
+            chain[0][1],
+            amount,
+            start,
+            "sending" if granted else "reserved",
+            reason,
+            row["fingerprint"],
+            True,
         )
 
     def _existing(
@@ -586,25 +626,47 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                     raise UnknownAttempt(key)
                 raise InvalidTransition(key, state[0], "mark sending")
 
-    def mark_unknown(self, key: str, reason: str, *, recorded_actual: int | None = None) -> bool:
+    def mark_unknown(
+        self,
+        key: str,
+        reason: str,
+        *,
+        recorded_actual: int | None = None,
+        request_id: str | None = None,
+        response_id: str | None = None,
+    ) -> bool:
         """sending -> unknown: the outcome is unknown and the hold stays.
 
         ``recorded_actual`` is usage the run recorded before the outcome became unknown
-        (proof of billing: the attempt is never resolved below it). Returns False if the
-        attempt was already unknown; raises InvalidTransition from any other state.
+        (proof of billing: the attempt is never resolved below it); the call's request
+        and response ids, where it reported them, are kept for reconciliation. Returns
+        False if the attempt was already unknown; raises InvalidTransition from any
+        other state.
         """
         check.text(key, "key")
         check.text(reason, "reason", max_length=10_000)
         if recorded_actual is not None:
             check.money(recorded_actual, "recorded_actual")
+        ids = _ids(request_id, response_id)
         with self._driver.transaction() as cur:
-            changed = self._mark_unknown_in(cur, key, reason, recorded_actual)
+            changed = self._mark_unknown_in(cur, key, reason, recorded_actual, ids)
         return changed
 
     def _mark_unknown_in(
-        self, cur: Cursor, key: str, reason: str, recorded_actual: int | None
+        self,
+        cur: Cursor,
+        key: str,
+        reason: str,
+        recorded_actual: int | None,
+        ids: tuple[str | None, str | None] = (None, None),
     ) -> bool:
-        params = {"key": key, "note": reason, "recorded": recorded_actual}
+        params = {
+            "key": key,
+            "note": reason,
+            "recorded": recorded_actual,
+            "request_id": ids[0],
+            "response_id": ids[1],
+        }
         if cur.one(sql.MARK_UNKNOWN, params) is not None:
             log.warning("attempt %s outcome unknown, its hold kept: %s", key, reason)
             return True
@@ -670,6 +732,8 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         estimate_only: bool = False,
         note: str | None = None,
         expected: str | None = None,
+        request_id: str | None = None,
+        response_id: str | None = None,
     ) -> bool:
         """Replace the hold by the actual charge: ``held -= reserved; spent += actual``.
 
@@ -678,13 +742,21 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         is and logged as an overrun; one below the usage the run recorded raises
         UsageRecorded. ``note`` goes into the journal entry (an operator's resolution
         says so there). With ``expected``, only from that state (compare-and-set: the
-        state the caller read); another raises InvalidTransition.
+        state the caller read); another raises InvalidTransition. The call's request and
+        response ids, where given, are written with it.
         """
         check.text(key, "key")
         check.money(actual, "actual")
         check.optional_text(note, "note", max_length=10_000)
         applied, amount = self._resolve(
-            key, actual, "settled", "charge", note, estimate_only=estimate_only, expected=expected
+            key,
+            actual,
+            "settled",
+            "charge",
+            note,
+            estimate_only=estimate_only,
+            expected=expected,
+            ids=_ids(request_id, response_id),
         )
         if applied and actual > amount:
             self._log_overrun(key, amount, actual)
@@ -721,6 +793,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         *,
         estimate_only: bool = False,
         expected: str | None = None,
+        ids: tuple[str | None, str | None] = (None, None),
     ) -> tuple[bool, int]:
         stamp = self._driver.ts(self.now())
         with self._driver.transaction() as cur:
@@ -734,6 +807,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                 stamp,
                 estimate_only=estimate_only,
                 expected=expected,
+                ids=ids,
             )
             resolution.apply(cur)
         return resolution.applied, resolution.amount
@@ -752,6 +826,7 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         expected: str | None = None,
         if_resolved: str = "raise",
         answer: str | None = None,
+        ids: tuple[str | None, str | None] = (None, None),
     ) -> _Resolution:
         """Journal and resolve the attempt (compare-and-set on the state read under its
         row lock); the caller applies the counters last.
@@ -796,6 +871,8 @@ class Ledger(OperationsMixin, MaintenanceMixin):
                 "answer": answer,
                 "attempt_id": attempt_id,
                 "expected": current,
+                "request_id": ids[0],
+                "response_id": ids[1],
             },
         )
         assert done == 1  # the row is locked (SQLite: the whole database is)
@@ -1105,6 +1182,12 @@ class Ledger(OperationsMixin, MaintenanceMixin):
         return findings
 
 
+def _ids(request_id: str | None, response_id: str | None) -> tuple[str | None, str | None]:
+    check.optional_text(request_id, "request_id")
+    check.optional_text(response_id, "response_id", max_length=255)
+    return request_id, response_id
+
+
 def _journal(
     cur: Cursor,
     attempt_id: int,
@@ -1130,10 +1213,6 @@ def _journal(
             "now": stamp,
         },
     )
-
-
-class _PeriodClosed(Exception):
-    """Admission met a closed period: a later one is open (this host's clock is behind)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,6 @@ processes running the same job at once never act on the same row twice.
 from __future__ import annotations
 
 import json
-import math
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -19,7 +18,7 @@ from ..errors import InvalidTransition, UnknownAttempt, UnknownOperation, UsageR
 from . import statements as sql
 from .engine import transaction
 from .leases import lease_is_live
-from .records import Attempt, Hold, Operation, Resolved
+from .records import Attempt, CallFacts, Hold, Operation, Resolved
 from .schema import attempts, operations
 
 STALE_STATES = ("sending", "unknown")
@@ -48,22 +47,15 @@ class MaintenanceMixin:
         provider's response id, the client timeout it is sent with), for reconciliation
         if its outcome becomes unknown."""
         check.text(key, "key")
-        timeout_ms = None
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-                raise TypeError(f"timeout must be seconds, not {type(timeout).__name__}")
-            if not 0 < timeout < 10**7:
-                raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
-            timeout_ms = math.ceil(timeout * 1000)
+        facts = CallFacts(lookup, model, timeout)
+        timeout_ms = facts.timeout_ms
         values = {
-            name: check.text(value, name, max_length=limit)
-            for name, value, limit in (
-                ("lookup", lookup, 32),
-                ("model", model, 100),
-                ("response_id", response_id, 255),
-            )
+            name: value
+            for name, value in (("lookup", lookup), ("model", model), ("response_id", response_id))
             if value is not None
         }
+        if response_id is not None:
+            check.text(response_id, "response_id", max_length=255)
         if not values and timeout_ms is None:
             return
         params = {

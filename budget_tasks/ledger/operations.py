@@ -20,15 +20,24 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from .. import _validate as check
-from ..errors import IdempotencyConflict, InvalidTransition, UnknownOperation
+from ..errors import (
+    BudgetExceeded,
+    BudgetFrozen,
+    IdempotencyConflict,
+    InvalidTransition,
+    UnknownBudget,
+    UnknownOperation,
+)
 from . import statements as sql
 from .leases import lease_is_live, owner_id
+from .periods import PeriodClosed
+from .records import CallFacts, Reservation
 from .statements import Cursor, Driver
 from .states import FINISHED, OPEN, AttemptState, OperationStatus, operation_may
 
@@ -38,6 +47,7 @@ __all__ = [
     "OperationStart",
     "OperationsMixin",
     "RunEnd",
+    "StepAdmission",
     "lease_is_live",
     "owner_id",
 ]
@@ -87,6 +97,8 @@ class OperationStart:
     next_reason: str | None = None
     #: labelled calls whose latest attempt may have reached the provider, unresolved
     open_steps: tuple[AttemptRef, ...] = ()
+    #: the main attempt :meth:`OperationsMixin.admit` reserved and granted, if it did
+    reservation: Reservation | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +141,47 @@ class _LedgerBase(Protocol):
 
 def _decode(text: str | None) -> Any:
     return None if text is None else json.loads(text)
+
+
+def _payload(payload: Any) -> str | None:
+    return None if payload is None else json.dumps(payload, default=repr)
+
+
+def _check_delivery(
+    key: str, fingerprint: str, owner: str, lease: timedelta, max_runs: int, task: str | None
+) -> None:
+    check.text(key, "idempotency key")
+    check.text(fingerprint, "fingerprint")
+    check.text(owner, "lease owner")
+    check.duration(lease, "lease")
+    check.positive(max_runs, "max_runs")
+    check.optional_text(task, "task name")
+
+
+def _step_of(cur: Cursor, operation_id: int, step: str) -> tuple[AttemptRef | None, int]:
+    row = cur.one(sql.STEP_ATTEMPT, {"operation_id": operation_id, "step": step})
+    if row is None:
+        return None, 0
+    akey, state, amount, reason, answer, recorded, count = row
+    return AttemptRef(akey, state, amount, reason, step, answer, recorded), int(count)
+
+
+@dataclass(frozen=True, slots=True)
+class StepAdmission:
+    """What :meth:`OperationsMixin.admit_step` found, and the attempt if it made one."""
+
+    stored: tuple[str, Any] | None = None
+    latest: AttemptRef | None = None
+    count: int = 0
+    reservation: Reservation | None = None
+
+
+class _Refused(Exception):
+    """Internal: admission was refused; raised out of its transaction to roll it back."""
+
+    def __init__(self, exc: BudgetExceeded | BudgetFrozen) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
 
 
 class OperationsMixin:
@@ -217,7 +270,11 @@ class OperationsMixin:
         )
 
     def _settle_in(
-        self: Any, cur: Cursor, settlements: Sequence[tuple[str, int, bool]], stamp: Any
+        self: Any,
+        cur: Cursor,
+        settlements: Sequence[tuple[str, int, bool]],
+        stamp: Any,
+        ids: Mapping[str, tuple[str | None, str | None]] | None = None,
     ) -> list[Any]:
         """Settle ``(attempt key, actual, estimate_only)`` each, as a run that got its
         answers does: an attempt resolved meanwhile keeps the larger charge. The caller
@@ -233,6 +290,7 @@ class OperationsMixin:
                 stamp,
                 estimate_only=estimate_only,
                 if_resolved="top_up",
+                ids=(ids or {}).get(key, (None, None)),
             )
             for key, actual, estimate_only in settlements
         ]
@@ -263,87 +321,215 @@ class OperationsMixin:
 
         The owner of a live lease may call it again (its own re-read after a lost
         compare-and-set); it keeps the lease and is not counted as another run."""
-        check.text(key, "idempotency key")
-        check.text(fingerprint, "fingerprint")
-        check.text(owner, "lease owner")
-        check.duration(lease, "lease")
-        check.positive(max_runs, "max_runs")
-        check.optional_text(task, "task name")
+        _check_delivery(key, fingerprint, owner, lease, max_runs, task)
         now = self.now()
-        stamp = self._driver.ts(now)
+        with self._driver.transaction() as cur:
+            start: OperationStart = self._begin_in(
+                cur, key, fingerprint, owner, lease, max_runs, task, payload, now
+            )
+            return start
+
+    def admit(
+        self: Any,
+        key: str,
+        *,
+        fingerprint: str,
+        owner: str,
+        lease: timedelta,
+        max_runs: int,
+        task: str | None = None,
+        payload: Any = None,
+        budget: str | None = None,
+        amount: int | None = None,
+        plan: Callable[[OperationStart], tuple[str, str] | None] | None = None,
+        price_version: str | None = None,
+        call: CallFacts | None = None,
+    ) -> OperationStart:
+        """One delivery's admission in one transaction: a finished key replays (one
+        statement); otherwise the delivery is recorded and decided as
+        :meth:`begin_operation` does, and when it may run and ``plan`` names its main
+        attempt ``(attempt key, reason)``, ``amount`` is reserved on ``budget`` and
+        every ancestor, the send granted and the call described (``call``). The result's
+        ``reservation`` says whether that happened; ``plan`` returns None where the
+        caller has more to decide first (an attempt left open by an earlier run).
+
+        A refusal (BudgetExceeded, BudgetFrozen) rolls the whole transaction back; the
+        operation is then recorded pending with the refusal, in one more statement
+        that is the delivery's only commit, and the refusal raised."""
+        _check_delivery(key, fingerprint, owner, lease, max_runs, task)
+        chain = None
+        if amount is not None:
+            check.money(amount)
+            check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+            check.optional_text(price_version, "price_version", max_length=64)
+            try:
+                chain = self._chain(budget)
+            except UnknownBudget:
+                chain = None  # the delivery is decided alone; the reservation says so
+        for again in (False, True):
+            now = self.now()
+            holds = None if chain is None else self._holds(chain, now)
+            try:
+                with self._driver.transaction() as cur:
+                    stamp = self._driver.ts(now)
+                    found = cur.one(
+                        sql.REPLAY, {"key": key, "fingerprint": fingerprint, "now": stamp}
+                    )
+                    if found is not None:
+                        op_id, result, runs = found
+                        return OperationStart(
+                            Decision.REPLAY, op_id, key, result=_decode(result), runs=runs
+                        )
+                    start: OperationStart = self._begin_in(
+                        cur, key, fingerprint, owner, lease, max_runs, task, payload, now
+                    )
+                    planned = None
+                    if start.decision is Decision.RUN and chain is not None and plan is not None:
+                        planned = plan(start)
+                    if planned is None or chain is None or holds is None:
+                        return start
+                    attempt_key, reason = planned
+                    row = {
+                        "key": attempt_key,
+                        "budget_id": chain[0][0],
+                        "fingerprint": fingerprint,
+                        "reason": reason,
+                        "amount": amount,
+                        "price_version": price_version,
+                        "operation_id": start.operation_id,
+                        "label": None,
+                        "step": None,
+                    }
+                    try:
+                        reservation = self._reserve_in(
+                            cur, chain, holds, row, now, call or CallFacts()
+                        )
+                    except (BudgetExceeded, BudgetFrozen) as exc:
+                        raise _Refused(exc) from exc
+                    if not reservation.created:
+                        return start
+                    return replace(start, reservation=reservation)
+            except _Refused as refused:
+                self._record_refusal(key, fingerprint, task, payload, str(refused.exc))
+                raise refused.exc from None
+            except PeriodClosed:
+                if again:
+                    raise
+                # This host's clock is behind a period another host opened: admission
+                # goes to that later period.
+                self._forget_periods(budget_id for budget_id, _, _ in chain or ())
+        raise AssertionError("unreachable")
+
+    def _record_refusal(
+        self: _LedgerBase,
+        key: str,
+        fingerprint: str,
+        task: str | None,
+        payload: Any,
+        error: str,
+    ) -> None:
         with self._driver.transaction() as cur:
             cur.run(
-                sql.INSERT_OPERATION,
+                sql.RECORD_REFUSAL,
                 {
                     "key": key,
                     "fingerprint": fingerprint,
                     "task": task,
-                    "payload": None if payload is None else json.dumps(payload, default=repr),
-                    "now": stamp,
+                    "payload": _payload(payload),
+                    "error": error,
+                    "now": self._driver.ts(self.now()),
                 },
             )
-            row = self._lock_operation(cur, key=key)
-            if row.fingerprint != fingerprint:
-                raise IdempotencyConflict(key, "fingerprint", row.fingerprint, fingerprint)
 
-            def delivered(decision: Decision, **facts: Any) -> OperationStart:
-                replay = 1 if decision is Decision.REPLAY else 0
-                cur.run(
-                    sql.COUNT_DELIVERY, {"replay": replay, "now": stamp, "operation_id": row.id}
-                )
-                return OperationStart(decision, row.id, key, runs=row.runs, **facts)
-
-            if row.status == OperationStatus.SUCCEEDED:
-                # A result purged after its retention replays as None.
-                return delivered(Decision.REPLAY, result=_decode(row.result))
-            if row.status == OperationStatus.FAILED:
-                return delivered(Decision.FAILED, error=row.error)
-            mine = row.lease_owner == owner and row.status == OperationStatus.RUNNING
-            if not mine and lease_is_live(row.lease_owner, row.lease_expires_at, now):
-                return delivered(Decision.IN_PROGRESS, lease_expires_at=row.lease_expires_at)
-            attempts = self._attempts_of(cur, row.id)
-            concluded = self._conclusion(attempts)
-            if concluded is not None and concluded[0] == OperationStatus.SUCCEEDED:
-                # A reconciliation found the answer while no run could take it: adopt it.
-                self._set(cur, row, concluded[0], stamp, result=concluded[1], run_ended=mine)
-                return delivered(Decision.REPLAY, result=_decode(concluded[1]))
-            if not mine and row.runs >= max_runs:
-                error = f"poison message: {row.runs} runs of {key!r} never finished"
-                resolutions = self._release_reserved(cur, attempts, stamp)
-                self._set(cur, row, OperationStatus.FAILED, stamp, error=error, run_ended=False)
-                for resolution in resolutions:
-                    resolution.apply(cur)
-                return delivered(Decision.POISONED, error=error)
-            main = [a for a in attempts if a.label is None]
-            expires_new = now + lease
-            if mine:
-                cur.run(
-                    sql.RENEW_LEASE,
-                    {"expires": self._driver.ts(expires_new), "now": stamp, "operation_id": row.id},
-                )
-                runs = row.runs
-            else:
-                cur.run(
-                    sql.TAKE_LEASE,
-                    {
-                        "owner": owner,
-                        "expires": self._driver.ts(expires_new),
-                        "now": stamp,
-                        "operation_id": row.id,
-                    },
-                )
-                runs = row.runs + 1
+    def _begin_in(
+        self: Any,
+        cur: Cursor,
+        key: str,
+        fingerprint: str,
+        owner: str,
+        lease: timedelta,
+        max_runs: int,
+        task: str | None,
+        payload: Any,
+        now: datetime,
+    ) -> OperationStart:
+        stamp = self._driver.ts(now)
+        expires_new = now + lease
+        created = cur.one(
+            sql.INSERT_RUNNING_OPERATION,
+            {
+                "key": key,
+                "fingerprint": fingerprint,
+                "task": task,
+                "payload": _payload(payload),
+                "owner": owner,
+                "expires": self._driver.ts(expires_new),
+                "now": stamp,
+            },
+        )
+        if created is not None:  # the first delivery: the lease is ours, nothing to read
             return OperationStart(
-                Decision.RUN,
-                row.id,
-                key,
-                runs=runs,
-                lease_expires_at=expires_new,
-                last_attempt=main[0] if main else None,
-                attempts=len(main),
-                next_reason=row.next_reason,
-                open_steps=tuple(a for a in attempts if a.label is not None and a.state in OPEN),
+                Decision.RUN, created[0], key, runs=1, lease_expires_at=expires_new
             )
+        row = self._lock_operation(cur, key=key)
+        if row.fingerprint != fingerprint:
+            raise IdempotencyConflict(key, "fingerprint", row.fingerprint, fingerprint)
+
+        def delivered(decision: Decision, **facts: Any) -> OperationStart:
+            replay = 1 if decision is Decision.REPLAY else 0
+            cur.run(sql.COUNT_DELIVERY, {"replay": replay, "now": stamp, "operation_id": row.id})
+            return OperationStart(decision, row.id, key, runs=row.runs, **facts)
+
+        if row.status == OperationStatus.SUCCEEDED:
+            # A result purged after its retention replays as None.
+            return delivered(Decision.REPLAY, result=_decode(row.result))
+        if row.status == OperationStatus.FAILED:
+            return delivered(Decision.FAILED, error=row.error)
+        mine = row.lease_owner == owner and row.status == OperationStatus.RUNNING
+        if not mine and lease_is_live(row.lease_owner, row.lease_expires_at, now):
+            return delivered(Decision.IN_PROGRESS, lease_expires_at=row.lease_expires_at)
+        attempts = self._attempts_of(cur, row.id)
+        concluded = self._conclusion(attempts)
+        if concluded is not None and concluded[0] == OperationStatus.SUCCEEDED:
+            # A reconciliation found the answer while no run could take it: adopt it.
+            self._set(cur, row, concluded[0], stamp, result=concluded[1], run_ended=mine)
+            return delivered(Decision.REPLAY, result=_decode(concluded[1]))
+        if not mine and row.runs >= max_runs:
+            error = f"poison message: {row.runs} runs of {key!r} never finished"
+            resolutions = self._release_reserved(cur, attempts, stamp)
+            self._set(cur, row, OperationStatus.FAILED, stamp, error=error, run_ended=False)
+            for resolution in resolutions:
+                resolution.apply(cur)
+            return delivered(Decision.POISONED, error=error)
+        main = [a for a in attempts if a.label is None]
+        if mine:
+            cur.run(
+                sql.RENEW_LEASE,
+                {"expires": self._driver.ts(expires_new), "now": stamp, "operation_id": row.id},
+            )
+            runs = row.runs
+        else:
+            cur.run(
+                sql.TAKE_LEASE,
+                {
+                    "owner": owner,
+                    "expires": self._driver.ts(expires_new),
+                    "now": stamp,
+                    "operation_id": row.id,
+                },
+            )
+            runs = row.runs + 1
+        return OperationStart(
+            Decision.RUN,
+            row.id,
+            key,
+            runs=runs,
+            lease_expires_at=expires_new,
+            last_attempt=main[0] if main else None,
+            attempts=len(main),
+            next_reason=row.next_reason,
+            open_steps=tuple(a for a in attempts if a.label is not None and a.state in OPEN),
+        )
 
     def end_run(
         self: Any,
@@ -354,6 +540,7 @@ class OperationsMixin:
         error: str | None = None,
         next_reason: str | None = None,
         fallback: str = OperationStatus.PENDING,
+        unsent: bool = False,
     ) -> RunEnd:
         """Give back ``owner``'s lease on ``key``, ending the run.
 
@@ -362,7 +549,11 @@ class OperationsMixin:
         ``fallback`` (``pending`` or ``retryable``) when they leave it open. Holds never
         granted a send are released. If the lease is no longer ``owner``'s, nothing
         changes while another run holds it live; once none does, the operation is
-        concluded as beat would. Returns where the operation stands."""
+        concluded as beat would. Returns where the operation stands.
+
+        ``unsent``: the run knows it sent nothing under the main attempt it was granted
+        (its admission's answer was lost with the ledger): while the lease is still
+        ``owner``'s, that attempt is released."""
         check.text(key, "idempotency key")
         check.text(owner, "lease owner")
         if status is not None and status not in (
@@ -387,6 +578,7 @@ class OperationsMixin:
                 error=error,
                 next_reason=next_reason,
                 fallback=fallback,
+                unsent=unsent,
             )
             return end
 
@@ -402,6 +594,7 @@ class OperationsMixin:
         error: str | None,
         next_reason: str | None,
         fallback: str,
+        unsent: bool = False,
     ) -> RunEnd:
         if row.finished:
             return RunEnd(row.status, _decode(row.result), row.error, applied=False)
@@ -411,6 +604,14 @@ class OperationsMixin:
             return RunEnd(row.status, None, row.error, applied=False)
         attempts = self._attempts_of(cur, row.id)
         resolutions = self._release_reserved(cur, attempts, stamp)
+        main = next((a for a in attempts if a.label is None), None)
+        if unsent and mine and main is not None and main.state == AttemptState.SENDING:
+            resolutions.append(
+                self._release_in(cur, main.key, "never sent: the ledger went down", stamp)
+            )
+            attempts = [
+                replace(a, state=AttemptState.RELEASED) if a is main else a for a in attempts
+            ]
         concluded = self._conclusion(attempts)
         result = None
         target: str
@@ -507,6 +708,7 @@ class OperationsMixin:
         attempt: str | None = None,
         left_open: Sequence[tuple[str, str]] = (),
         encoded: str | None = None,
+        ids: Mapping[str, tuple[str | None, str | None]] | None = None,
     ) -> RunEnd:
         """Settle ``(attempt key, actual, estimate_only)`` for each attempt, keep the
         holds of ``left_open`` ``(attempt key, why)`` open as unknown (a call whose usage
@@ -517,16 +719,17 @@ class OperationsMixin:
         it does not, it is stored only if no live run holds the operation, it is
         unfinished and ``attempt`` is still its latest main-call attempt. A settlement
         always lands: an attempt resolved meanwhile keeps the larger of the two charges
-        (the difference as an adjustment)."""
+        (the difference as an adjustment). ``ids`` maps an attempt key to the request
+        and response ids its call reported, written with its settlement."""
         check.text(key, "idempotency key")
         if encoded is None:
             encoded = json.dumps(result)
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
-            resolutions = self._settle_in(cur, settlements, stamp)
+            resolutions = self._settle_in(cur, settlements, stamp, ids)
             for akey, why in left_open:
-                self._mark_unknown_in(cur, akey, why, None)
+                self._mark_unknown_in(cur, akey, why, None, (ids or {}).get(akey, (None, None)))
             row = self._lock_operation(cur, key=key)
             end: RunEnd = self._store_result_in(cur, row, now, stamp, owner, attempt, encoded)
             for resolution in resolutions:
@@ -576,6 +779,7 @@ class OperationsMixin:
         owner: str,
         error: str,
         settlements: Sequence[tuple[str, int, bool]] = (),
+        ids: Mapping[str, tuple[str | None, str | None]] | None = None,
     ) -> RunEnd:
         """End ``owner``'s run as failed for good, settling what its calls billed, in one
         transaction (see :meth:`end_run` for a lease no longer ``owner``'s)."""
@@ -583,7 +787,7 @@ class OperationsMixin:
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
-            resolutions = self._settle_in(cur, settlements, stamp)
+            resolutions = self._settle_in(cur, settlements, stamp, ids)
             row = self._lock_operation(cur, key=key)
             end: RunEnd = self._end_in(
                 cur,
@@ -608,11 +812,63 @@ class OperationsMixin:
         """The latest attempt of a labelled call (by its position ``step``) and how
         many attempts it has had."""
         with self._driver.transaction() as cur:
-            row = cur.one(sql.STEP_ATTEMPT, {"operation_id": operation_id, "step": step})
-        if row is None:
-            return None, 0
-        akey, state, amount, reason, answer, recorded, count = row
-        return AttemptRef(akey, state, amount, reason, step, answer, recorded), int(count)
+            return _step_of(cur, operation_id, step)
+
+    def admit_step(
+        self: Any,
+        operation_id: int,
+        step: str,
+        record: str,
+        *,
+        budget: str,
+        amount: int,
+        fingerprint: str,
+        label: str,
+        plan: Callable[[AttemptRef | None, int], tuple[str, str] | None],
+        price_version: str | None = None,
+        call: CallFacts | None = None,
+    ) -> StepAdmission:
+        """A labelled call's admission in one transaction: its stored result if it
+        completed before (``record``); else its latest attempt and how many it has had,
+        and, when ``plan`` names the attempt to make ``(attempt key, reason)``, that
+        attempt reserved, granted and described (``call``). A refusal raises and writes
+        nothing."""
+        check.text(step, "step")
+        check.text(record, "side effect name")
+        check.money(amount)
+        chain = self._chain(budget)
+        for again in (False, True):
+            now = self.now()
+            holds = None if chain is None else self._holds(chain, now)
+            try:
+                with self._driver.transaction() as cur:
+                    stored = cur.one(
+                        sql.SIDE_EFFECT, {"operation_id": operation_id, "name": record}
+                    )
+                    if stored is not None and stored[0] == "done":
+                        return StepAdmission(stored=(stored[0], _decode(stored[1])))
+                    latest, count = _step_of(cur, operation_id, step)
+                    planned = plan(latest, count)
+                    if planned is None:
+                        return StepAdmission(latest=latest, count=count)
+                    row = {
+                        "key": planned[0],
+                        "budget_id": chain[0][0],
+                        "fingerprint": fingerprint,
+                        "reason": planned[1],
+                        "amount": amount,
+                        "price_version": price_version,
+                        "operation_id": operation_id,
+                        "label": label,
+                        "step": step,
+                    }
+                    reservation = self._reserve_in(cur, chain, holds, row, now, call or CallFacts())
+                    return StepAdmission(latest=latest, count=count, reservation=reservation)
+            except PeriodClosed:
+                if again:
+                    raise
+                self._forget_periods(budget_id for budget_id, _, _ in chain)
+        raise AssertionError("unreachable")
 
     def side_effect(self: _LedgerBase, operation_id: int, name: str) -> tuple[str, Any] | None:
         """``(state, result)`` of a side effect, or None if it never started."""
@@ -660,6 +916,7 @@ class OperationsMixin:
         left_open: str | None = None,
         release: bool = False,
         store_only: bool = False,
+        ids: tuple[str | None, str | None] = (None, None),
     ) -> bool:
         """Settle a labelled call at ``actual`` (or release it, never granted; or keep its
         hold open as unknown, ``left_open`` saying why; or touch nothing,
@@ -669,11 +926,13 @@ class OperationsMixin:
         resolution = None
         with self._driver.transaction() as cur:
             if left_open is not None:
-                self._mark_unknown_in(cur, key, left_open, None)
+                self._mark_unknown_in(cur, key, left_open, None, ids)
             elif release:
                 resolution = self._release_in(cur, key, "no call made", stamp)
             elif not store_only:
-                [resolution] = self._settle_in(cur, [(key, actual, estimate_only)], stamp)
+                [resolution] = self._settle_in(
+                    cur, [(key, actual, estimate_only)], stamp, {key: ids}
+                )
             cur.run(
                 sql.STORE_SIDE_EFFECT,
                 {"operation_id": operation_id, "name": record, "result": encoded, "now": stamp},

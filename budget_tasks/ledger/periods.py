@@ -73,3 +73,8 @@ def opening_cap(
     unused = max(0, prev_cap - prev_spent - prev_held)
     limit = ceiling if ceiling is not None else DEFAULT_ROLLOVER_MULTIPLE * allowance
     return max(allowance, min(limit, allowance + unused))
+
+
+class PeriodClosed(Exception):
+    """Internal: admission met a closed period, so a later one is open (this host's
+    clock is behind): the caller forgets its cached periods and admits again."""

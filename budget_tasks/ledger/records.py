@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
+
+from .. import _validate as check
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +23,44 @@ class BudgetInfo:
     tenant: str | None
     parent: str | None
     frozen: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CallFacts:
+    """What a call is, known before it is sent: the lookup that finds it again, the
+    model it is priced at, the client timeout it is sent with (seconds). Written with
+    the admission that grants its send, so that reconciliation can find it should the
+    run die mid-call."""
+
+    lookup: str | None = None
+    model: str | None = None
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, value, limit in (("lookup", self.lookup, 32), ("model", self.model, 100)):
+            if value is not None:
+                check.text(value, name, max_length=limit)
+        timeout = self.timeout
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+                raise TypeError(f"timeout must be seconds, not {type(timeout).__name__}")
+            if not 0 < timeout < 10**7:
+                raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
+
+    @property
+    def timeout_ms(self) -> int | None:
+        return None if self.timeout is None else math.ceil(self.timeout * 1000)
+
+    def covers(self, other: CallFacts) -> bool:
+        """Whether writing ``other`` would change nothing this records."""
+        return all(
+            theirs is None or theirs == ours
+            for theirs, ours in (
+                (other.lookup, self.lookup),
+                (other.model, self.model),
+                (other.timeout_ms, self.timeout_ms),
+            )
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,13 +28,16 @@ from .engine import schema_missing, unavailable
 #: messages and balance reports all use it (invariant 10).
 AVAILABLE = "(cap - spent - held)"
 
+#: A new attempt, reserved; or, admitted and granted in one transaction, already
+#: sending and described (what the call is, for reconciliation).
 INSERT_ATTEMPT = """
 INSERT INTO attempts
     (key, budget_id, period_id, fingerprint, reason, amount, price_version, operation_id,
-     label, step, state, created_at)
+     label, step, state, created_at, sending_at, lookup, model, timeout_ms)
 VALUES
     (:key, :budget_id, :period_id, :fingerprint, :reason, :amount, :price_version,
-     :operation_id, :label, :step, 'reserved', :now)
+     :operation_id, :label, :step, :state, :now, :sending_at, :lookup, :model,
+     CAST(:timeout_ms AS BIGINT))
 ON CONFLICT (key) DO NOTHING
 RETURNING id"""
 
@@ -130,15 +133,21 @@ APPLY_ADJUSTMENT = f"""
 UPDATE budget_periods SET spent = spent + :delta WHERE id = :period_id
 RETURNING carried_out, {AVAILABLE}"""
 
+#: The resolution, with the call's request and response ids when the run kept them
+#: for it (written with the settlement: one commit).
 RESOLVE_ATTEMPT = """
 UPDATE attempts SET state = :state, actual = :actual, resolved_at = :now,
     note = COALESCE(:note, note), estimate_only = :estimate_only,
-    answer = COALESCE(:answer, answer)
+    answer = COALESCE(:answer, answer),
+    request_id = COALESCE(request_id, :request_id),
+    response_id = COALESCE(response_id, :response_id)
 WHERE id = :attempt_id AND state = :expected"""
 
 #: sending -> unknown, compare-and-set; the usage a run recorded stays as proof of billing.
 MARK_UNKNOWN = """
 UPDATE attempts SET state = 'unknown', note = :note,
+    request_id = COALESCE(request_id, :request_id),
+    response_id = COALESCE(response_id, :response_id),
     recorded_actual = CASE WHEN CAST(:recorded AS BIGINT) IS NULL THEN recorded_actual
                            ELSE CAST(:recorded AS BIGINT) END
 WHERE key = :key AND state = 'sending'
@@ -222,6 +231,39 @@ COUNT_DELIVERY = """
 UPDATE operations SET deliveries = deliveries + 1, replays = replays + :replay,
     updated_at = :now
 WHERE id = :operation_id"""
+
+#: A delivery of a finished key, in one statement: counted, and its stored result read.
+REPLAY = """
+UPDATE operations SET deliveries = deliveries + 1, replays = replays + 1, updated_at = :now
+WHERE key = :key AND fingerprint = :fingerprint AND status = 'succeeded'
+RETURNING id, result, runs"""
+
+#: A first delivery: the operation recorded with this delivery's lease, in one statement.
+INSERT_RUNNING_OPERATION = """
+INSERT INTO operations
+    (key, fingerprint, task, payload, status, lease_owner, lease_expires_at, runs,
+     deliveries, replays, created_at, updated_at)
+VALUES (:key, :fingerprint, :task, :payload, 'running', :owner, :expires, 1, 1, 0, :now, :now)
+ON CONFLICT (key) DO NOTHING
+RETURNING id"""
+
+#: A delivery whose admission was refused (the budget): its transaction rolled back, so
+#: the operation is recorded here, pending, with why; an operation another delivery
+#: moved meanwhile (compare-and-set on the statuses a delivery may be refused from) only
+#: counts the delivery.
+RECORD_REFUSAL = """
+INSERT INTO operations
+    (key, fingerprint, task, payload, status, error, runs, deliveries, replays, created_at,
+     updated_at)
+VALUES (:key, :fingerprint, :task, :payload, 'pending', :error, 0, 1, 0, :now, :now)
+ON CONFLICT (key) DO UPDATE SET deliveries = operations.deliveries + 1,
+    updated_at = excluded.updated_at,
+    error = CASE WHEN operations.status IN ('pending', 'retryable') THEN excluded.error
+                 ELSE operations.error END,
+    next_reason = CASE WHEN operations.status IN ('pending', 'retryable') THEN NULL
+                       ELSE operations.next_reason END,
+    status = CASE WHEN operations.status = 'retryable' THEN 'pending'
+                  ELSE operations.status END"""
 
 TAKE_LEASE = """
 UPDATE operations SET status = 'running', lease_owner = :owner, lease_expires_at = :expires,

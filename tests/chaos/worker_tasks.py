@@ -9,9 +9,10 @@ provider in the ``x-fake-fault`` header of the request (e.g. ``hang=3``).
 
 Kill points, in the order the task meets them:
 
-``before_reserve``  the lease is taken, nothing reserved (in estimate_cost)
-``reserved``        the reservation committed, the attempt not yet marked sending
-``sending``         marked sending, the request not yet sent (top of run)
+``before_reserve``  nothing written yet (in estimate_cost, which admission needs)
+``granted``         the admission committed (lease, hold and grant in one
+                    transaction), back in the task, before ``run``
+``sending``         granted, the request not yet sent (top of run)
 ``after_response``  the provider answered, nothing settled (end of run)
 ``after_settle``    settled and the result stored, the message not yet acked
 """
@@ -29,7 +30,7 @@ from budget_tasks.demo.app import app
 from budget_tasks.demo.tasks import BUDGET, client
 from budget_tasks.providers import estimates, openai_chat
 
-KILL_POINTS = ("before_reserve", "reserved", "sending", "after_response", "after_settle")
+KILL_POINTS = ("before_reserve", "granted", "sending", "after_response", "after_settle")
 MARKER_DIR_ENV = "CHAOS_MARKER_DIR"
 
 
@@ -61,8 +62,9 @@ def die_once(job: str, kill: str | None, point: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _DieBeforeSending:
-    """The task's ledger, with a kill point between reserve() and mark_sending()."""
+class _DieOnceGranted:
+    """The task's ledger, with a kill point right after an admission that granted the
+    main attempt's send committed."""
 
     def __init__(self, ledger: Ledger, job: str, kill: str | None) -> None:
         self._ledger, self._job, self._kill = ledger, job, kill
@@ -70,9 +72,11 @@ class _DieBeforeSending:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ledger, name)
 
-    def mark_sending(self, key: str, **kwargs: Any) -> None:
-        die_once(self._job, self._kill, "reserved")
-        self._ledger.mark_sending(key, **kwargs)
+    def admit(self, key: str, **kwargs: Any) -> Any:
+        start = self._ledger.admit(key, **kwargs)
+        if start.reservation is not None:
+            die_once(self._job, self._kill, "granted")
+        return start
 
 
 class ChaosTask(BudgetTask):
@@ -81,7 +85,7 @@ class ChaosTask(BudgetTask):
     @property
     def ledger(self) -> Any:
         job, kill = self._job_and_kill()
-        return _DieBeforeSending(ledger_of(self.app), job, kill)
+        return _DieOnceGranted(ledger_of(self.app), job, kill)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         result = super().__call__(*args, **kwargs)

@@ -71,6 +71,11 @@ class _LedgerDownFor:
             raise LedgerUnavailable("connection refused (test)")
         return self._ledger.reserve(budget, key, amount, **kw)
 
+    def admit_step(self, operation_id: int, step: str, record: str, **kw: Any) -> Any:
+        if self._part in step:  # a labelled call's admission reserves it
+            raise LedgerUnavailable("connection refused (test)")
+        return self._ledger.admit_step(operation_id, step, record, **kw)
+
 
 @pytest.fixture
 def app(backend_url: str, fake: FakeProvider) -> Any:

@@ -11,6 +11,7 @@ from celery import Celery
 
 from budget_tasks import BudgetTask, Ledger, LedgerUnavailable, OutcomeUnknown
 from budget_tasks.config import close_ledgers
+from budget_tasks.providers.calls import Sent
 from budget_tasks.testing.harness import FaultProxy
 
 from ..services import PG_ADMIN_URL
@@ -93,8 +94,9 @@ def test_stale_pool_after_a_restart_is_replaced_transparently(
 def test_ledger_lost_inside_run_keeps_the_hold_and_gives_the_lease_back_later(
     proxied: tuple[FaultProxy, Ledger], pg_ledger: Ledger, pg_url: str
 ) -> None:
-    """run() meets the outage after its send was granted: what the error meant cannot be
-    written, so the attempt stays 'sending' (held), the task fails with
+    """run() meets the outage after its send was granted (writing the response id of a
+    call answered without usage, which is written at once): what the error meant cannot
+    be written, so the attempt stays 'sending' (held), the task fails with
     LedgerUnavailable (a worker retries the message), and once the ledger answers the
     next delivery gives the lease back and keeps the hold as unknown: no resend."""
     proxy, _ = proxied
@@ -119,7 +121,8 @@ def test_ledger_lost_inside_run_keeps_the_hold_and_gives_the_lease_back_later(
     def job(self: BudgetTask, n: int) -> int:
         sent.append(self.attempt.key)  # stands for the provider call
         proxy.cut()  # the ledger goes away while the call is out
-        self.attempt.record_request_id("req_1")
+        # answered without its usage (a background response): its ids are written at once
+        self.attempt.record(Sent("openai", "gpt-4o-mini", "req_1", "resp_1", None, None, {}))
         return n
 
     try:
@@ -136,6 +139,56 @@ def test_ledger_lost_inside_run_keeps_the_hold_and_gives_the_lease_back_later(
         assert operation.status == "unknown" and operation.lease_owner is None
         assert operation.runs == 0  # both runs recorded their end: not poison
         assert pg_ledger.balance("acme").held == 100 and pg_ledger.audit() == []
+    finally:
+        close_ledgers()
+        app.close()
+
+
+def test_ledger_lost_after_run_returned_settles_at_the_usage_kept_and_replays(
+    proxied: tuple[FaultProxy, Ledger], pg_ledger: Ledger, pg_url: str
+) -> None:
+    """What a call reported is kept by the run and written with the settlement. The
+    ledger goes away after run() returned: the settlement cannot land, the process keeps
+    it (the lease is its own) and writes it at its next delivery, which then replays the
+    result: the charge is the usage the call reported, not the estimate; no resend."""
+    proxy, _ = proxied
+    pg_ledger.create_budget("acme", 1_000)
+    database = pg_url.rsplit("/", 1)[1]
+    app = Celery("outage-after-run", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        task_eager_propagates=True,
+        budget_ledger_url=f"postgresql+psycopg://postgres@127.0.0.1:{proxy.port}/{database}",
+    )
+    sent: list[str] = []
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="acme",
+        name=f"outage{uuid.uuid4().hex[:8]}",
+        idempotency_key=lambda n: f"job:{n}",
+        estimate_cost=lambda n: 100,
+    )
+    def job(self: BudgetTask, n: int) -> int:
+        sent.append(self.attempt.key)  # stands for the provider call
+        self.attempt.record(Sent("openai", "gpt-4o-mini", "req_7", "resp_7", None, 37, {}))
+        proxy.cut()  # the ledger goes away before the settlement
+        return n
+
+    try:
+        with pytest.raises(LedgerUnavailable):
+            job.delay(7).get()
+        assert pg_ledger.attempt("job:7#1").state == "sending"
+        proxy.restore()
+        assert job.delay(7).get() == 7  # the owed settlement lands, then the replay
+        assert sent == ["job:7#1"]
+        attempt = pg_ledger.attempt("job:7#1")
+        assert (attempt.state, attempt.actual, attempt.request_id) == ("settled", 37, "req_7")
+        assert attempt.response_id == "resp_7"
+        assert pg_ledger.operation("job:7").status == "succeeded"
+        balance = pg_ledger.balance("acme")
+        assert (balance.spent, balance.held) == (37, 0) and pg_ledger.audit() == []
     finally:
         close_ledgers()
         app.close()
