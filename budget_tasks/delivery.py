@@ -539,6 +539,8 @@ class Delivery:
     #: what the main call is, where the task knows it before ``run`` (written with the
     #: admission, so that describing it inside ``run`` writes nothing)
     describe: Callable[[], CallFacts | None] = lambda: None
+    #: the broker delivered this message before (a worker died holding it)
+    redelivered: bool = False
 
 
 class OperationManager:
@@ -554,7 +556,10 @@ class OperationManager:
     def deliver(self, d: Delivery) -> Any:
         """Run one delivery to its end: the result (run or replayed), or an exception:
         RetryLater, or the error the operation ended with."""
-        estimate, facts, failure = self._estimate(d)
+        # A redelivered message may be one whose task code killed its worker before the
+        # admission committed (estimate_cost itself): its lease is taken, and the run
+        # counted, before any of that code runs again, so poison detection sees it.
+        estimate, facts, failure = (None, None, None) if d.redelivered else self._estimate(d)
         for _ in range(MAX_REREADS):
             start = self._admit(d, estimate, facts)
             if start.decision is Decision.REPLAY:
@@ -568,6 +573,8 @@ class OperationManager:
                 raise PoisonMessage(d.key, start.error)
             if start.decision is Decision.IN_PROGRESS:
                 raise RetryLater("in_progress", OperationInProgress(d.key))
+            if estimate is None and failure is None:
+                estimate, facts, failure = self._estimate(d)
             if failure is not None:
                 self._end_quietly(d, OperationStatus.PENDING, "estimate failed")
                 raise failure

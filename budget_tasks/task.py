@@ -202,6 +202,7 @@ class BudgetTask(Task):  # type: ignore[misc]
             run=lambda scope: self._run_in(scope, args, kwargs),
             payload={"args": list(args), "kwargs": kwargs},
             describe=lambda: self._describe_call(args, kwargs),
+            redelivered=bool((self.request.delivery_info or {}).get("redelivered")),
         )
         try:
             return OperationManager(self.ledger, self._options()).deliver(delivery)

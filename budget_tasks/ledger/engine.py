@@ -1,13 +1,11 @@
-"""Engine construction per backend, and the mapping of connection failures to
-:class:`~budget_tasks.errors.LedgerUnavailable` (fail closed), a missing table to
-:class:`~budget_tasks.errors.SchemaMissing`, and a bad URL to
+"""Engine construction per backend, and the one mapping of database failures to
+:class:`~budget_tasks.errors.LedgerUnavailable` (fail closed), of a missing table to
+:class:`~budget_tasks.errors.SchemaMissing`, and of a bad URL to
 :class:`~budget_tasks.errors.LedgerConfigError`."""
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
@@ -15,11 +13,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import (
     ArgumentError,
     DBAPIError,
-    InterfaceError,
     NoSuchModuleError,
-    OperationalError,
 )
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ..errors import LedgerConfigError, LedgerUnavailable, SchemaMissing
 
@@ -94,49 +89,6 @@ def _sqlite_serialised_writes(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-
-@contextmanager
-def transaction(engine: Engine) -> Iterator[Connection]:
-    """One short transaction; connection-level failures become LedgerUnavailable.
-
-    The pool does not ping on checkout (the hot path would pay a round trip per call),
-    so these less frequent paths open with a ping: a connection gone stale in a
-    database restart is found before any statement runs, and replaced once.
-    """
-    try:
-        conn = _alive(engine)
-        try:
-            yield conn
-            conn.commit()
-        except BaseException:
-            conn.rollback()
-            raise
-        finally:
-            conn.close()
-    except (OperationalError, InterfaceError) as exc:
-        raise unavailable(exc) from exc
-    except PoolTimeout as exc:  # every pooled connection busy past the pool's timeout
-        raise LedgerUnavailable(f"no free ledger connection: {exc}") from exc
-    except DBAPIError as exc:
-        if exc.connection_invalidated or schema_missing(exc):
-            raise unavailable(exc) from exc
-        raise
-
-
-def _alive(engine: Engine) -> Connection:
-    """A connection whose transaction has begun with a successful ping."""
-    conn = engine.connect()
-    try:
-        conn.exec_driver_sql("SELECT 1")
-        return conn
-    except DBAPIError as exc:
-        conn.close()
-        if not exc.connection_invalidated:
-            raise
-    conn = engine.connect()  # the pool was renewed when the stale one was found
-    conn.exec_driver_sql("SELECT 1")
-    return conn
 
 
 def schema_missing(exc: BaseException) -> bool:

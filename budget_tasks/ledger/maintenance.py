@@ -8,34 +8,28 @@ processes running the same job at once never act on the same row twice.
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta
-from typing import Any, Protocol
+from datetime import timedelta
+from typing import Any
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import select
 
 from .. import _validate as check
 from ..errors import InvalidTransition, UnknownAttempt, UnknownOperation, UsageRecorded
 from . import statements as sql
-from .engine import transaction
 from .leases import lease_is_live
+from .operations import Operations
 from .records import Attempt, CallFacts, Hold, Operation, Resolved
-from .schema import attempts, operations
+from .reports import Reports
+from .schema import operations
 
 STALE_STATES = ("sending", "unknown")
 
 
-class _LedgerBase(Protocol):
-    engine: Engine
-    _driver: sql.Driver
-
-    def now(self) -> datetime: ...
-
-
-class MaintenanceMixin:
+class Maintenance(Operations, Reports):
     """The maintenance methods of :class:`~budget_tasks.Ledger`."""
 
     def describe_attempt(
-        self: _LedgerBase,
+        self,
         key: str,
         *,
         lookup: str | None = None,
@@ -71,30 +65,20 @@ class MaintenanceMixin:
         if not changed:
             raise UnknownAttempt(key)
 
-    def flag_stale(self: Any, older_than: timedelta) -> list[Hold]:
+    def flag_stale(self, older_than: timedelta) -> list[Hold]:
         """Flag, once, every hold in sending/unknown older than ``older_than``; return
         the holds flagged by this call (a concurrent call flags the others)."""
         check.duration(older_than, "older_than", allow_zero=True)
         now = self.now()
-        with transaction(self.engine) as conn:
-            keys = list(
-                conn.execute(
-                    update(attempts)
-                    .where(
-                        attempts.c.state.in_(STALE_STATES),
-                        attempts.c.created_at <= now - older_than,
-                        attempts.c.flagged_at.is_(None),
-                    )
-                    .values(flagged_at=now)
-                    .returning(attempts.c.key)
-                ).scalars()
-            )
+        params = {"now": self._driver.ts(now), "cutoff": self._driver.ts(now - older_than)}
+        with self._driver.transaction() as cur:
+            keys = [row[0] for row in cur.all(sql.FLAG_STALE, params)]
         if not keys:
             return []
         holds: list[Hold] = self.holds(states=STALE_STATES, keys=keys)
         return holds
 
-    def mark_orphans_unknown(self: Any, *, limit: int = 500) -> list[str]:
+    def mark_orphans_unknown(self, *, limit: int = 500) -> list[str]:
         """Adopt what runs that are gone left behind (no live lease on their operation:
         a worker died and no delivery came back to say so, e.g. its message was lost
         with the broker): an attempt left ``sending`` becomes ``unknown`` (reconciliation
@@ -126,7 +110,7 @@ class MaintenanceMixin:
         return orphans
 
     def resolve_attempt(
-        self: Any,
+        self,
         key: str,
         actual: int,
         *,
@@ -194,7 +178,7 @@ class MaintenanceMixin:
         )
 
     def claim_unknown(
-        self: Any,
+        self,
         *,
         limit: int = 50,
         backoff: timedelta = timedelta(minutes=1),
@@ -207,34 +191,28 @@ class MaintenanceMixin:
         check.duration(backoff, "backoff")
         check.duration(max_backoff, "max_backoff")
         now = self.now()
-        with transaction(self.engine) as conn:
-            rows = conn.execute(
-                select(attempts.c.id, attempts.c.lookups, attempts.c.key)
-                .where(
-                    attempts.c.state == "unknown",
-                    (attempts.c.next_lookup_at.is_(None)) | (attempts.c.next_lookup_at <= now),
-                )
-                .order_by(attempts.c.id)
-                .limit(limit)
-                .with_for_update(skip_locked=True)
-            ).all()
+        with self._driver.transaction() as cur:
+            rows = cur.all(sql.DUE_FOR_LOOKUP, {"now": self._driver.ts(now), "limit": limit})
             for attempt_id, lookups, _ in rows:
                 wait = min(max_backoff, backoff * (2 ** min(lookups, 20)))
-                conn.execute(
-                    update(attempts)
-                    .where(attempts.c.id == attempt_id)
-                    .values(lookups=lookups + 1, next_lookup_at=now + wait)
+                cur.run(
+                    sql.PUSH_LOOKUP_BACK,
+                    {
+                        "lookups": lookups + 1,
+                        "next_lookup_at": self._driver.ts(now + wait),
+                        "attempt_id": attempt_id,
+                    },
                 )
         if not rows:
             return []
         claimed: list[Attempt] = self.attempts(keys=[key for _, _, key in rows])
         return claimed
 
-    def operation(self: _LedgerBase, key: str) -> Operation:
+    def operation(self, key: str) -> Operation:
         """One operation by its idempotency key."""
         check.text(key, "idempotency key")
-        with transaction(self.engine) as conn:
-            r = conn.execute(select(operations).where(operations.c.key == key)).first()
+        with self._driver.transaction() as cur:
+            r = cur.execute(select(operations).where(operations.c.key == key)).first()
         if r is None:
             raise UnknownOperation(key)
         return Operation(
@@ -252,18 +230,10 @@ class MaintenanceMixin:
             lease_owner=r.lease_owner,
         )
 
-    def purge_operations(self: _LedgerBase, older_than: timedelta) -> int:
+    def purge_operations(self, older_than: timedelta) -> int:
         """Drop the stored results and payloads of operations completed longer than
         ``older_than`` ago. Attempts and the journal are kept forever."""
         check.duration(older_than, "older_than", allow_zero=True)
         cutoff = self.now() - older_than
-        with transaction(self.engine) as conn:
-            done = conn.execute(
-                update(operations)
-                .where(
-                    operations.c.completed_at <= cutoff,
-                    (operations.c.result.is_not(None)) | (operations.c.payload.is_not(None)),
-                )
-                .values(result=None, payload=None)
-            )
-        return int(done.rowcount)
+        with self._driver.transaction() as cur:
+            return cur.run(sql.PURGE_OPERATIONS, {"cutoff": self._driver.ts(cutoff)})

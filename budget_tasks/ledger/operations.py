@@ -10,9 +10,9 @@ decides it is derived from its attempts, never from what a writer read earlier:
   ``succeeded`` with that answer;
 - otherwise the writer's fallback (``pending``, ``retryable``, ``failed``) applies.
 
-A run that ends gives its lease back through :meth:`OperationsMixin.end_run` or
-:meth:`OperationsMixin.finish_operation`; beat and operators conclude through
-:meth:`OperationsMixin.conclude_operation`, which never touches an operation a live
+A run that ends gives its lease back through :meth:`Operations.end_run` or
+:meth:`Operations.finish_operation`; beat and operators conclude through
+:meth:`Operations.conclude_operation`, which never touches an operation a live
 run leases (the run adopts the outcome when it ends).
 """
 
@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Any
 
 from .. import _validate as check
 from ..errors import (
@@ -35,19 +35,19 @@ from ..errors import (
     UnknownOperation,
 )
 from . import statements as sql
+from .driver import Cursor
+from .holds import Holds
 from .leases import lease_is_live, owner_id
 from .periods import PeriodClosed
 from .records import CallFacts, Reservation
-from .statements import Cursor, Driver
 from .states import FINISHED, OPEN, AttemptState, OperationStatus, operation_may
 
 __all__ = [
     "AttemptRef",
     "Decision",
     "OperationStart",
-    "OperationsMixin",
+    "Operations",
     "RunEnd",
-    "StepAdmission",
     "lease_is_live",
     "owner_id",
 ]
@@ -97,7 +97,7 @@ class OperationStart:
     next_reason: str | None = None
     #: labelled calls whose latest attempt may have reached the provider, unresolved
     open_steps: tuple[AttemptRef, ...] = ()
-    #: the main attempt :meth:`OperationsMixin.admit` reserved and granted, if it did
+    #: the main attempt :meth:`Operations.admit` reserved and granted, if it did
     reservation: Reservation | None = None
 
 
@@ -131,14 +131,6 @@ class _Row:
         return self.status in FINISHED
 
 
-class _LedgerBase(Protocol):
-    _driver: Driver
-
-    def now(self) -> datetime: ...
-
-    def _release_in(self, cur: Cursor, key: str, note: str, stamp: Any) -> Any: ...
-
-
 def _decode(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
@@ -158,24 +150,6 @@ def _check_delivery(
     check.optional_text(task, "task name")
 
 
-def _step_of(cur: Cursor, operation_id: int, step: str) -> tuple[AttemptRef | None, int]:
-    row = cur.one(sql.STEP_ATTEMPT, {"operation_id": operation_id, "step": step})
-    if row is None:
-        return None, 0
-    akey, state, amount, reason, answer, recorded, count = row
-    return AttemptRef(akey, state, amount, reason, step, answer, recorded), int(count)
-
-
-@dataclass(frozen=True, slots=True)
-class StepAdmission:
-    """What :meth:`OperationsMixin.admit_step` found, and the attempt if it made one."""
-
-    stored: tuple[str, Any] | None = None
-    latest: AttemptRef | None = None
-    count: int = 0
-    reservation: Reservation | None = None
-
-
 class _Refused(Exception):
     """Internal: admission was refused; raised out of its transaction to roll it back."""
 
@@ -184,14 +158,12 @@ class _Refused(Exception):
         self.exc = exc
 
 
-class OperationsMixin:
+class Operations(Holds):
     """The operation methods of :class:`~budget_tasks.Ledger`."""
 
     # -- reading ---------------------------------------------------------------------
 
-    def _lock_operation(
-        self: _LedgerBase, cur: Cursor, *, key: str | None = None, op_id: int = 0
-    ) -> _Row:
+    def _lock_operation(self, cur: Cursor, *, key: str | None = None, op_id: int = 0) -> _Row:
         if key is not None:
             row = cur.one(sql.LOCK_OPERATION, {"key": key})
         else:
@@ -236,7 +208,7 @@ class OperationsMixin:
     # -- writing ---------------------------------------------------------------------
 
     def _set(
-        self: _LedgerBase,
+        self,
         cur: Cursor,
         row: _Row,
         status: str,
@@ -270,7 +242,7 @@ class OperationsMixin:
         )
 
     def _settle_in(
-        self: Any,
+        self,
         cur: Cursor,
         settlements: Sequence[tuple[str, int, bool]],
         stamp: Any,
@@ -296,7 +268,7 @@ class OperationsMixin:
         ]
 
     def _release_reserved(
-        self: _LedgerBase, cur: Cursor, attempts: Iterable[AttemptRef], stamp: Any
+        self, cur: Cursor, attempts: Iterable[AttemptRef], stamp: Any
     ) -> list[Any]:
         """Release the holds of attempts never granted a send (state reserved): no run
         will send them now. Returns the resolutions, whose counters the caller applies."""
@@ -307,7 +279,7 @@ class OperationsMixin:
         ]
 
     def begin_operation(
-        self: Any,
+        self,
         key: str,
         *,
         fingerprint: str,
@@ -330,7 +302,7 @@ class OperationsMixin:
             return start
 
     def admit(
-        self: Any,
+        self,
         key: str,
         *,
         fingerprint: str,
@@ -360,10 +332,10 @@ class OperationsMixin:
         chain = None
         if amount is not None:
             check.money(amount)
-            check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+            name = check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
             check.optional_text(price_version, "price_version", max_length=64)
             try:
-                chain = self._chain(budget)
+                chain = self._chain(name)
             except UnknownBudget:
                 chain = None  # the delivery is decided alone; the reservation says so
         for again in (False, True):
@@ -421,7 +393,7 @@ class OperationsMixin:
         raise AssertionError("unreachable")
 
     def _record_refusal(
-        self: _LedgerBase,
+        self,
         key: str,
         fingerprint: str,
         task: str | None,
@@ -442,7 +414,7 @@ class OperationsMixin:
             )
 
     def _begin_in(
-        self: Any,
+        self,
         cur: Cursor,
         key: str,
         fingerprint: str,
@@ -532,7 +504,7 @@ class OperationsMixin:
         )
 
     def end_run(
-        self: Any,
+        self,
         key: str,
         *,
         owner: str,
@@ -583,7 +555,7 @@ class OperationsMixin:
             return end
 
     def _end_in(
-        self: Any,
+        self,
         cur: Cursor,
         row: _Row,
         now: datetime,
@@ -641,7 +613,7 @@ class OperationsMixin:
         return RunEnd(target, _decode(result), error, applied=applied)
 
     def conclude_operation(
-        self: Any,
+        self,
         key: str,
         *,
         fallback: str = OperationStatus.RETRYABLE,
@@ -660,7 +632,7 @@ class OperationsMixin:
             return end
 
     def _conclude_in(
-        self: Any,
+        self,
         cur: Cursor,
         row: _Row,
         now: datetime,
@@ -699,7 +671,7 @@ class OperationsMixin:
         return end
 
     def finish_operation(
-        self: Any,
+        self,
         key: str,
         *,
         result: Any,
@@ -740,7 +712,7 @@ class OperationsMixin:
         return end
 
     def _store_result_in(
-        self: Any,
+        self,
         cur: Cursor,
         row: _Row,
         now: datetime,
@@ -773,7 +745,7 @@ class OperationsMixin:
         return RunEnd(OperationStatus.SUCCEEDED, json.loads(encoded), None, applied=applied)
 
     def fail_operation(
-        self: Any,
+        self,
         key: str,
         *,
         owner: str,
@@ -803,142 +775,3 @@ class OperationsMixin:
             for resolution in resolutions:
                 resolution.apply(cur)
         return end
-
-    # -- labelled calls and side effects ------------------------------------------------
-
-    def step_attempt(
-        self: _LedgerBase, operation_id: int, step: str
-    ) -> tuple[AttemptRef | None, int]:
-        """The latest attempt of a labelled call (by its position ``step``) and how
-        many attempts it has had."""
-        with self._driver.transaction() as cur:
-            return _step_of(cur, operation_id, step)
-
-    def admit_step(
-        self: Any,
-        operation_id: int,
-        step: str,
-        record: str,
-        *,
-        budget: str,
-        amount: int,
-        fingerprint: str,
-        label: str,
-        plan: Callable[[AttemptRef | None, int], tuple[str, str] | None],
-        price_version: str | None = None,
-        call: CallFacts | None = None,
-    ) -> StepAdmission:
-        """A labelled call's admission in one transaction: its stored result if it
-        completed before (``record``); else its latest attempt and how many it has had,
-        and, when ``plan`` names the attempt to make ``(attempt key, reason)``, that
-        attempt reserved, granted and described (``call``). A refusal raises and writes
-        nothing."""
-        check.text(step, "step")
-        check.text(record, "side effect name")
-        check.money(amount)
-        chain = self._chain(budget)
-        for again in (False, True):
-            now = self.now()
-            holds = None if chain is None else self._holds(chain, now)
-            try:
-                with self._driver.transaction() as cur:
-                    stored = cur.one(
-                        sql.SIDE_EFFECT, {"operation_id": operation_id, "name": record}
-                    )
-                    if stored is not None and stored[0] == "done":
-                        return StepAdmission(stored=(stored[0], _decode(stored[1])))
-                    latest, count = _step_of(cur, operation_id, step)
-                    planned = plan(latest, count)
-                    if planned is None:
-                        return StepAdmission(latest=latest, count=count)
-                    row = {
-                        "key": planned[0],
-                        "budget_id": chain[0][0],
-                        "fingerprint": fingerprint,
-                        "reason": planned[1],
-                        "amount": amount,
-                        "price_version": price_version,
-                        "operation_id": operation_id,
-                        "label": label,
-                        "step": step,
-                    }
-                    reservation = self._reserve_in(cur, chain, holds, row, now, call or CallFacts())
-                    return StepAdmission(latest=latest, count=count, reservation=reservation)
-            except PeriodClosed:
-                if again:
-                    raise
-                self._forget_periods(budget_id for budget_id, _, _ in chain)
-        raise AssertionError("unreachable")
-
-    def side_effect(self: _LedgerBase, operation_id: int, name: str) -> tuple[str, Any] | None:
-        """``(state, result)`` of a side effect, or None if it never started."""
-        with self._driver.transaction() as cur:
-            row = cur.one(sql.SIDE_EFFECT, {"operation_id": operation_id, "name": name})
-        if row is None:
-            return None
-        state, result = row
-        return state, None if result is None else json.loads(result)
-
-    def start_side_effect(self: _LedgerBase, operation_id: int, name: str) -> bool:
-        """Claim the side effect; False if it was claimed before (done or not)."""
-        check.text(name, "side effect name")
-        stamp = self._driver.ts(self.now())
-        with self._driver.transaction() as cur:
-            row = cur.one(
-                sql.START_SIDE_EFFECT,
-                {"operation_id": operation_id, "name": name, "now": stamp},
-            )
-        return row is not None
-
-    def finish_side_effect(self: _LedgerBase, operation_id: int, name: str, result: Any) -> None:
-        encoded = json.dumps(result)
-        stamp = self._driver.ts(self.now())
-        with self._driver.transaction() as cur:
-            cur.run(
-                sql.FINISH_SIDE_EFFECT,
-                {"operation_id": operation_id, "name": name, "result": encoded, "now": stamp},
-            )
-
-    def forget_side_effect(self: _LedgerBase, operation_id: int, name: str) -> None:
-        """Drop a claim whose function raised, so that a later run may try again."""
-        with self._driver.transaction() as cur:
-            cur.run(sql.FORGET_SIDE_EFFECT, {"operation_id": operation_id, "name": name})
-
-    def settle_step(
-        self: Any,
-        key: str,
-        actual: int,
-        *,
-        estimate_only: bool,
-        operation_id: int,
-        record: str,
-        result: Any,
-        left_open: str | None = None,
-        release: bool = False,
-        store_only: bool = False,
-        ids: tuple[str | None, str | None] = (None, None),
-    ) -> bool:
-        """Settle a labelled call at ``actual`` (or release it, never granted; or keep its
-        hold open as unknown, ``left_open`` saying why; or touch nothing,
-        ``store_only``) and store its result for replay, in one transaction."""
-        encoded = json.dumps(result)
-        stamp = self._driver.ts(self.now())
-        resolution = None
-        with self._driver.transaction() as cur:
-            if left_open is not None:
-                self._mark_unknown_in(cur, key, left_open, None, ids)
-            elif release:
-                resolution = self._release_in(cur, key, "no call made", stamp)
-            elif not store_only:
-                [resolution] = self._settle_in(
-                    cur, [(key, actual, estimate_only)], stamp, {key: ids}
-                )
-            cur.run(
-                sql.STORE_SIDE_EFFECT,
-                {"operation_id": operation_id, "name": record, "result": encoded, "now": stamp},
-            )
-            if resolution is not None:
-                resolution.apply(cur)
-        if resolution is not None and resolution.applied and actual > resolution.amount:
-            self._log_overrun(key, resolution.amount, actual)
-        return resolution is None or resolution.applied

@@ -1,28 +1,14 @@
-"""The hot path's SQL, run on the driver connection without expression building.
+"""The ledger's named SQL: every statement a delivery, a settlement or an operator's
+write runs, in one place, written once with ``:name`` placeholders (the driver layer,
+:mod:`.driver`, translates them to the driver's style).
 
-reserve, mark_sending and settle run thousands of times a second across a fleet;
-building SQLAlchemy expressions for each call cost more than the database round
-trips, so these few statements are plain parameterised SQL, written once with
-``:name`` placeholders and translated to the driver's style. Everything else in the
-ledger uses SQLAlchemy Core.
+Admission and settlement run thousands of times a second across a fleet; building
+SQLAlchemy expressions for each would cost more than the database round trips, so
+these are plain parameterised SQL. Reads whose filters vary (listings, reports, the
+audit) are built with SQLAlchemy Core and run by the same driver layer.
 """
 
 from __future__ import annotations
-
-import os
-import re
-import weakref
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
-from datetime import UTC, datetime
-from typing import Any
-
-from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
-
-from ..errors import LedgerUnavailable
-from .engine import schema_missing, unavailable
 
 #: The one expression for money still available in a period row. Admission, refusal
 #: messages and balance reports all use it (invariant 10).
@@ -331,171 +317,80 @@ FORGET_SIDE_EFFECT = """
 DELETE FROM side_effects WHERE operation_id = :operation_id AND name = :name
   AND state = 'started'"""
 
-_NAMED = re.compile(r"(?<!:):(\w+)")
+# -- budgets and their periods -------------------------------------------------------
 
+INSERT_BUDGET = """
+INSERT INTO budgets (name, tenant, parent_id, cap, period, renewal, rollover_ceiling, frozen,
+                     created_at)
+VALUES (:name, :tenant, :parent_id, :cap, :period, :renewal, :rollover_ceiling, :false, :now)
+ON CONFLICT (name) DO NOTHING
+RETURNING id"""
 
-class Driver:
-    """Runs the statements above on one backend's driver.
+BUDGET_ID = "SELECT id FROM budgets WHERE name = :name"
 
-    Each transaction checks a driver connection out of the engine's pool and gives it
-    back when it ends, so connections belong to the unit of work that uses them: a
-    thread that ends (a metrics scrape, a thread-pool task) holds none. A forked child
-    (Celery prefork) never touches what it inherited: see :func:`forget_after_fork`.
-    """
+#: A budget's place in its chain: (id, name, period, parent id).
+BUDGET_LINK_BY_NAME = "SELECT id, name, period, parent_id FROM budgets WHERE name = :name"
+BUDGET_LINK = "SELECT id, name, period, parent_id FROM budgets WHERE id = :budget_id"
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.sqlite = engine.dialect.name == "sqlite"
-        dbapi = engine.dialect.dbapi
-        assert dbapi is not None
-        self.unreachable: tuple[type[Exception], ...] = (
-            dbapi.OperationalError,
-            dbapi.InterfaceError,
-        )
-        self.integrity: type[Exception] = dbapi.IntegrityError
-        self._sql: dict[str, str] = {}
-        _engines.add(engine)
+SET_FROZEN = "UPDATE budgets SET frozen = :frozen WHERE name = :name"
 
-    def sql(self, statement: str) -> str:
-        """The statement in the driver's placeholder style (cached)."""
-        translated = self._sql.get(statement)
-        if translated is None:
-            lock = "" if self.sqlite else " FOR UPDATE OF a"
-            plain = "" if self.sqlite else " FOR UPDATE"
-            translated = statement.replace("{for_update}", lock).replace(
-                "{for_update_plain}", plain
-            )
-            if not self.sqlite:  # psycopg: pyformat
-                translated = _NAMED.sub(r"%(\1)s", translated)
-            self._sql[statement] = translated
-        return translated
+#: What a budget renews by: (period, cap, renewal, rollover ceiling).
+BUDGET_RENEWAL = "SELECT period, cap, renewal, rollover_ceiling FROM budgets WHERE id = :budget_id"
 
-    def ts(self, value: datetime) -> Any:
-        """A timestamp parameter, stored as SQLAlchemy's UTCDateTime stores it."""
-        value = value.astimezone(UTC)
-        if self.sqlite:
-            return value.replace(tzinfo=None).strftime("%Y-%m-%d %H:%M:%S.%f")
-        return value
+#: The budget's latest period starting at ``start`` or later: one is open already when
+#: this host's clock is behind the host that opened it.
+LATEST_PERIOD_FROM = """
+SELECT id, period_start FROM budget_periods
+WHERE budget_id = :budget_id AND period_start >= :start
+ORDER BY period_start DESC LIMIT 1"""
 
-    def from_ts(self, value: Any) -> datetime:
-        """A timestamp read by the driver, as an aware UTC datetime."""
-        if isinstance(value, str):
-            value = datetime.fromisoformat(value)
-        assert isinstance(value, datetime)
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+#: Close every earlier open period (compare-and-set on closed_at) before carrying: once
+#: closed, a period admits nothing, so what it leaves unused cannot be spent and carried.
+CLOSE_PERIODS_BEFORE = """
+UPDATE budget_periods SET closed_at = :now
+WHERE budget_id = :budget_id AND period_start < :start AND closed_at IS NULL
+RETURNING id, period_start, cap, spent, held"""
 
-    def checkout(self) -> Any:
-        """A driver connection from the pool; the caller gives it back (``close()``)."""
-        try:
-            return self.engine.raw_connection()
-        except PoolTimeout as exc:
-            raise LedgerUnavailable(f"no free ledger connection: {_first_line(exc)}") from exc
-        except DBAPIError as exc:
-            raise LedgerUnavailable(_first_line(exc.orig or exc)) from exc
-        except self.unreachable as exc:  # raw_connection() does not always wrap these
-            raise LedgerUnavailable(_first_line(exc)) from exc
+SET_CARRIED_OUT = "UPDATE budget_periods SET carried_out = :carried WHERE id = :period_id"
 
-    def begin(self, conn: Any) -> None:
-        if self.sqlite:
-            conn.cursor().execute("BEGIN IMMEDIATE")
+#: Two openers may race: the unique (budget_id, period_start) keeps the first.
+INSERT_PERIOD = """
+INSERT INTO budget_periods
+    (budget_id, period_start, cap, spent, held, opened_at, carried_out, overrun)
+VALUES (:budget_id, :start, :cap, 0, 0, :now, 0, 0)
+ON CONFLICT (budget_id, period_start) DO NOTHING"""
 
-    @contextmanager
-    def transaction(self) -> Iterator[Cursor]:
-        """One transaction on a connection of its own from the pool, given back when it
-        ends; failures to reach the database become LedgerUnavailable (a missing table,
-        SchemaMissing), and the transaction rolls back."""
-        conn = self.checkout()
-        try:
-            try:
-                cursor = Cursor(self, conn)
-            except self.unreachable as exc:
-                conn.invalidate(exc)
-                raise LedgerUnavailable(_first_line(exc)) from exc
-            try:
-                yield cursor
-                cursor.conn.commit()
-            except self.unreachable as exc:  # SQLite's "no such table" is one too
-                cursor.conn.invalidate(exc)
-                raise unavailable(exc) from exc
-            except BaseException as exc:
-                if cursor.conn.is_valid:
-                    try:
-                        cursor.conn.rollback()
-                    except self.unreachable as lost:
-                        cursor.conn.invalidate(lost)
-                if schema_missing(exc):  # PostgreSQL's UndefinedTable, a ProgrammingError
-                    raise unavailable(exc) from exc
-                raise
-            finally:
-                conn = cursor.conn  # a stale connection may have been replaced
-        finally:
-            with suppress(Exception):
-                conn.close()  # back to the pool (an invalidated one is discarded)
+PERIOD_ID = "SELECT id FROM budget_periods WHERE budget_id = :budget_id AND period_start = :start"
 
-    def close(self) -> None:
-        """Nothing is kept between transactions: kept for callers of earlier versions."""
+# -- maintenance ---------------------------------------------------------------------------
 
+#: Flag, once, every hold in sending/unknown older than the cutoff.
+FLAG_STALE = """
+UPDATE attempts SET flagged_at = :now
+WHERE state IN ('sending', 'unknown') AND created_at <= :cutoff AND flagged_at IS NULL
+RETURNING key"""
 
-#: Every engine a driver runs on, so that a forked child can forget their connections.
-_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+#: Unknown attempts due for a provider lookup; rows another claimer holds are skipped.
+DUE_FOR_LOOKUP = """
+SELECT id, lookups, key FROM attempts
+WHERE state = 'unknown' AND (next_lookup_at IS NULL OR next_lookup_at <= :now)
+ORDER BY id
+LIMIT :limit{for_update_skip_locked}"""
 
+PUSH_LOOKUP_BACK = """
+UPDATE attempts SET lookups = :lookups, next_lookup_at = :next_lookup_at
+WHERE id = :attempt_id"""
 
-def forget_after_fork() -> None:
-    """In a forked child: drop the pooled connections inherited from the parent without
-    closing them (they are the parent's sessions; closing them here would end them
-    there). The child opens its own on first use. SQLite's handles the same: its
-    documentation forbids carrying a connection across fork."""
-    for engine in list(_engines):
-        engine.dispose(close=False)
+PURGE_OPERATIONS = """
+UPDATE operations SET result = NULL, payload = NULL
+WHERE completed_at <= :cutoff AND (result IS NOT NULL OR payload IS NOT NULL)"""
 
+#: A period's counters by its budget and start (a balance read opens nothing).
+BALANCE_AT = f"""
+SELECT cap, spent, held, {AVAILABLE} FROM budget_periods
+WHERE budget_id = :budget_id AND period_start = :start"""
 
-os.register_at_fork(after_in_child=forget_after_fork)
-
-
-class Cursor:
-    """A driver cursor that takes the statements above and ``:name`` parameters."""
-
-    def __init__(self, driver: Driver, conn: Any) -> None:
-        self.driver = driver
-        self.conn = conn
-        driver.begin(conn)
-        self.raw = conn.cursor()
-        self._first = not driver.sqlite
-
-    def _execute(self, statement: str, params: Mapping[str, Any]) -> None:
-        sql = self.driver.sql(statement)
-        if self._first:
-            self._first = False
-            try:
-                self.raw.execute(sql, params)
-                return
-            except self.driver.unreachable as exc:
-                # Nothing has run in this transaction yet, so a connection that went
-                # stale (a database restart) is replaced once: this stands in for a
-                # ping on every checkout, which would cost a round trip per call. The
-                # pooled ones are as old, so the pool is renewed too.
-                self.conn.invalidate(exc)
-                with suppress(Exception):
-                    self.conn.close()
-                self.driver.engine.dispose()
-                self.conn = self.driver.checkout()
-                self.raw = self.conn.cursor()
-        self.raw.execute(sql, params)
-
-    def one(self, statement: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
-        self._execute(statement, params)
-        row: tuple[Any, ...] | None = self.raw.fetchone()
-        return row
-
-    def all(self, statement: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        self._execute(statement, params)
-        return list(self.raw.fetchall())
-
-    def run(self, statement: str, params: Mapping[str, Any]) -> int:
-        self._execute(statement, params)
-        return int(self.raw.rowcount)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+#: An open period's counters, for what it would carry into the next one.
+OPEN_PERIOD_COUNTERS = """
+SELECT cap, spent, held FROM budget_periods
+WHERE budget_id = :budget_id AND period_start = :start AND closed_at IS NULL"""

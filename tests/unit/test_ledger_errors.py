@@ -15,7 +15,7 @@ from budget_tasks import (
     LedgerUnavailable,
     SchemaMissing,
 )
-from budget_tasks.ledger.statements import Driver
+from budget_tasks.ledger.driver import Driver
 
 from ..services import check_postgres, scratch_database
 

@@ -1,0 +1,538 @@
+"""The ledger's shared core: its engine and driver, the database's clock, the budget
+chains and periods it caches, and the primitives every part admits and settles with
+(reserve in a transaction, resolve an attempt, apply counters, journal)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    Row,
+    func,
+    select,
+)
+
+from .. import _validate as check
+from ..errors import (
+    BudgetExceeded,
+    BudgetFrozen,
+    IdempotencyConflict,
+    InvalidTransition,
+    LedgerUnavailable,
+    SettlementConflict,
+    UnknownAttempt,
+    UnknownBudget,
+    UsageRecorded,
+)
+from . import statements as sql
+from .driver import Cursor, Driver
+from .engine import build_engine
+from .periods import (
+    PeriodClosed,
+    opening_cap,
+    period_start,
+    previous_period_start,
+)
+from .records import (
+    Attempt,
+    CallFacts,
+    Reservation,
+)
+from .schema import (
+    metadata,
+)
+from .states import attempt_may
+
+log = logging.getLogger("budget_tasks.ledger")
+
+Clock = Callable[[], datetime]
+
+
+#: How often the ledger measures this host's clock against the database's.
+CLOCK_CHECK_SECONDS = 60.0
+#: A difference between the clocks smaller than this is taken for none.
+CLOCK_AGREEMENT = timedelta(milliseconds=50)
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class LedgerBase:
+    """What every part of :class:`~budget_tasks.Ledger` shares (see the module)."""
+
+    def __init__(self, url: str, *, clock: Clock | None = None, **engine_options: Any) -> None:
+        self.engine = build_engine(url, **engine_options)
+        self.url = self.engine.url.render_as_string(hide_password=True)
+        self._clock = clock
+        #: The database's clock minus this host's, measured now and then: the ledger
+        #: keeps time by the database, so that hosts whose clocks disagree still agree
+        #: on which period a reservation falls in.
+        self._offset: timedelta | None = None
+        self._offset_at = 0.0
+        self._lock = threading.Lock()
+        # Budgets are never deleted or re-parented, and period rows never move, so
+        # their ids are safe to cache for the life of the process.
+        self._chains: dict[str, tuple[tuple[int, str, str], ...]] = {}
+        self._period_ids: dict[tuple[int, datetime], tuple[int, datetime]] = {}
+        self._dialect = self.engine.dialect.name
+        self._driver = Driver(self.engine)
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.url!r})"
+
+    def dispose(self) -> None:
+        """Close this ledger's database connections."""
+        self._driver.close()
+        self.engine.dispose()
+
+    def create_schema(self) -> None:
+        """Create the ledger tables if missing (tests, the embedded SQLite default).
+
+        Production PostgreSQL uses the migrations: ``budget-tasks db upgrade``.
+        """
+        with self._driver.transaction() as cur:
+            metadata.create_all(cur.conn)
+
+    def now(self) -> datetime:
+        """The current time: the ``clock`` given, else the database's (this host's
+        clock corrected by its offset from the database, measured every minute)."""
+        if self._clock is None:
+            return self._database_now()
+        now = self._clock()
+        if now.tzinfo is None:
+            raise ValueError("the ledger clock must return timezone-aware datetimes")
+        return now.astimezone(UTC)
+
+    def _database_now(self) -> datetime:
+        local = _utcnow()
+        if self._dialect == "sqlite":
+            return local  # the database is a file on this host: its clock is this one
+        since = time.monotonic() - self._offset_at
+        if self._offset is None or since > CLOCK_CHECK_SECONDS:
+            try:
+                with self._driver.transaction() as cur:  # connected (and pinged) first
+                    before = _utcnow()
+                    # clock_timestamp(): the time of this statement, not of the
+                    # transaction's start; halfway through the round trip, the error is
+                    # half of one round trip.
+                    theirs = cur.execute(select(func.clock_timestamp())).scalar_one()
+                    after = _utcnow()
+                offset = theirs.astimezone(UTC) - (before + (after - before) / 2)
+                # Below what one measurement can tell apart, the clocks agree: keep this
+                # host's time (stamps then order with this host's other clocks).
+                self._offset = offset if abs(offset) > CLOCK_AGREEMENT else timedelta(0)
+                self._offset_at = time.monotonic()
+            except LedgerUnavailable:
+                if self._offset is None:
+                    raise
+        assert self._offset is not None
+        return local + self._offset
+
+    def _chain(self, name: str) -> tuple[tuple[int, str, str], ...]:
+        """(id, name, period) of the budget and each ancestor, the budget first."""
+        chain = self._chains.get(name)
+        if chain is not None:
+            return chain
+        with self._driver.transaction() as cur:
+            found: list[tuple[int, str, str]] = []
+            row = cur.one(sql.BUDGET_LINK_BY_NAME, {"name": name})
+            if row is None:
+                raise UnknownBudget(name)
+            while row is not None:
+                budget_id, budget_name, period, parent_id = row
+                found.append((int(budget_id), budget_name, period))
+                if parent_id is None:
+                    break
+                row = cur.one(sql.BUDGET_LINK, {"budget_id": parent_id})
+        chain = tuple(found)
+        with self._lock:
+            self._chains[name] = chain
+        return chain
+
+    def _period_id(self, budget_id: int, start: datetime) -> tuple[int, datetime]:
+        """The id and start of the period admission uses when the clock says ``start``:
+        that period, opened if new (closing every earlier one first); or, if a later
+        period is open already (this host's clock is behind), that later one."""
+        cached = self._period_ids.get((budget_id, start))
+        if cached is not None:
+            return cached
+        with self._driver.transaction() as cur:
+            found = self._open_period(cur, budget_id, start)
+        with self._lock:
+            self._period_ids[(budget_id, start)] = found
+        return found
+
+    def _forget_periods(self, budget_ids: Iterable[int]) -> None:
+        ids = set(budget_ids)
+        with self._lock:
+            for slot in [slot for slot in self._period_ids if slot[0] in ids]:
+                del self._period_ids[slot]
+
+    def _open_period(self, cur: Cursor, budget_id: int, start: datetime) -> tuple[int, datetime]:
+        ts = self._driver.ts
+        at = {"budget_id": budget_id, "start": ts(start)}
+        latest = cur.one(sql.LATEST_PERIOD_FROM, at)
+        if latest is not None:
+            return int(latest[0]), self._driver.from_ts(latest[1])
+        renewal = cur.one(sql.BUDGET_RENEWAL, {"budget_id": budget_id})
+        assert renewal is not None  # the chain named it
+        period, budget_cap, policy, ceiling = renewal
+        closed = cur.all(sql.CLOSE_PERIODS_BEFORE, {**at, "now": ts(self.now())})
+        prev_start = previous_period_start(period, start)
+        previous = next(
+            (r for r in closed if prev_start and self._driver.from_ts(r[1]) == prev_start), None
+        )
+        counters = None if previous is None else (previous[2], previous[3], previous[4])
+        cap = opening_cap(budget_cap, policy, ceiling, counters)
+        if previous is not None and cap > budget_cap:
+            cur.run(sql.SET_CARRIED_OUT, {"carried": cap - budget_cap, "period_id": previous[0]})
+        # Two openers may race: the loser's close finds nothing left to close (it
+        # carries nothing), and the unique (budget_id, period_start) keeps the winner's.
+        cur.run(sql.INSERT_PERIOD, {**at, "cap": cap, "now": ts(self.now())})
+        row = cur.one(sql.PERIOD_ID, at)
+        assert row is not None
+        return int(row[0]), start
+
+    def _holds(
+        self, chain: tuple[tuple[int, str, str], ...], now: datetime
+    ) -> tuple[dict[int, tuple[int, datetime]], list[tuple[int, int]]]:
+        """Each budget's admitting period at ``now``, and the (budget, period) pairs to
+        hold in, in budget-id order (the order every writer locks them in)."""
+        periods = {
+            budget_id: self._period_id(budget_id, period_start(period, now))  # type: ignore[arg-type]
+            for budget_id, _, period in chain
+        }
+        return periods, sorted((budget_id, found[0]) for budget_id, found in periods.items())
+
+    def _reserve_in(
+        self,
+        cur: Cursor,
+        chain: tuple[tuple[int, str, str], ...],
+        found: tuple[dict[int, tuple[int, datetime]], list[tuple[int, int]]],
+        row: dict[str, Any],
+        now: datetime,
+        call: CallFacts | None = None,
+    ) -> Reservation:
+        """Reserve in the caller's transaction, in the periods ``found`` by
+        :meth:`_holds` before it began (opening a period is a transaction of its own).
+        With ``call``, the attempt is granted its send at once (state ``sending``) and
+        described as ``call``: admission, grant and description are one commit."""
+        key, amount, reason = row["key"], row["amount"], row["reason"]
+        periods, holds = found
+        names = {budget_id: name for budget_id, name, _ in chain}
+        stamp = self._driver.ts(now)
+        granted = call is not None
+        # The attempt row goes first: a key that exists stops here, before any hold.
+        inserted = cur.one(
+            sql.INSERT_ATTEMPT,
+            {
+                **row,
+                "period_id": periods[chain[0][0]][0],
+                "now": stamp,
+                "state": "sending" if granted else "reserved",
+                "sending_at": stamp if granted else None,
+                "lookup": call.lookup if call is not None else None,
+                "model": call.model if call is not None else None,
+                "timeout_ms": call.timeout_ms if call is not None else None,
+            },
+        )
+        if inserted is None:
+            return self._existing(cur, key, chain[0][1], amount, row["fingerprint"])
+        for _, period_id in holds:
+            _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
+        # The budget rows are the contended ones: lock them last, just before COMMIT.
+        for budget_id, period_id in holds:
+            if cur.one(sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}):
+                continue
+            available, frozen, closed = cur.one(sql.REFUSAL, {"period_id": period_id}) or (
+                0,
+                True,
+                None,
+            )
+            if closed is not None:
+                raise PeriodClosed(period_id)
+            if frozen:
+                raise BudgetFrozen(names[budget_id])
+            raise BudgetExceeded(names[budget_id], amount, int(available))
+        start = periods[chain[0][0]][1]
+        return Reservation(
+            key,
+            chain[0][1],
+            amount,
+            start,
+            "sending" if granted else "reserved",
+            reason,
+            row["fingerprint"],
+            True,
+        )
+
+    def _existing(
+        self,
+        cur: Cursor,
+        key: str,
+        budget: str,
+        amount: int,
+        fingerprint: str | None,
+    ) -> Reservation:
+        row = cur.one(sql.EXISTING_ATTEMPT, {"key": key})
+        assert row is not None  # the insert met this key under the same lock
+        recorded_budget, recorded_amount, recorded_fp, state, reason, start = row
+        for field, recorded, requested in (
+            ("budget", recorded_budget, budget),
+            ("amount", recorded_amount, amount),
+            ("fingerprint", recorded_fp, fingerprint),
+        ):
+            if recorded != requested:
+                raise IdempotencyConflict(key, field, recorded, requested)
+        return Reservation(
+            key, budget, amount, self._driver.from_ts(start), state, reason, fingerprint, False
+        )
+
+    def _mark_unknown_in(
+        self,
+        cur: Cursor,
+        key: str,
+        reason: str,
+        recorded_actual: int | None,
+        ids: tuple[str | None, str | None] = (None, None),
+    ) -> bool:
+        params = {
+            "key": key,
+            "note": reason,
+            "recorded": recorded_actual,
+            "request_id": ids[0],
+            "response_id": ids[1],
+        }
+        if cur.one(sql.MARK_UNKNOWN, params) is not None:
+            log.warning("attempt %s outcome unknown, its hold kept: %s", key, reason)
+            return True
+        state = cur.one(sql.ATTEMPT_STATE, {"key": key})
+        if state is None:
+            raise UnknownAttempt(key)
+        if state[0] != "unknown":
+            raise InvalidTransition(key, state[0], "mark unknown")
+        return False
+
+    def _log_overrun(self, key: str, amount: int, actual: int) -> None:
+        log.warning(
+            "overrun on attempt %s: reserved %d, charged %d (+%d)",
+            key,
+            amount,
+            actual,
+            actual - amount,
+        )
+
+    def _release_in(self, cur: Cursor, key: str, note: str, stamp: Any) -> _Resolution:
+        return self._resolve_in(cur, key, 0, "released", "release", note, stamp)
+
+    def _resolve(
+        self,
+        key: str,
+        actual: int,
+        state: str,
+        kind: str,
+        note: str | None,
+        *,
+        estimate_only: bool = False,
+        expected: str | None = None,
+        ids: tuple[str | None, str | None] = (None, None),
+    ) -> tuple[bool, int]:
+        stamp = self._driver.ts(self.now())
+        with self._driver.transaction() as cur:
+            resolution = self._resolve_in(
+                cur,
+                key,
+                actual,
+                state,
+                kind,
+                note,
+                stamp,
+                estimate_only=estimate_only,
+                expected=expected,
+                ids=ids,
+            )
+            resolution.apply(cur)
+        return resolution.applied, resolution.amount
+
+    def _resolve_in(
+        self,
+        cur: Cursor,
+        key: str,
+        actual: int,
+        state: str,
+        kind: str,
+        note: str | None,
+        stamp: Any,
+        *,
+        estimate_only: bool = False,
+        expected: str | None = None,
+        if_resolved: str = "raise",
+        answer: str | None = None,
+        ids: tuple[str | None, str | None] = (None, None),
+    ) -> _Resolution:
+        """Journal and resolve the attempt (compare-and-set on the state read under its
+        row lock); the caller applies the counters last.
+
+        ``if_resolved="top_up"``: an attempt resolved meanwhile (by reconciliation, an
+        operator) keeps its charge, raised to ``actual`` by an adjustment entry if that
+        is more; a run's proof of billing is never lost to an earlier resolution."""
+        rows = cur.all(sql.LOCK_ATTEMPT, {"key": key})
+        if not rows:
+            raise UnknownAttempt(key)
+        attempt_id, amount, charged, current, recorded_usage, _ = rows[0]
+        periods = [period_id for *_, period_id in rows]
+        if current in ("settled", "released"):
+            if charged == actual:
+                return _Resolution(False, amount, actual, [], key)
+            if if_resolved == "top_up":
+                if actual > charged:
+                    delta = actual - charged
+                    why = f"a run reported {actual} after the attempt was {current} at {charged}"
+                    for period_id in periods:
+                        _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id})
+                        _journal(cur, attempt_id, period_id, "adjustment", 0, delta, why, stamp)
+                    log.warning("attempt %s: %s; +%d as an adjustment", key, why, delta)
+                return _Resolution(False, amount, charged, [], key)
+            raise SettlementConflict(key, charged, actual)
+        if expected is not None and current != expected:
+            raise InvalidTransition(key, current, f"{state} it as {expected} (it changed)")
+        if not attempt_may(current, state):
+            raise InvalidTransition(key, current, f"move it to {state} (it was never sent)")
+        if recorded_usage is not None and actual < recorded_usage:
+            raise UsageRecorded(key, recorded_usage, actual)
+        for period_id in periods:
+            _journal(cur, attempt_id, period_id, kind, -amount, actual, note, stamp)
+        done = cur.run(
+            sql.RESOLVE_ATTEMPT,
+            {
+                "state": state,
+                "actual": actual,
+                "now": stamp,
+                "note": note,
+                "estimate_only": estimate_only,
+                "answer": answer,
+                "attempt_id": attempt_id,
+                "expected": current,
+                "request_id": ids[0],
+                "response_id": ids[1],
+            },
+        )
+        assert done == 1  # the row is locked (SQLite: the whole database is)
+        return _Resolution(True, int(amount), actual, periods, key)
+
+
+def _ids(request_id: str | None, response_id: str | None) -> tuple[str | None, str | None]:
+    check.optional_text(request_id, "request_id")
+    check.optional_text(response_id, "response_id", max_length=255)
+    return request_id, response_id
+
+
+def _journal(
+    cur: Cursor,
+    attempt_id: int,
+    period_id: int,
+    kind: str,
+    held_delta: int,
+    spent_delta: int,
+    note: str | None,
+    stamp: Any,
+    ref: str | None = None,
+) -> None:
+    """Append one journal entry: the only way the counters' history is written."""
+    cur.run(
+        sql.INSERT_JOURNAL,
+        {
+            "attempt_id": attempt_id,
+            "period_id": period_id,
+            "kind": kind,
+            "held_delta": held_delta,
+            "spent_delta": spent_delta,
+            "note": note,
+            "ref": ref,
+            "now": stamp,
+        },
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Resolution:
+    """A settlement written to the journal, whose counters are still to be applied."""
+
+    applied: bool
+    amount: int
+    actual: int
+    periods: list[int]
+    key: str = ""
+
+    def apply(self, cur: Cursor) -> None:
+        # The budget rows are the contended ones: lock them last, just before COMMIT.
+        for period_id in self.periods:
+            _apply(
+                cur,
+                sql.APPLY_SETTLEMENT,
+                {"amount": self.amount, "actual": self.actual, "period_id": period_id},
+            )
+
+
+def _apply(cur: Cursor, statement: str, params: dict[str, Any]) -> None:
+    """Apply a change to a period's counters. If the period is closed and carried what
+    it left unused, and the change leaves it less unused than it carried (an overrun
+    settled late, a provider correction), the difference comes off the period it
+    carried into: no money is spent in one period and carried into the next too."""
+    row = cur.one(statement, params)
+    period_id = params["period_id"]
+    # A period that carried on what it received passes the take-back on in turn, until
+    # a period that still had room for it (or the open one) absorbs it.
+    while row is not None:
+        carried, available = row[-2], row[-1]
+        if carried <= 0 or available >= carried:
+            return
+        deficit = carried - max(available, 0)
+        cur.run(sql.TAKE_BACK_CARRY, {"period_id": period_id, "deficit": deficit})
+        log.warning(
+            "period %s spent %d of what it carried into the next after closing: "
+            "that amount comes off the next period's cap",
+            period_id,
+            deficit,
+        )
+        row = cur.one(sql.LOWER_NEXT_CAP, {"period_id": period_id, "deficit": deficit})
+        if row is not None:
+            period_id = row[0]
+
+
+def _attempt(r: Row[Any]) -> Attempt:
+    return Attempt(
+        key=r.key,
+        budget=r.budget,
+        amount=r.amount,
+        actual=r.actual,
+        state=r.state,
+        reason=r.reason,
+        fingerprint=r.fingerprint,
+        provider=r.provider,
+        request_id=r.request_id,
+        note=r.note,
+        period_start=r.period_start,
+        created_at=r.created_at,
+        sending_at=r.sending_at,
+        resolved_at=r.resolved_at,
+        price_version=r.price_version,
+        label=r.label,
+        estimate_only=bool(r.estimate_only),
+        lookup=r.lookup,
+        model=r.model,
+        response_id=r.response_id,
+        lookups=r.lookups,
+        flagged_at=r.flagged_at,
+        operation_key=r.operation_key,
+        recorded_actual=r.recorded_actual,
+        step=r.step,
+        timeout_ms=r.timeout_ms,
+    )

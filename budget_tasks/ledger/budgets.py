@@ -1,0 +1,199 @@
+"""Budgets: create them, read their configuration, change their cap, freeze them,
+open their periods."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    ColumnElement,
+    literal,
+    select,
+)
+
+from .. import _validate as check
+from ..errors import (
+    BudgetExists,
+    CapBelowCommitted,
+    UnknownBudget,
+)
+from . import statements as sql
+from .base import log
+from .periods import (
+    PERIODS,
+    RENEWALS,
+    Period,
+    Renewal,
+    period_start,
+)
+from .records import (
+    Balance,
+    BudgetInfo,
+)
+from .reports import Reports
+from .schema import (
+    budgets,
+)
+
+
+class Budgets(Reports):
+    """The budget methods of :class:`~budget_tasks.Ledger`."""
+
+    def create_budget(
+        self,
+        name: str,
+        cap: int,
+        *,
+        period: Period = "none",
+        parent: str | None = None,
+        tenant: str | None = None,
+        renewal: Renewal = "reset",
+        rollover_ceiling: int | None = None,
+    ) -> BudgetInfo:
+        """Create a budget with ``cap`` minor units per period.
+
+        ``renewal`` is the written policy for what is left when a period ends:
+        ``reset`` or ``rollover`` (carry the unused amount, the cap never above
+        ``rollover_ceiling``, default 3x ``cap``).
+        """
+        check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+        check.money(cap, "cap")
+        if period not in PERIODS:
+            raise ValueError(f"period must be one of {PERIODS}, not {period!r}")
+        if renewal not in RENEWALS:
+            raise ValueError(f"renewal must be one of {RENEWALS}, not {renewal!r}")
+        check.optional_text(tenant, "tenant", max_length=check.MAX_NAME_LENGTH)
+        if rollover_ceiling is not None:
+            check.money(rollover_ceiling, "rollover_ceiling")
+            if renewal != "rollover":
+                raise ValueError("rollover_ceiling only applies to renewal='rollover'")
+            if rollover_ceiling < cap:
+                raise ValueError(f"rollover_ceiling {rollover_ceiling} is below the cap {cap}")
+        if period == "none" and renewal != "reset":
+            raise ValueError("a budget with period='none' never renews: use renewal='reset'")
+        with self._driver.transaction() as cur:
+            parent_id = None
+            if parent is not None:
+                check.text(parent, "parent", max_length=check.MAX_NAME_LENGTH)
+                found = cur.one(sql.BUDGET_ID, {"name": parent})
+                if found is None:
+                    raise UnknownBudget(parent)
+                parent_id = found[0]
+            created = cur.one(
+                sql.INSERT_BUDGET,
+                {
+                    "name": name,
+                    "tenant": tenant,
+                    "parent_id": parent_id,
+                    "cap": cap,
+                    "period": period,
+                    "renewal": renewal,
+                    "rollover_ceiling": rollover_ceiling,
+                    "false": False,
+                    "now": self._driver.ts(self.now()),
+                },
+            )
+            if created is None:
+                raise BudgetExists(name)
+        return self.budget(name)
+
+    def budget(self, name: str) -> BudgetInfo:
+        """A budget's configuration. Raises UnknownBudget."""
+        check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+        for info in self._budget_rows(budgets.c.name == name):
+            return info
+        raise UnknownBudget(name)
+
+    def budgets(self) -> list[BudgetInfo]:
+        """Every budget, by name."""
+        return self._budget_rows(literal(True))
+
+    def _budget_rows(self, where: ColumnElement[bool]) -> list[BudgetInfo]:
+        parent = budgets.alias("parent")
+        query = (
+            select(budgets, parent.c.name.label("parent_name"))
+            .outerjoin(parent, parent.c.id == budgets.c.parent_id)
+            .where(where)
+            .order_by(budgets.c.name)
+        )
+        with self._driver.transaction() as cur:
+            rows = cur.execute(query).all()
+        return [
+            BudgetInfo(
+                id=r.id,
+                name=r.name,
+                cap=r.cap,
+                period=r.period,
+                renewal=r.renewal,
+                rollover_ceiling=r.rollover_ceiling,
+                tenant=r.tenant,
+                parent=r.parent_name,
+                frozen=r.frozen,
+            )
+            for r in rows
+        ]
+
+    def set_cap(self, name: str, cap: int, *, note: str | None = None) -> BudgetInfo:
+        """Change a budget's cap (its allowance per period). The current open period's
+        cap moves by the same amount (what it carried stays); the change is a journal
+        entry (kind ``cap``). Lowering it below what that period has spent and holds is
+        refused (CapBelowCommitted): that money is committed; freeze the budget to stop
+        admissions. A rollover budget's ceiling is never below its cap."""
+        check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+        check.money(cap, "cap")
+        check.optional_text(note, "note", max_length=10_000)
+        now = self.now()
+        budget_id, _, period = self._chain(name)[0]
+        self._period_id(budget_id, period_start(period, now))  # type: ignore[arg-type]
+        stamp = self._driver.ts(now)
+        with self._driver.transaction() as cur:
+            row = cur.one(sql.LOCK_BUDGET, {"name": name})
+            if row is None:
+                raise UnknownBudget(name)
+            budget_id, old, ceiling = row
+            if ceiling is not None and cap > ceiling:
+                raise ValueError(f"cap {cap} is above budget {name!r}'s rollover ceiling {ceiling}")
+            delta = cap - old
+            current = cur.one(sql.LOCK_OPEN_PERIOD, {"budget_id": budget_id})
+            if current is not None:
+                period_id, period_cap, committed = current
+                if period_cap + delta < committed:
+                    raise CapBelowCommitted(name, cap, int(committed))
+            cur.run(sql.SET_BUDGET_CAP, {"cap": cap, "budget_id": budget_id})
+            if current is not None and delta:
+                cur.run(sql.MOVE_PERIOD_CAP, {"delta": delta, "period_id": period_id})
+                cur.run(
+                    sql.INSERT_CAP_CHANGE,
+                    {
+                        "period_id": period_id,
+                        "delta": delta,
+                        "note": note or f"cap {old} -> {cap}",
+                        "now": stamp,
+                    },
+                )
+        log.info("budget %s: cap %d -> %d", name, old, cap)
+        return self.budget(name)
+
+    def freeze(self, name: str) -> None:
+        """Stop all admission on this budget and its descendants; settlement goes on."""
+        self._set_frozen(name, True)
+
+    def unfreeze(self, name: str) -> None:
+        self._set_frozen(name, False)
+
+    def _set_frozen(self, name: str, frozen: bool) -> None:
+        check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+        with self._driver.transaction() as cur:
+            done = cur.run(sql.SET_FROZEN, {"frozen": frozen, "name": name})
+        if not done:
+            raise UnknownBudget(name)
+
+    def open_period(self, budget: str, at: datetime | None = None) -> Balance:
+        """Open (if not yet open) the budget's period containing ``at`` (default: now),
+        closing the periods before it: the one just before carries what it left unused
+        into it, by the budget's renewal policy."""
+        check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+        at = self.now() if at is None else check.moment(at, "at")
+        budget_id, _, period = self._chain(budget)[0]
+        self._period_id(budget_id, period_start(period, at))  # type: ignore[arg-type]
+        return self.balance(budget, at=at)

@@ -1,0 +1,268 @@
+"""Holds: reserve before a send, grant it, then settle, release or keep the hold open;
+provider corrections as adjustments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _validate as check
+from ..errors import (
+    InvalidTransition,
+    UnknownAttempt,
+    UnknownOperation,
+)
+from . import statements as sql
+from .base import LedgerBase, _apply, _ids, _journal
+from .periods import (
+    PeriodClosed,
+)
+from .records import (
+    Reservation,
+)
+from .schema import (
+    ATTEMPT_REASONS,
+)
+
+
+class Holds(LedgerBase):
+    """The hold methods of :class:`~budget_tasks.Ledger`."""
+
+    def reserve(
+        self,
+        budget: str,
+        key: str,
+        amount: int,
+        *,
+        fingerprint: str | None = None,
+        reason: str = "first",
+        price_version: str | None = None,
+        operation_id: int | None = None,
+        label: str | None = None,
+        step: str | None = None,
+    ) -> Reservation:
+        """Hold ``amount`` on ``budget`` and every ancestor for the attempt ``key``.
+
+        Admits only if ``spent + held + amount <= cap`` in the current period of each
+        budget in the chain, each checked and written by one conditional UPDATE, in
+        budget-id order, in one transaction. Permission to send exists once this
+        returns with ``created=True``. An existing key returns its reservation with
+        ``created=False``; another budget, amount or fingerprint raises
+        IdempotencyConflict. ``reason`` says why the attempt exists (first, redelivery,
+        rate_limited_retry, unknown_resend, manual); ``price_version`` records the price
+        table the amount was estimated from.
+        """
+        check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+        check.text(key, "key")
+        check.money(amount)
+        check.optional_text(fingerprint, "fingerprint")
+        check.optional_text(price_version, "price_version", max_length=64)
+        check.optional_text(label, "label", max_length=100)
+        check.optional_text(step, "step")
+        if operation_id is not None:
+            check.row_id(operation_id, "operation_id")
+        if reason not in ATTEMPT_REASONS:
+            raise ValueError(f"reason must be one of {ATTEMPT_REASONS}, not {reason!r}")
+        chain = self._chain(budget)
+        row = {
+            "key": key,
+            "budget_id": chain[0][0],
+            "fingerprint": fingerprint,
+            "reason": reason,
+            "amount": amount,
+            "price_version": price_version,
+            "operation_id": operation_id,
+            "label": label,
+            "step": step,
+        }
+        try:
+            return self._reserve(chain, row)
+        except PeriodClosed:
+            # This host's clock is behind a period that another host opened (closing
+            # this one): admission goes to that later period.
+            self._forget_periods(budget_id for budget_id, _, _ in chain)
+            return self._reserve(chain, row)
+
+    def _reserve(self, chain: tuple[tuple[int, str, str], ...], row: dict[str, Any]) -> Reservation:
+        now = self.now()
+        holds = self._holds(chain, now)
+        try:
+            with self._driver.transaction() as cur:
+                return self._reserve_in(cur, chain, holds, row, now)
+        except self._driver.integrity as exc:
+            if row["operation_id"] is None:
+                raise
+            # the one reference the caller gives: an operation that does not exist
+            raise UnknownOperation(f"id {row['operation_id']}") from exc
+
+    def mark_sending(
+        self, key: str, *, provider: str | None = None, request_id: str | None = None
+    ) -> None:
+        """reserved -> sending. The one grant of a send: a second call raises."""
+        check.text(key, "key")
+        check.optional_text(provider, "provider", max_length=64)
+        check.optional_text(request_id, "request_id")
+        params = {
+            "key": key,
+            "now": self._driver.ts(self.now()),
+            "provider": provider,
+            "request_id": request_id,
+        }
+        with self._driver.transaction() as cur:
+            if cur.one(sql.MARK_SENDING, params) is None:
+                state = cur.one(sql.ATTEMPT_STATE, {"key": key})
+                if state is None:
+                    raise UnknownAttempt(key)
+                raise InvalidTransition(key, state[0], "mark sending")
+
+    def mark_unknown(
+        self,
+        key: str,
+        reason: str,
+        *,
+        recorded_actual: int | None = None,
+        request_id: str | None = None,
+        response_id: str | None = None,
+    ) -> bool:
+        """sending -> unknown: the outcome is unknown and the hold stays.
+
+        ``recorded_actual`` is usage the run recorded before the outcome became unknown
+        (proof of billing: the attempt is never resolved below it); the call's request
+        and response ids, where it reported them, are kept for reconciliation. Returns
+        False if the attempt was already unknown; raises InvalidTransition from any
+        other state.
+        """
+        check.text(key, "key")
+        check.text(reason, "reason", max_length=10_000)
+        if recorded_actual is not None:
+            check.money(recorded_actual, "recorded_actual")
+        ids = _ids(request_id, response_id)
+        with self._driver.transaction() as cur:
+            changed = self._mark_unknown_in(cur, key, reason, recorded_actual, ids)
+        return changed
+
+    def record_call(
+        self,
+        key: str,
+        *,
+        request_id: str | None = None,
+        response_id: str | None = None,
+        cost: int | None = None,
+    ) -> None:
+        """Record what a finished call reported, at once and in one statement: its
+        request and response ids and its priced usage, added to the attempt's recorded
+        usage (a recorded actual is proof of billing: the attempt is never released, and
+        never settled below it)."""
+        check.text(key, "key")
+        check.optional_text(request_id, "request_id")
+        check.optional_text(response_id, "response_id")
+        if cost is not None:
+            check.money(cost, "cost")
+        params = {"key": key, "request_id": request_id, "response_id": response_id, "cost": cost}
+        with self._driver.transaction() as cur:
+            if cur.one(sql.RECORD_CALL, params) is not None:
+                return
+            state = cur.one(sql.ATTEMPT_STATE, {"key": key})
+        if state is None:
+            raise UnknownAttempt(key)
+        raise InvalidTransition(key, state[0], "record a call's outcome")
+
+    def record_request_id(self, key: str, request_id: str) -> None:
+        """Store the provider's request id (as soon as it is known, for reconciliation)."""
+        check.text(key, "key")
+        check.text(request_id, "request_id")
+        with self._driver.transaction() as cur:
+            if cur.one(sql.RECORD_REQUEST_ID, {"key": key, "request_id": request_id}):
+                return
+            row = cur.one(sql.ATTEMPT_REQUEST_ID, {"key": key})
+        if row is None:
+            raise UnknownAttempt(key)
+        state, recorded = row
+        if recorded == request_id:
+            return
+        if recorded is not None:
+            raise InvalidTransition(
+                key, state, f"replace request id {recorded!r} by {request_id!r}"
+            )
+        raise InvalidTransition(key, state, "record a request id before sending")
+
+    def settle(
+        self,
+        key: str,
+        actual: int,
+        *,
+        estimate_only: bool = False,
+        note: str | None = None,
+        expected: str | None = None,
+        request_id: str | None = None,
+        response_id: str | None = None,
+    ) -> bool:
+        """Replace the hold by the actual charge: ``held -= reserved; spent += actual``.
+
+        True if applied; False if already settled with this actual. Another actual
+        raises SettlementConflict. An actual above the reservation is recorded as it
+        is and logged as an overrun; one below the usage the run recorded raises
+        UsageRecorded. ``note`` goes into the journal entry (an operator's resolution
+        says so there). With ``expected``, only from that state (compare-and-set: the
+        state the caller read); another raises InvalidTransition. The call's request and
+        response ids, where given, are written with it.
+        """
+        check.text(key, "key")
+        check.money(actual, "actual")
+        check.optional_text(note, "note", max_length=10_000)
+        applied, amount = self._resolve(
+            key,
+            actual,
+            "settled",
+            "charge",
+            note,
+            estimate_only=estimate_only,
+            expected=expected,
+            ids=_ids(request_id, response_id),
+        )
+        if applied and actual > amount:
+            self._log_overrun(key, amount, actual)
+        return applied
+
+    def release(self, key: str, reason: str, *, expected: str | None = None) -> bool:
+        """Drop the hold without a charge (settle at 0). False if already released.
+
+        Refused (UsageRecorded) for an attempt whose run recorded usage: a recorded
+        actual is proof of billing."""
+        check.text(key, "key")
+        check.text(reason, "reason", max_length=10_000)
+        return self._resolve(key, 0, "released", "release", reason, expected=expected)[0]
+
+    def adjust(self, key: str, delta: int, reason: str, *, ref: str | None = None) -> bool:
+        """Add a provider correction to a settled or released attempt's charge.
+
+        Recorded as a new journal entry, never an overwrite, in the attempt's own
+        periods. ``ref`` (e.g. the provider's invoice line id) makes the correction
+        idempotent: a second call with the same ref returns False.
+        """
+        check.text(key, "key")
+        check.money(delta, "delta", signed=True)
+        check.text(reason, "reason", max_length=10_000)
+        check.optional_text(ref, "ref")
+        if delta == 0:
+            raise ValueError("an adjustment of 0 records nothing")
+        stamp = self._driver.ts(self.now())
+        with self._driver.transaction() as cur:
+            rows = cur.all(sql.LOCK_ATTEMPT, {"key": key})
+            if not rows:
+                raise UnknownAttempt(key)
+            attempt_id, _, _, state, _, _ = rows[0]
+            if state not in ("settled", "released"):
+                raise InvalidTransition(key, state, "adjust before settlement")
+            if ref is not None and cur.one(
+                sql.ADJUSTMENT_SEEN, {"attempt_id": attempt_id, "ref": ref}
+            ):
+                return False
+            (charged,) = cur.one(sql.ATTEMPT_CHARGED, {"attempt_id": attempt_id}) or (0,)
+            if charged + delta < 0:
+                raise ValueError(
+                    f"adjustment {delta} would take attempt {key!r} below zero (charged {charged})"
+                )
+            for *_, period_id in rows:
+                _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id})
+                _journal(cur, attempt_id, period_id, "adjustment", 0, delta, reason, stamp, ref)
+        return True

@@ -1,0 +1,301 @@
+"""Reports: balances, attempts and holds, every budget's current period in one query,
+and the audit of the counters against the journal."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    and_,
+    case,
+    func,
+    literal,
+    select,
+)
+
+from .. import _validate as check
+from ..errors import (
+    UnknownAttempt,
+)
+from . import statements as sql
+from .base import LedgerBase, _attempt
+from .periods import (
+    PERIODS,
+    Period,
+    opening_cap,
+    period_start,
+    previous_period_start,
+)
+from .records import (
+    Attempt,
+    AuditFinding,
+    Balance,
+    BudgetReport,
+    Hold,
+)
+from .schema import (
+    HOLDING_STATES,
+    UTCDateTime,
+    attempts,
+    budget_periods,
+    budgets,
+    journal,
+    operations,
+)
+
+
+class Reports(LedgerBase):
+    """The reading methods of :class:`~budget_tasks.Ledger`."""
+
+    def balance(self, budget: str, *, at: datetime | None = None) -> Balance:
+        """The budget's counters for the period containing ``at`` (default: now).
+
+        A read opens nothing: for a period not open yet, it shows what the period would
+        open with now (its renewal applied to the period before, as that stands)."""
+        check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+        at = self.now() if at is None else check.moment(at, "at")
+        budget_id, name, period = self._chain(budget)[0]
+        start = period_start(period, at)  # type: ignore[arg-type]
+        at_start = {"budget_id": budget_id, "start": self._driver.ts(start)}
+        with self._driver.transaction() as cur:
+            row = cur.one(sql.BALANCE_AT, at_start)
+            if row is None:
+                renewal = cur.one(sql.BUDGET_RENEWAL, {"budget_id": budget_id})
+                assert renewal is not None  # the chain named it
+                kind, allowance, policy, ceiling = renewal
+                prev_start = previous_period_start(kind, start)
+                prev = None
+                if prev_start is not None:
+                    prev = cur.one(
+                        sql.OPEN_PERIOD_COUNTERS,
+                        {"budget_id": budget_id, "start": self._driver.ts(prev_start)},
+                    )
+                counters = None if prev is None else (prev[0], prev[1], prev[2])
+                cap = opening_cap(allowance, policy, ceiling, counters)
+                return Balance(name, cap, 0, 0, cap, start)
+        cap, spent, held, free = row
+        return Balance(name, cap, spent, held, free, start)
+
+    def attempt(self, key: str) -> Attempt:
+        """One attempt, with its state, amounts and provider ids."""
+        check.text(key, "key")
+        with self._driver.transaction() as cur:
+            row = cur.execute(self._attempt_query().where(attempts.c.key == key)).first()
+        if row is None:
+            raise UnknownAttempt(key)
+        return _attempt(row)
+
+    def attempts(
+        self,
+        *,
+        budget: str | None = None,
+        states: Iterable[str] | None = None,
+        keys: Iterable[str] | None = None,
+    ) -> list[Attempt]:
+        """Attempts, oldest first, optionally of one budget, in some states, by key."""
+        query = self._attempt_query().order_by(attempts.c.id)
+        if keys is not None:
+            query = query.where(attempts.c.key.in_(list(keys)))
+        if budget is not None:
+            query = query.where(budgets.c.name == budget)
+        if states is not None:
+            query = query.where(attempts.c.state.in_(list(states)))
+        with self._driver.transaction() as cur:
+            return [_attempt(r) for r in cur.execute(query)]
+
+    def holds(
+        self,
+        *,
+        older_than: timedelta | None = None,
+        states: Iterable[str] = HOLDING_STATES,
+        budget: str | None = None,
+        keys: Iterable[str] | None = None,
+    ) -> list[Hold]:
+        """Attempts still holding money, oldest first, each with its age."""
+        states = tuple(states)
+        if not set(states) <= set(HOLDING_STATES):
+            raise ValueError(f"holds are in states {HOLDING_STATES}, not {states}")
+        now = self.now()
+        query = self._attempt_query().where(attempts.c.state.in_(states))
+        if keys is not None:
+            query = query.where(attempts.c.key.in_(list(keys)))
+        if older_than is not None:
+            check.duration(older_than, "older_than", allow_zero=True)
+            query = query.where(attempts.c.created_at <= now - older_than)
+        if budget is not None:
+            query = query.where(budgets.c.name == budget)
+        with self._driver.transaction() as cur:
+            rows = cur.execute(query.order_by(attempts.c.created_at, attempts.c.id)).all()
+        return [
+            Hold(
+                key=r.key,
+                budget=r.budget,
+                amount=r.amount,
+                state=r.state,
+                reason=r.reason,
+                provider=r.provider,
+                request_id=r.request_id,
+                note=r.note,
+                period_start=r.period_start,
+                created_at=r.created_at,
+                age=now - r.created_at,
+                flagged_at=r.flagged_at,
+            )
+            for r in rows
+        ]
+
+    def _attempt_query(self) -> Any:
+        return (
+            select(
+                attempts,
+                budgets.c.name.label("budget"),
+                budget_periods.c.period_start,
+                operations.c.key.label("operation_key"),
+            )
+            .join(budgets, budgets.c.id == attempts.c.budget_id)
+            .join(budget_periods, budget_periods.c.id == attempts.c.period_id)
+            .outerjoin(operations, operations.c.id == attempts.c.operation_id)
+        )
+
+    def report(self) -> list[BudgetReport]:
+        """Every budget's current period (cap, spent, held, available) and the age of
+        its oldest open hold, in one set-based query: what a metrics scrape and
+        ``budget-tasks status`` show. A period not open yet shows what it would open
+        with; nothing is opened."""
+        now = self.now()
+        starts = {kind: period_start(kind, now) for kind in PERIODS}
+        before = {kind: previous_period_start(kind, start) for kind, start in starts.items()}
+        b = budgets.c
+        cur, prev = budget_periods.alias("cur"), budget_periods.alias("prev")
+
+        def by_kind(values: Mapping[Period, datetime | None]) -> Any:
+            whens = {kind: literal(at, UTCDateTime()) for kind, at in values.items() if at}
+            return case(whens, value=b.period, else_=None)
+
+        oldest = (
+            select(attempts.c.budget_id, func.min(attempts.c.created_at).label("oldest"))
+            .where(attempts.c.state.in_(HOLDING_STATES))
+            .group_by(attempts.c.budget_id)
+            .subquery()
+        )
+        query = (
+            select(
+                b.name,
+                b.cap,
+                b.renewal,
+                b.rollover_ceiling,
+                b.frozen,
+                b.period,
+                cur.c.id.label("cur_id"),
+                cur.c.cap.label("cur_cap"),
+                cur.c.spent.label("cur_spent"),
+                cur.c.held.label("cur_held"),
+                cur.c.overrun.label("cur_overrun"),
+                prev.c.cap.label("prev_cap"),
+                prev.c.spent.label("prev_spent"),
+                prev.c.held.label("prev_held"),
+                oldest.c.oldest,
+            )
+            .select_from(
+                budgets.outerjoin(
+                    cur, and_(cur.c.budget_id == b.id, cur.c.period_start == by_kind(starts))
+                )
+                .outerjoin(
+                    prev,
+                    and_(
+                        prev.c.budget_id == b.id,
+                        prev.c.period_start == by_kind(before),
+                        prev.c.closed_at.is_(None),
+                    ),
+                )
+                .outerjoin(oldest, oldest.c.budget_id == b.id)
+            )
+            .order_by(b.name)
+        )
+        with self._driver.transaction() as tx:
+            rows = tx.execute(query).all()
+        out = []
+        for r in rows:
+            overrun = 0
+            if r.cur_id is not None:
+                cap, spent, held, overrun = r.cur_cap, r.cur_spent, r.cur_held, r.cur_overrun
+            else:
+                previous = None if r.prev_cap is None else (r.prev_cap, r.prev_spent, r.prev_held)
+                cap = opening_cap(r.cap, r.renewal, r.rollover_ceiling, previous)
+                spent = held = 0
+            out.append(
+                BudgetReport(
+                    budget=r.name,
+                    cap=cap,
+                    spent=spent,
+                    held=held,
+                    available=cap - spent - held,
+                    period_start=starts[r.period],
+                    frozen=bool(r.frozen),
+                    oldest_hold=None if r.oldest is None else now - r.oldest,
+                    overrun=overrun,
+                )
+            )
+        return out
+
+    def audit(self) -> list[AuditFinding]:
+        """Budget periods whose counters differ from their journal; empty when sound."""
+        over = journal.c.spent_delta + journal.c.held_delta  # a charge above its hold
+        sums = (
+            select(
+                journal.c.period_id,
+                func.sum(journal.c.held_delta).label("held"),
+                func.sum(journal.c.spent_delta).label("spent"),
+                func.sum(case((and_(journal.c.kind == "charge", over > 0), over), else_=0)).label(
+                    "overrun"
+                ),
+            )
+            .group_by(journal.c.period_id)
+            .subquery()
+        )
+        journal_held = func.coalesce(sums.c.held, 0)
+        journal_spent = func.coalesce(sums.c.spent, 0)
+        journal_overrun = func.coalesce(sums.c.overrun, 0)
+        query = (
+            select(
+                budgets.c.name,
+                budget_periods.c.period_start,
+                budget_periods.c.held,
+                budget_periods.c.spent,
+                budget_periods.c.overrun,
+                journal_held.label("journal_held"),
+                journal_spent.label("journal_spent"),
+                journal_overrun.label("journal_overrun"),
+            )
+            .join(budgets, budgets.c.id == budget_periods.c.budget_id)
+            .outerjoin(sums, sums.c.period_id == budget_periods.c.id)
+            .where(
+                case(
+                    (
+                        and_(
+                            budget_periods.c.held == journal_held,
+                            budget_periods.c.spent == journal_spent,
+                            budget_periods.c.overrun == journal_overrun,
+                        ),
+                        False,
+                    ),
+                    else_=True,
+                )
+            )
+            .order_by(budgets.c.name, budget_periods.c.period_start)
+        )
+        findings = []
+        with self._driver.transaction() as cur:
+            for r in cur.execute(query):
+                for counter, recorded, derived in (
+                    ("held", r.held, r.journal_held),
+                    ("spent", r.spent, r.journal_spent),
+                    ("overrun", r.overrun, r.journal_overrun),
+                ):
+                    if recorded != derived:
+                        findings.append(
+                            AuditFinding(r.name, r.period_start, counter, recorded, int(derived))
+                        )
+        return findings

@@ -1,0 +1,176 @@
+"""Labelled calls (``spend()`` blocks, calls through the guarded transport) and side
+effects (``once()``) of an operation's run: each call its own attempt, admitted in one
+transaction and settled with its stored result in another, replayed by position."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _validate as check
+from . import statements as sql
+from .driver import Cursor
+from .operations import AttemptRef, Operations, _decode
+from .periods import PeriodClosed
+from .records import CallFacts, Reservation
+
+__all__ = ["StepAdmission", "Steps"]
+
+
+def _step_of(cur: Cursor, operation_id: int, step: str) -> tuple[AttemptRef | None, int]:
+    row = cur.one(sql.STEP_ATTEMPT, {"operation_id": operation_id, "step": step})
+    if row is None:
+        return None, 0
+    akey, state, amount, reason, answer, recorded, count = row
+    return AttemptRef(akey, state, amount, reason, step, answer, recorded), int(count)
+
+
+@dataclass(frozen=True, slots=True)
+class StepAdmission:
+    """What :meth:`Steps.admit_step` found, and the attempt if it made one."""
+
+    stored: tuple[str, Any] | None = None
+    latest: AttemptRef | None = None
+    count: int = 0
+    reservation: Reservation | None = None
+
+
+class Steps(Operations):
+    """The labelled-call and side-effect methods of :class:`~budget_tasks.Ledger`."""
+
+    def step_attempt(self, operation_id: int, step: str) -> tuple[AttemptRef | None, int]:
+        """The latest attempt of a labelled call (by its position ``step``) and how
+        many attempts it has had."""
+        with self._driver.transaction() as cur:
+            return _step_of(cur, operation_id, step)
+
+    def admit_step(
+        self,
+        operation_id: int,
+        step: str,
+        record: str,
+        *,
+        budget: str,
+        amount: int,
+        fingerprint: str,
+        label: str,
+        plan: Callable[[AttemptRef | None, int], tuple[str, str] | None],
+        price_version: str | None = None,
+        call: CallFacts | None = None,
+    ) -> StepAdmission:
+        """A labelled call's admission in one transaction: its stored result if it
+        completed before (``record``); else its latest attempt and how many it has had,
+        and, when ``plan`` names the attempt to make ``(attempt key, reason)``, that
+        attempt reserved, granted and described (``call``). A refusal raises and writes
+        nothing."""
+        check.text(step, "step")
+        check.text(record, "side effect name")
+        check.money(amount)
+        chain = self._chain(budget)
+        for again in (False, True):
+            now = self.now()
+            holds = None if chain is None else self._holds(chain, now)
+            try:
+                with self._driver.transaction() as cur:
+                    stored = cur.one(
+                        sql.SIDE_EFFECT, {"operation_id": operation_id, "name": record}
+                    )
+                    if stored is not None and stored[0] == "done":
+                        return StepAdmission(stored=(stored[0], _decode(stored[1])))
+                    latest, count = _step_of(cur, operation_id, step)
+                    planned = plan(latest, count)
+                    if planned is None:
+                        return StepAdmission(latest=latest, count=count)
+                    row = {
+                        "key": planned[0],
+                        "budget_id": chain[0][0],
+                        "fingerprint": fingerprint,
+                        "reason": planned[1],
+                        "amount": amount,
+                        "price_version": price_version,
+                        "operation_id": operation_id,
+                        "label": label,
+                        "step": step,
+                    }
+                    reservation = self._reserve_in(cur, chain, holds, row, now, call or CallFacts())
+                    return StepAdmission(latest=latest, count=count, reservation=reservation)
+            except PeriodClosed:
+                if again:
+                    raise
+                self._forget_periods(budget_id for budget_id, _, _ in chain)
+        raise AssertionError("unreachable")
+
+    def side_effect(self, operation_id: int, name: str) -> tuple[str, Any] | None:
+        """``(state, result)`` of a side effect, or None if it never started."""
+        with self._driver.transaction() as cur:
+            row = cur.one(sql.SIDE_EFFECT, {"operation_id": operation_id, "name": name})
+        if row is None:
+            return None
+        state, result = row
+        return state, None if result is None else json.loads(result)
+
+    def start_side_effect(self, operation_id: int, name: str) -> bool:
+        """Claim the side effect; False if it was claimed before (done or not)."""
+        check.text(name, "side effect name")
+        stamp = self._driver.ts(self.now())
+        with self._driver.transaction() as cur:
+            row = cur.one(
+                sql.START_SIDE_EFFECT,
+                {"operation_id": operation_id, "name": name, "now": stamp},
+            )
+        return row is not None
+
+    def finish_side_effect(self, operation_id: int, name: str, result: Any) -> None:
+        encoded = json.dumps(result)
+        stamp = self._driver.ts(self.now())
+        with self._driver.transaction() as cur:
+            cur.run(
+                sql.FINISH_SIDE_EFFECT,
+                {"operation_id": operation_id, "name": name, "result": encoded, "now": stamp},
+            )
+
+    def forget_side_effect(self, operation_id: int, name: str) -> None:
+        """Drop a claim whose function raised, so that a later run may try again."""
+        with self._driver.transaction() as cur:
+            cur.run(sql.FORGET_SIDE_EFFECT, {"operation_id": operation_id, "name": name})
+
+    def settle_step(
+        self,
+        key: str,
+        actual: int,
+        *,
+        estimate_only: bool,
+        operation_id: int,
+        record: str,
+        result: Any,
+        left_open: str | None = None,
+        release: bool = False,
+        store_only: bool = False,
+        ids: tuple[str | None, str | None] = (None, None),
+    ) -> bool:
+        """Settle a labelled call at ``actual`` (or release it, never granted; or keep its
+        hold open as unknown, ``left_open`` saying why; or touch nothing,
+        ``store_only``) and store its result for replay, in one transaction."""
+        encoded = json.dumps(result)
+        stamp = self._driver.ts(self.now())
+        resolution = None
+        with self._driver.transaction() as cur:
+            if left_open is not None:
+                self._mark_unknown_in(cur, key, left_open, None, ids)
+            elif release:
+                resolution = self._release_in(cur, key, "no call made", stamp)
+            elif not store_only:
+                [resolution] = self._settle_in(
+                    cur, [(key, actual, estimate_only)], stamp, {key: ids}
+                )
+            cur.run(
+                sql.STORE_SIDE_EFFECT,
+                {"operation_id": operation_id, "name": record, "result": encoded, "now": stamp},
+            )
+            if resolution is not None:
+                resolution.apply(cur)
+        if resolution is not None and resolution.applied and actual > resolution.amount:
+            self._log_overrun(key, resolution.amount, actual)
+        return resolution is None or resolution.applied
