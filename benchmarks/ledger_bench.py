@@ -3,11 +3,13 @@ by hand with psycopg, on one hot budget, with 8 and 32 worker processes.
 
     .venv/bin/python benchmarks/ledger_bench.py [--seconds 5] [--procs 8 32]
 
-A cycle is what a BudgetTask does per billable call: reserve (conditional UPDATE of
-the period row, attempt row, hold journal entry; COMMIT), mark sending (COMMIT),
-settle (lock the attempt, apply the actual, charge journal entry, resolve; COMMIT).
-The hand-written cycle runs the same statements in the same three transactions. Both
-run in the same invocation, alternating, so the machine's load affects both alike.
+A cycle is what a BudgetTask does per billable call, in two transactions: admit
+(attempt row inserted already granted, hold journal entry, then the conditional
+UPDATE of the period row; COMMIT) and settle (lock the attempt, charge journal entry,
+resolve, apply the actual to the period row; COMMIT). The hand-written cycle runs the
+same statements in the same order in the same two transactions. Both run in the same
+invocation, alternating, so the machine's load affects both alike. Each process also
+measures its own CPU time, so the report shows the client CPU per cycle of each.
 """
 
 from __future__ import annotations
@@ -17,21 +19,22 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import psycopg
 
-from budget_tasks import Ledger
+from budget_tasks import CallFacts, Ledger
 from budget_tasks.testing.harness import race
 
 ADMIN_URL = os.environ.get(
     "BUDGET_TASKS_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
 )
-TARGET = 0.8
+TARGET = 0.9
 
 
 WARMUP_S = 2.0
@@ -46,23 +49,27 @@ def start_together(released: float, seconds: float, warmup: float = WARMUP_S) ->
     return released + warmup + seconds
 
 
-def library_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> int:
+def library_worker(
+    url: str, tag: str, seconds: float, warmup: float = WARMUP_S
+) -> tuple[int, float]:
     released = time.time()
     ledger = Ledger(url)
     ledger.reserve("hot", f"{tag}-warm", 1)  # connect, cache the budget chain and period
     done = 0
     deadline = start_together(released, seconds, warmup)
+    cpu = time.process_time()
+    granted = CallFacts()
     while time.time() < deadline:
         key = f"{tag}-{done}"
-        ledger.reserve("hot", key, 1_000)
-        ledger.mark_sending(key, provider="bench")
+        ledger.reserve("hot", key, 1_000, grant=granted)
         ledger.settle(key, 700)
         done += 1
+    cpu = time.process_time() - cpu
     ledger.dispose()
-    return done
+    return done, cpu
 
 
-def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> int:
+def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> tuple[int, float]:
     released = time.time()
     conn = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"))
     budget_id, period_id = conn.execute(
@@ -72,66 +79,121 @@ def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> 
     conn.commit()
     done = 0
     deadline = start_together(released, seconds, warmup)
+    cpu = time.process_time()
     while time.time() < deadline:
         key = f"{tag}-{done}"
         now = datetime.now(UTC)
-        # reserve
-        if (
-            conn.execute(
-                "UPDATE budget_periods SET held = held + %s WHERE id = %s "
-                "AND cap - spent - held >= %s RETURNING id",
-                (1_000, period_id, 1_000),
-            ).fetchone()
-            is None
-        ):
-            raise RuntimeError("the hot budget ran out")
+        # admit: the attempt (granted), its hold entry, then the hot row last
         (attempt_id,) = conn.execute(
-            "INSERT INTO attempts (key, budget_id, period_id, reason, amount, state, created_at) "
-            "VALUES (%s, %s, %s, 'first', %s, 'reserved', %s) RETURNING id",
-            (key, budget_id, period_id, 1_000, now),
+            "INSERT INTO attempts (key, budget_id, period_id, reason, amount, state, "
+            "created_at, sending_at) VALUES (%s, %s, %s, 'first', %s, 'sending', %s, %s) "
+            "ON CONFLICT (key) DO NOTHING RETURNING id",
+            (key, budget_id, period_id, 1_000, now, now),
         ).fetchone()
         conn.execute(
             "INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, "
             "created_at) VALUES (%s, %s, 'hold', %s, 0, %s)",
             (attempt_id, period_id, 1_000, now),
         )
+        if (
+            conn.execute(
+                "UPDATE budget_periods SET held = held + %s WHERE id = %s "
+                "AND cap - spent - held >= %s AND closed_at IS NULL RETURNING id",
+                (1_000, period_id, 1_000),
+            ).fetchone()
+            is None
+        ):
+            raise RuntimeError("the hot budget ran out")
         conn.commit()
-        # mark sending
+        # settle: the attempt locked, its charge entry, its resolution, the hot row last
         conn.execute(
-            "UPDATE attempts SET state = 'sending', sending_at = %s, provider = 'bench' "
-            "WHERE key = %s AND state = 'reserved' RETURNING id",
-            (now, key),
+            "SELECT a.id, a.amount, a.state FROM attempts a JOIN journal j "
+            "ON j.attempt_id = a.id AND j.kind = 'hold' WHERE a.key = %s FOR UPDATE OF a",
+            (key,),
         ).fetchone()
-        conn.commit()
-        # settle
-        conn.execute(
-            "SELECT id, amount, state FROM attempts WHERE key = %s FOR UPDATE", (key,)
-        ).fetchone()
-        conn.execute(
-            "UPDATE budget_periods SET held = held - %s, spent = spent + %s WHERE id = %s",
-            (1_000, 700, period_id),
-        )
         conn.execute(
             "INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, "
             "created_at) VALUES (%s, %s, 'charge', %s, %s, %s)",
             (attempt_id, period_id, -1_000, 700, now),
         )
         conn.execute(
-            "UPDATE attempts SET state = 'settled', actual = %s, resolved_at = %s WHERE id = %s",
+            "UPDATE attempts SET state = 'settled', actual = %s, resolved_at = %s "
+            "WHERE id = %s AND state = 'sending'",
             (700, now, attempt_id),
         )
+        conn.execute(
+            "UPDATE budget_periods SET held = held - %s, spent = spent + %s WHERE id = %s "
+            "RETURNING carried_out, cap - spent - held",
+            (1_000, 700, period_id),
+        ).fetchone()
         conn.commit()
         done += 1
+    cpu = time.process_time() - cpu
     conn.close()
-    return done
+    return done, cpu
+
+
+#: What a sampled backend of the run was doing (pg_stat_activity, every 20 ms).
+WAITS = ("hot row lock", "waiting for its client in a transaction", "running", "idle")
+
+
+class WaitSampler(threading.Thread):
+    """Samples what the run's backends are doing: waiting on a lock (the hot row),
+    idle in a transaction waiting for their client (the client holds the locks it took
+    while it computes or waits for a core), running, or idle between transactions."""
+
+    def __init__(self, database: str) -> None:
+        super().__init__(daemon=True)
+        self.database = database
+        self.counts = dict.fromkeys(WAITS, 0)
+        self._stop_at = threading.Event()
+
+    def run(self) -> None:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+            while not self._stop_at.wait(0.02):
+                rows = conn.execute(
+                    "SELECT state, wait_event_type FROM pg_stat_activity "
+                    "WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (self.database,),
+                ).fetchall()
+                for state, wait in rows:
+                    if wait == "Lock":
+                        self.counts["hot row lock"] += 1
+                    elif state == "idle in transaction":
+                        self.counts["waiting for its client in a transaction"] += 1
+                    elif state == "active":
+                        self.counts["running"] += 1
+                    else:
+                        self.counts["idle"] += 1
+
+    def stop(self) -> dict[str, float]:
+        self._stop_at.set()
+        self.join()
+        total = sum(self.counts.values()) or 1
+        return {name: count / total for name, count in self.counts.items()}
 
 
 def measure(
-    url: str, worker: Callable[..., int], procs: int, seconds: float, warmup: float = WARMUP_S
-) -> float:
+    url: str,
+    worker: Callable[..., tuple[int, float]],
+    procs: int,
+    seconds: float,
+    warmup: float = WARMUP_S,
+) -> tuple[float, float, dict[str, float]]:
+    """Cycles per second over all processes, client CPU milliseconds per cycle, and
+    what the backends were doing (shares of the samples)."""
     tag = uuid.uuid4().hex[:8]
-    counts = race(worker, [(url, f"{tag}-{i}", seconds, warmup) for i in range(procs)])
-    return float(sum(counts)) / seconds
+    sampler = WaitSampler(url.rsplit("/", 1)[1])
+    timer = threading.Timer(warmup + 0.5, sampler.start)  # the measured window only
+    timer.start()
+    try:
+        results = race(worker, [(url, f"{tag}-{i}", seconds, warmup) for i in range(procs)])
+    finally:
+        timer.cancel()
+    waits = sampler.stop() if sampler.is_alive() else dict.fromkeys(WAITS, 0.0)
+    cycles = sum(done for done, _ in results)
+    cpu = sum(spent for _, spent in results)
+    return float(cycles) / seconds, 1000.0 * cpu / max(cycles, 1), waits
 
 
 @dataclass
@@ -143,6 +205,12 @@ class LedgerRow:
     ledger: float
     raw_rounds: list[float]
     ledger_rounds: list[float]
+    #: client CPU per cycle (ms), the median of the rounds
+    raw_cpu_ms: float = 0.0
+    ledger_cpu_ms: float = 0.0
+    #: what the backends were doing, shares of the samples of the last round
+    raw_waits: dict[str, float] = field(default_factory=dict)
+    ledger_waits: dict[str, float] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -177,11 +245,27 @@ def run(
         ledger.open_period("hot")  # the period row the raw cycle uses
         rows = []
         for n in procs:
-            raw, lib = [], []
+            raw, lib, raw_cpu, lib_cpu = [], [], [], []
+            raw_waits: dict[str, float] = {}
+            lib_waits: dict[str, float] = {}
             for _ in range(rounds):
-                raw.append(measure(url, raw_worker, n, seconds, warmup))
-                lib.append(measure(url, library_worker, n, seconds, warmup))
-            row = LedgerRow(n, statistics.median(raw), statistics.median(lib), raw, lib)
+                rate, cpu, raw_waits = measure(url, raw_worker, n, seconds, warmup)
+                raw.append(rate)
+                raw_cpu.append(cpu)
+                rate, cpu, lib_waits = measure(url, library_worker, n, seconds, warmup)
+                lib.append(rate)
+                lib_cpu.append(cpu)
+            row = LedgerRow(
+                n,
+                statistics.median(raw),
+                statistics.median(lib),
+                raw,
+                lib,
+                statistics.median(raw_cpu),
+                statistics.median(lib_cpu),
+                raw_waits,
+                lib_waits,
+            )
             rows.append(row)
             if report is not None:
                 report(row)
@@ -191,6 +275,10 @@ def run(
     finally:
         with psycopg.connect(admin_url, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def describe_waits(waits: dict[str, float]) -> str:
+    return ", ".join(f"{name} {share:.0%}" for name, share in waits.items())
 
 
 def main() -> int:
@@ -204,10 +292,18 @@ def main() -> int:
         f"machine: {platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}, PostgreSQL at {ADMIN_URL.rsplit('@', 1)[-1]}"
     )
-    print(f"{'processes':>9}  {'raw psycopg':>12}  {'Ledger':>12}  {'ratio':>6}")
+    print(
+        f"{'processes':>9}  {'raw psycopg':>12}  {'Ledger':>12}  {'ratio':>6}  "
+        "client CPU per cycle (raw, Ledger)"
+    )
 
     def show(row: LedgerRow) -> None:
-        print(f"{row.procs:>9}  {row.raw:>10.0f}/s  {row.ledger:>10.0f}/s  {row.ratio:>6.2f}")
+        print(
+            f"{row.procs:>9}  {row.raw:>10.0f}/s  {row.ledger:>10.0f}/s  {row.ratio:>6.2f}  "
+            f"{row.raw_cpu_ms:.2f} ms, {row.ledger_cpu_ms:.2f} ms"
+        )
+        print(f"{'':>9}  backends, raw: {describe_waits(row.raw_waits)}")
+        print(f"{'':>9}  backends, Ledger: {describe_waits(row.ledger_waits)}")
 
     result = run(procs=args.procs, seconds=args.seconds, rounds=args.rounds, report=show)
     print(f"audit after the run: {'; '.join(result.audit) or 'clean'}")

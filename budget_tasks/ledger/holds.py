@@ -17,6 +17,7 @@ from .periods import (
     PeriodClosed,
 )
 from .records import (
+    CallFacts,
     Reservation,
 )
 from .schema import (
@@ -39,6 +40,7 @@ class Holds(LedgerBase):
         operation_id: int | None = None,
         label: str | None = None,
         step: str | None = None,
+        grant: CallFacts | None = None,
     ) -> Reservation:
         """Hold ``amount`` on ``budget`` and every ancestor for the attempt ``key``.
 
@@ -49,7 +51,9 @@ class Holds(LedgerBase):
         ``created=False``; another budget, amount or fingerprint raises
         IdempotencyConflict. ``reason`` says why the attempt exists (first, redelivery,
         rate_limited_retry, unknown_resend, manual); ``price_version`` records the price
-        table the amount was estimated from.
+        table the amount was estimated from. With ``grant`` (what the call is, possibly
+        nothing: ``CallFacts()``), the send is granted in the same transaction: the
+        attempt is ``sending`` and no ``mark_sending`` follows.
         """
         check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
         check.text(key, "key")
@@ -75,19 +79,24 @@ class Holds(LedgerBase):
             "step": step,
         }
         try:
-            return self._reserve(chain, row)
+            return self._reserve(chain, row, grant)
         except PeriodClosed:
             # This host's clock is behind a period that another host opened (closing
             # this one): admission goes to that later period.
             self._forget_periods(budget_id for budget_id, _, _ in chain)
-            return self._reserve(chain, row)
+            return self._reserve(chain, row, grant)
 
-    def _reserve(self, chain: tuple[tuple[int, str, str], ...], row: dict[str, Any]) -> Reservation:
+    def _reserve(
+        self,
+        chain: tuple[tuple[int, str, str], ...],
+        row: dict[str, Any],
+        grant: CallFacts | None,
+    ) -> Reservation:
         now = self.now()
         holds = self._holds(chain, now)
         try:
             with self._driver.transaction() as cur:
-                return self._reserve_in(cur, chain, holds, row, now)
+                return self._reserve_in(cur, chain, holds, row, now, grant)
         except self._driver.integrity as exc:
             if row["operation_id"] is None:
                 raise
