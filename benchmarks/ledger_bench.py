@@ -6,8 +6,9 @@ by hand with psycopg, on one hot budget, with 8 and 32 worker processes.
 A cycle is what a BudgetTask does per billable call, in two transactions: admit
 (attempt row inserted already granted, hold journal entry, then the conditional
 UPDATE of the period row; COMMIT) and settle (lock the attempt, charge journal entry,
-resolve, apply the actual to the period row; COMMIT). The hand-written cycle runs the
-same statements in the same order in the same two transactions. Both run in the same
+resolve, apply the actual to the period row; COMMIT). The hand-written cycle sends the
+ledger's own statements (``budget_tasks.ledger.statements``) in the same order in the
+same two transactions, on one connection it keeps. Both run in the same
 invocation, alternating, so the machine's load affects both alike. Each process also
 measures its own CPU time, so the report shows the client CPU per cycle of each.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import statistics
 import sys
 import threading
@@ -29,6 +31,7 @@ from datetime import UTC, datetime
 import psycopg
 
 from budget_tasks import CallFacts, Ledger
+from budget_tasks.ledger import statements as sql
 from budget_tasks.testing.harness import race
 
 ADMIN_URL = os.environ.get(
@@ -69,7 +72,15 @@ def library_worker(
     return done, cpu
 
 
+def _raw(statement: str) -> str:
+    """A statement of the ledger's own (``:name`` placeholders) in psycopg's style."""
+    sql = statement.replace("{for_update}", " FOR UPDATE OF a")
+    return re.sub(r"(?<!:):(\w+)", r"%(\1)s", sql)
+
+
 def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> tuple[int, float]:
+    """The ledger's own statements, in the same order and transactions, sent by hand on
+    one connection the process keeps: what the library adds is all that differs."""
     released = time.time()
     conn = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"))
     budget_id, period_id = conn.execute(
@@ -77,6 +88,9 @@ def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> 
         "WHERE b.name = 'hot'"
     ).fetchone()
     conn.commit()
+    insert_attempt, journal = _raw(sql.INSERT_ATTEMPT), _raw(sql.INSERT_JOURNAL)
+    admit, lock = _raw(sql.ADMIT), _raw(sql.LOCK_ATTEMPT)
+    resolve, apply = _raw(sql.RESOLVE_ATTEMPT), _raw(sql.APPLY_SETTLEMENT)
     done = 0
     deadline = start_together(released, seconds, warmup)
     cpu = time.process_time()
@@ -85,47 +99,63 @@ def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> 
         now = datetime.now(UTC)
         # admit: the attempt (granted), its hold entry, then the hot row last
         (attempt_id,) = conn.execute(
-            "INSERT INTO attempts (key, budget_id, period_id, reason, amount, state, "
-            "created_at, sending_at) VALUES (%s, %s, %s, 'first', %s, 'sending', %s, %s) "
-            "ON CONFLICT (key) DO NOTHING RETURNING id",
-            (key, budget_id, period_id, 1_000, now, now),
+            insert_attempt,
+            {
+                "key": key,
+                "budget_id": budget_id,
+                "period_id": period_id,
+                "fingerprint": None,
+                "reason": "first",
+                "amount": 1_000,
+                "price_version": None,
+                "operation_id": None,
+                "label": None,
+                "step": None,
+                "state": "sending",
+                "now": now,
+                "sending_at": now,
+                "lookup": None,
+                "model": None,
+                "timeout_ms": None,
+            },
         ).fetchone()
+        hold = {"attempt_id": attempt_id, "period_id": period_id, "kind": "hold"}
         conn.execute(
-            "INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, "
-            "created_at) VALUES (%s, %s, 'hold', %s, 0, %s)",
-            (attempt_id, period_id, 1_000, now),
+            journal,
+            {**hold, "held_delta": 1_000, "spent_delta": 0, "note": "first"}
+            | {"ref": None, "now": now},
         )
         if (
             conn.execute(
-                "UPDATE budget_periods SET held = held + %s WHERE id = %s "
-                "AND cap - spent - held >= %s AND closed_at IS NULL RETURNING id",
-                (1_000, period_id, 1_000),
+                admit, {"amount": 1_000, "period_id": period_id, "false": False}
             ).fetchone()
             is None
         ):
             raise RuntimeError("the hot budget ran out")
         conn.commit()
         # settle: the attempt locked, its charge entry, its resolution, the hot row last
+        conn.execute(lock, {"key": key}).fetchall()
         conn.execute(
-            "SELECT a.id, a.amount, a.state FROM attempts a JOIN journal j "
-            "ON j.attempt_id = a.id AND j.kind = 'hold' WHERE a.key = %s FOR UPDATE OF a",
-            (key,),
-        ).fetchone()
-        conn.execute(
-            "INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, "
-            "created_at) VALUES (%s, %s, 'charge', %s, %s, %s)",
-            (attempt_id, period_id, -1_000, 700, now),
+            journal,
+            {**hold, "kind": "charge", "held_delta": -1_000, "spent_delta": 700, "note": None}
+            | {"ref": None, "now": now},
         )
         conn.execute(
-            "UPDATE attempts SET state = 'settled', actual = %s, resolved_at = %s "
-            "WHERE id = %s AND state = 'sending'",
-            (700, now, attempt_id),
+            resolve,
+            {
+                "state": "settled",
+                "actual": 700,
+                "now": now,
+                "note": None,
+                "estimate_only": False,
+                "answer": None,
+                "attempt_id": attempt_id,
+                "expected": "sending",
+                "request_id": None,
+                "response_id": None,
+            },
         )
-        conn.execute(
-            "UPDATE budget_periods SET held = held - %s, spent = spent + %s WHERE id = %s "
-            "RETURNING carried_out, cap - spent - held",
-            (1_000, 700, period_id),
-        ).fetchone()
+        conn.execute(apply, {"amount": 1_000, "actual": 700, "period_id": period_id}).fetchone()
         conn.commit()
         done += 1
     cpu = time.process_time() - cpu

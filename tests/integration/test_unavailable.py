@@ -91,6 +91,18 @@ def test_stale_pool_after_a_restart_is_replaced_transparently(
     assert ledger.balance("acme").held == 20
 
 
+def _eager_app_through(proxy: FaultProxy, pg_url: str) -> Celery:
+    """An eager app whose ledger is the test database reached through ``proxy``."""
+    database = pg_url.rsplit("/", 1)[1]
+    app = Celery("outage", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        task_eager_propagates=True,
+        budget_ledger_url=f"postgresql+psycopg://postgres@127.0.0.1:{proxy.port}/{database}",
+    )
+    return app
+
+
 def test_ledger_lost_inside_run_keeps_the_hold_and_gives_the_lease_back_later(
     proxied: tuple[FaultProxy, Ledger], pg_ledger: Ledger, pg_url: str
 ) -> None:
@@ -101,13 +113,7 @@ def test_ledger_lost_inside_run_keeps_the_hold_and_gives_the_lease_back_later(
     next delivery gives the lease back and keeps the hold as unknown: no resend."""
     proxy, _ = proxied
     pg_ledger.create_budget("acme", 1_000)
-    database = pg_url.rsplit("/", 1)[1]
-    app = Celery("outage-in-run", set_as_current=False)
-    app.conf.update(
-        task_always_eager=True,
-        task_eager_propagates=True,
-        budget_ledger_url=f"postgresql+psycopg://postgres@127.0.0.1:{proxy.port}/{database}",
-    )
+    app = _eager_app_through(proxy, pg_url)
     sent: list[str] = []
 
     @app.task(
@@ -153,13 +159,7 @@ def test_ledger_lost_after_run_returned_settles_at_the_usage_kept_and_replays(
     result: the charge is the usage the call reported, not the estimate; no resend."""
     proxy, _ = proxied
     pg_ledger.create_budget("acme", 1_000)
-    database = pg_url.rsplit("/", 1)[1]
-    app = Celery("outage-after-run", set_as_current=False)
-    app.conf.update(
-        task_always_eager=True,
-        task_eager_propagates=True,
-        budget_ledger_url=f"postgresql+psycopg://postgres@127.0.0.1:{proxy.port}/{database}",
-    )
+    app = _eager_app_through(proxy, pg_url)
     sent: list[str] = []
 
     @app.task(
