@@ -12,6 +12,7 @@ from budget_tasks import (
     BudgetExceeded,
     BudgetExists,
     BudgetFrozen,
+    CallFacts,
     IdempotencyConflict,
     Ledger,
     SettlementConflict,
@@ -163,6 +164,30 @@ def test_one_attempt_grants_one_send(ledger: Ledger) -> None:
         ledger.mark_sending("k")
     with pytest.raises(UnknownAttempt):
         ledger.mark_sending("nope")
+
+
+def test_a_reservation_that_grants_is_sending_and_described_at_once(ledger: Ledger) -> None:
+    ledger.create_budget("acme", 100)
+    facts = CallFacts("openai.chat", "gpt-4o-mini", 2.5)
+    reservation = ledger.reserve("acme", "k", 100, grant=facts)  # exactly what is left
+    assert (reservation.state, reservation.created) == ("sending", True)
+    attempt = ledger.attempt("k")
+    assert (attempt.state, attempt.lookup, attempt.model) == (
+        "sending",
+        "openai.chat",
+        "gpt-4o-mini",
+    )
+    assert attempt.timeout_ms == 2_500 and attempt.sending_at is not None
+    with pytest.raises(InvalidTransition):  # the grant was given once, with the hold
+        ledger.mark_sending("k")
+    with pytest.raises(BudgetExceeded):  # nothing left: no second grant either
+        ledger.reserve("acme", "k2", 1, grant=CallFacts())
+    assert ledger.holds(keys=["k2"]) == [] and ledger.balance("acme").held == 100
+    assert ledger.settle("k", 60, request_id="req_9", response_id="chatcmpl_9")
+    settled = ledger.attempt("k")
+    assert (settled.state, settled.actual, settled.request_id) == ("settled", 60, "req_9")
+    assert settled.response_id == "chatcmpl_9"
+    assert ledger.audit() == []
 
 
 def test_settle_needs_a_send_first(ledger: Ledger) -> None:

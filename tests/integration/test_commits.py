@@ -1,0 +1,32 @@
+"""Two ledger commits per billable call: counted by PostgreSQL itself
+(``pg_stat_database.xact_commit`` of a scratch database nothing else uses) and the
+statements by the driver, through the benchmark that reports them (``make bench``,
+section 6), with BudgetTasks calling the fake provider through the official SDK."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import commit_count
+
+from ..services import check_postgres
+
+pytestmark = pytest.mark.postgres
+
+TASKS = 50
+#: The ledger's two new pooled connections per batch (after the counters are flushed)
+#: cost two commits of their own, spread over the batch's tasks.
+SETUP = 2 / TASKS
+
+
+def test_a_first_run_commits_twice_a_replay_and_a_denial_once() -> None:
+    check_postgres()
+    counts = commit_count.run(TASKS)
+    assert counts.tasks == TASKS
+    for kind, target in (("first run", 2), ("replay", 1), ("denial", 1)):
+        assert target <= counts.commits[kind] <= target + SETUP + 1e-9, (kind, counts)
+    # a replay is one statement: the stored result read while the delivery is counted
+    assert counts.statements["replay"] == 1
+    # a denial's admission rolls back, then one statement records the refusal
+    assert counts.rollbacks["denial"] == 1
+    assert counts.rollbacks["first run"] == counts.rollbacks["replay"] == 0
