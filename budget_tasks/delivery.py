@@ -576,7 +576,9 @@ class OperationManager:
             if estimate is None and failure is None:
                 estimate, facts, failure = self._estimate(d)
             if failure is not None:
-                self._end_quietly(d, OperationStatus.PENDING, "estimate failed")
+                self._end_quietly(
+                    d, OperationStatus.PENDING, "estimate_cost or describe_call failed"
+                )
                 raise failure
             assert estimate is not None
             if start.reservation is not None:  # reserved and granted with the lease
