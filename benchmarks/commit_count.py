@@ -16,11 +16,13 @@ before the first.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,33 @@ class Counts:
     rollbacks: dict[str, float]
     tasks: int
     statements: dict[str, float]
+    #: PostgreSQL's own CPU per task (ms), from its backends' /proc entries: NaN where
+    #: the database is not on this host
+    server_cpu_ms: dict[str, float] = field(default_factory=dict)
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _backend_cpu(database: str) -> float:
+    """CPU seconds the database's backends have used (the pool's connections, opened
+    when the batch began); NaN if they are not processes of this host."""
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        pids = [
+            int(row[0])
+            for row in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (database,),
+            ).fetchall()
+        ]
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return math.nan
+        total += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+    return total / _TICKS
 
 
 class _CountingCursor(psycopg.Cursor[Any]):
@@ -158,6 +187,7 @@ def _count(url: str, database: str, fake: FakeProvider, tasks: int) -> Counts:
     commits: dict[str, float] = {}
     rollbacks: dict[str, float] = {}
     statements: dict[str, float] = {}
+    server_cpu: dict[str, float] = {}
     _count_statements(ledger_of(app).engine)
     for kind, budget, batch in (
         ("first run", "plenty", keys),
@@ -168,10 +198,11 @@ def _count(url: str, database: str, fake: FakeProvider, tasks: int) -> Counts:
         sent = _CountingCursor.sent
         each(kind, budget, batch)()
         statements[kind] = (_CountingCursor.sent - sent) / len(batch)
+        server_cpu[kind] = 1000.0 * _backend_cpu(database) / len(batch)
         after = _flushed(database, app)
         commits[kind] = (after[0] - before[0]) / len(batch)
         rollbacks[kind] = (after[1] - before[1]) / len(batch)
-    return Counts(commits, rollbacks, tasks, statements)
+    return Counts(commits, rollbacks, tasks, statements, server_cpu)
 
 
 def main() -> None:
@@ -182,7 +213,8 @@ def main() -> None:
     for kind, value in counts.commits.items():
         print(
             f"{kind:10} {value:5.2f} commits per task (target {TARGETS[kind]}), "
-            f"{counts.rollbacks[kind]:.2f} rollbacks, {counts.statements[kind]:.1f} statements"
+            f"{counts.rollbacks[kind]:.2f} rollbacks, {counts.statements[kind]:.1f} statements, "
+            f"{counts.server_cpu_ms[kind]:.2f} ms of PostgreSQL CPU"
         )
 
 

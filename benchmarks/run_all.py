@@ -530,7 +530,8 @@ def commits_section(report: Report) -> None:
         report.note(
             6,
             f"{kind}: {value:.2f} commits, {counts.rollbacks[kind]:.2f} rollbacks and "
-            f"{statements:.1f} statements per task",
+            f"{statements:.1f} statements per task; PostgreSQL's own CPU "
+            f"{counts.server_cpu_ms[kind]:.2f} ms per task",
         )
     report.note(
         6,
@@ -648,7 +649,8 @@ SECTIONS = {
         "Commits counted by PostgreSQL: `pg_stat_database.xact_commit` of a scratch "
         "database that nothing else uses, read after the ledger's connections have exited "
         "(a backend writes its statistics as it exits); statements counted by the driver "
-        "(a psycopg cursor class counting `execute` calls). A first run is one admission "
+        "(a psycopg cursor class counting `execute` calls), and PostgreSQL's own CPU from "
+        "its backends' /proc entries (the database on this host). A first run is one admission "
         "(replay check, operation and lease, attempt granted and described, its hold, the "
         "conditional UPDATE of the period) and one settlement (charge, ids, result, lease "
         "given back). A denial rolls its admission back and records the refusal in one "
