@@ -323,8 +323,7 @@ class GuardedTransport(httpx2.BaseTransport):
         }
         answer = httpx2.Response(
             response.status_code,
-            headers=[(k, v) for k, v in response.headers.items() if k.lower() != "content-length"]
-            + [("content-length", str(len(content)))],
+            headers=[*_decoded_headers(response.headers), ("content-length", str(len(content)))],
             content=content,
             request=request,
             extensions={k: v for k, v in response.extensions.items() if k != "network_stream"},
@@ -371,10 +370,9 @@ class _LiveStream(httpx2.SyncByteStream):
 
     def start(self, step: Any) -> httpx2.Response:
         self.step = step
-        headers = [(k, v) for k, v in self.inner.headers.items() if k.lower() != "content-length"]
         return httpx2.Response(
             self.inner.status_code,
-            headers=headers,
+            headers=_decoded_headers(self.inner.headers),
             stream=self,
             request=self.request,
             extensions={k: v for k, v in self.inner.extensions.items() if k != "network_stream"},
@@ -383,7 +381,9 @@ class _LiveStream(httpx2.SyncByteStream):
     def __iter__(self) -> Iterator[bytes]:
         pending = b""
         try:
-            for chunk in self.inner.iter_raw():
+            # decoded here (the answer may be compressed): the usage is read from, and the
+            # SDK is handed, the decoded events
+            for chunk in self.inner.iter_bytes():
                 self.full.append(chunk)
                 if not self.hidden_usage:
                     self.shown.append(chunk)
@@ -522,6 +522,14 @@ def _without_usage_chunk(content: bytes) -> bytes:
                 continue
         kept.append(event)
     return b"\n\n".join(kept)
+
+
+def _decoded_headers(headers: httpx2.Headers) -> list[tuple[str, str]]:
+    """A provider's response headers for the body the transport hands on, which it has
+    decoded: without Content-Encoding (the SDK would decode it a second time) and
+    without the length of the encoded body."""
+    dropped = ("content-encoding", "content-length")
+    return [(k, v) for k, v in headers.items() if k.lower() not in dropped]
 
 
 def _digest(body: Mapping[str, Any]) -> str:

@@ -17,6 +17,10 @@ Tools: a (non-streamed) chat completion or message whose request carries tools a
 ends with the user's own message asks for the first tool (``tool_calls`` /
 ``tool_use``); after a tool result the answer is text: a tool round trip.
 
+Answers are compressed as the real APIs compress them: in the first of br, gzip, zstd
+and deflate that the client's ``Accept-Encoding`` names (``encodings`` narrows it; ``()``
+answers uncompressed); streams are flushed event by event.
+
 Billing is deterministic: a message's text costs ``ceil(utf8 bytes / 4) + 4`` input
 tokens, a request 3 more; output tokens are ``x-fake-output-tokens`` if given, else
 ``min(max tokens, 12 + input tokens % 17)``. Each served request is billed at the
@@ -49,6 +53,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from ..pricing import PriceTable, Usage, default_prices
+from . import fake_wire
 
 CONTROL = "/_fake"
 METADATA_PREFIX = "metadata["
@@ -70,6 +75,8 @@ class Served:
     billed: int
     usage: dict[str, int] | None
     at: float
+    #: the Content-Encoding the answer went out in
+    encoding: str = "identity"
 
 
 @dataclass
@@ -174,6 +181,10 @@ class FakeProvider:
         self._faults: list[dict[str, Any]] = []
         self._completions: dict[str, dict[str, Any]] = {}
         self._jobs: dict[str, _Job] = {}
+        #: Content encodings the answers go out in when the client accepts them: "auto"
+        #: (every one this fake can make, as the real APIs compress), or an order of
+        #: names; () answers uncompressed.
+        self.encodings: tuple[str, ...] | str = "auto"
         #: Stored chat completions: "on" (as requested by ``store``), "off" (nothing is
         #: stored, as with zero data retention) or "no-route" (the lookup routes 404).
         self.completion_storage = "on"
@@ -219,6 +230,7 @@ class FakeProvider:
     def reset(self) -> None:
         with self._lock:
             self.completion_storage = "on"
+            self.encodings = "auto"
             self._served.clear()
             self._faults.clear()
             self._completions.clear()
@@ -293,6 +305,9 @@ class _Handler(BaseHTTPRequestHandler):
     # ACK, ~40 ms per request.
     disable_nagle_algorithm = True
     fake: FakeProvider
+    #: the request being answered (None for the control routes)
+    _record: Served | None = None
+    _stream: fake_wire.Encoder = fake_wire.encoder("identity")
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -303,10 +318,21 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
 
+    def _encoding(self) -> str:
+        return fake_wire.choose(self.headers.get("Accept-Encoding"), self.fake.encodings)
+
     def _send_json(self, status: int, obj: Any, request_id: str) -> None:
-        body = json.dumps(obj).encode()
+        self._send_bytes(status, json.dumps(obj).encode(), request_id, "application/json")
+
+    def _send_bytes(self, status: int, raw: bytes, request_id: str, content_type: str) -> None:
+        name = self._encoding()
+        body = fake_wire.encode_whole(name, raw)
+        if self._record is not None:
+            self._record.encoding = name
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
+        if name != "identity":
+            self.send_header("Content-Encoding", name)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("x-request-id", request_id)
         self.send_header("request-id", request_id)
@@ -314,8 +340,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _start_stream(self, request_id: str) -> None:
+        self._stream = fake_wire.encoder(self._encoding())
+        if self._record is not None:
+            self._record.encoding = self._stream.name
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
+        if self._stream.name != "identity":
+            self.send_header("Content-Encoding", self._stream.name)
         self.send_header("Transfer-Encoding", "chunked")
         self.send_header("x-request-id", request_id)
         self.send_header("request-id", request_id)
@@ -323,11 +354,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
+        data = self._stream.chunk(data)
+        if data:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
 
     def _end_stream(self) -> None:
         with contextlib.suppress(OSError):
+            tail = self._stream.end()
+            if tail:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(tail), tail))
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
 
@@ -369,6 +405,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._route("POST")
 
     def _route(self, method: str) -> None:
+        self._record = None
         raw = self._read_body() if method == "POST" else b""
         parts = urlsplit(self.path)
         path = parts.path.rstrip("/")
@@ -402,6 +439,7 @@ class _Handler(BaseHTTPRequestHandler):
         with fake._lock:
             record.seq = len(fake._served) + 1
             fake._served.append(record)
+        self._record = record
         try:
             if fault:
                 name, value = _parse_fault(fault)
@@ -860,12 +898,7 @@ class _Handler(BaseHTTPRequestHandler):
         if job is None:
             return
         lines = "".join(json.dumps(r) + "\n" for r in job.payload["results"]).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/binary")
-        self.send_header("Content-Length", str(len(lines)))
-        self.send_header("request-id", record.request_id)
-        self.end_headers()
-        self.wfile.write(lines)
+        self._send_bytes(200, lines, record.request_id, "application/binary")
 
 
 def _openai_chat_usage(usage: Usage) -> dict[str, Any]:
