@@ -247,6 +247,22 @@ class RetriesEnabled(ProviderError):
         )
 
 
+class SdkRetryRefused(RetriesEnabled):
+    """The SDK sent a billable request again on its own (its ``x-stainless-retry-count``
+    header says so): refused before it left. The first try keeps its hold; a retry that
+    may bill is a new, reserved attempt, never the SDK's."""
+
+    def __init__(self, path: str, retry: str) -> None:
+        ProviderError.__init__(
+            self,
+            f"the SDK retried POST {path} on its own (x-stainless-retry-count={retry}); "
+            "refused before sending: build the client with max_retries=0 "
+            "(budget_tasks.transport.guarded_openai_client()/guarded_anthropic_client())",
+            path=path,
+            retry=retry,
+        )
+
+
 class StreamIncomplete(ProviderError):
     """A stream ended before the provider said it was complete: the outcome is unknown."""
 

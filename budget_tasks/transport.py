@@ -42,6 +42,8 @@ from .errors import (
     BudgetTasksError,
     CallConflict,
     EstimateRefused,
+    RetriesEnabled,
+    SdkRetryRefused,
     StepNotReplayable,
     StreamIncomplete,
     UnguardedCall,
@@ -61,6 +63,8 @@ from .providers.calls import (
 )
 from .providers.clients import _refuse_retries
 
+#: The header by which the official SDKs mark a request they send again on their own.
+RETRY_HEADER = "x-stainless-retry-count"
 #: Version of what a guarded call stores for replay.
 STORED_VERSION = 1
 #: Response headers kept with a stored response (what the SDKs read).
@@ -221,6 +225,9 @@ class GuardedTransport(httpx2.BaseTransport):
                     )
                 )
             return self.inner.handle_request(request)
+        retry = request.headers.get(RETRY_HEADER, "0")
+        if retry.strip() not in ("", "0"):
+            raise _marked(SdkRetryRefused(request.url.path, retry))
         scope = current_scope()
         if scope is None:
             if self.allow_unguarded:
@@ -594,23 +601,66 @@ def guarded_http_client(
 
 
 def guarded_openai_client(*, allow_unguarded: bool = False, **kwargs: Any) -> Any:
-    """``openai.OpenAI(**kwargs)`` with retries off and the guarded transport."""
-    import openai
-
+    """``openai.OpenAI(**kwargs)`` with retries off and the guarded transport; its
+    ``copy``/``with_options`` refuse to turn retries back on or to swap the transport."""
     _refuse_retries("guarded_openai_client(...)", kwargs)
     timeout = kwargs.get("timeout", 600.0)
     http = guarded_http_client(allow_unguarded=allow_unguarded, timeout=timeout)
-    return openai.OpenAI(**{**kwargs, "max_retries": 0, "http_client": http})
+    return _guarded_class("openai", "OpenAI")(**{**kwargs, "max_retries": 0, "http_client": http})
 
 
 def guarded_anthropic_client(*, allow_unguarded: bool = False, **kwargs: Any) -> Any:
-    """``anthropic.Anthropic(**kwargs)`` with retries off and the guarded transport."""
-    import anthropic
-
+    """``anthropic.Anthropic(**kwargs)`` with retries off and the guarded transport; its
+    ``copy``/``with_options`` refuse to turn retries back on or to swap the transport."""
     _refuse_retries("guarded_anthropic_client(...)", kwargs)
     timeout = kwargs.get("timeout", 600.0)
     http = guarded_http_client(allow_unguarded=allow_unguarded, timeout=timeout)
-    return anthropic.Anthropic(**{**kwargs, "max_retries": 0, "http_client": http})
+    return _guarded_class("anthropic", "Anthropic")(
+        **{**kwargs, "max_retries": 0, "http_client": http}
+    )
+
+
+_classes: dict[tuple[str, str], type] = {}
+
+
+def _guarded_class(module: str, name: str) -> type:
+    """A subclass of an SDK's client whose retries stay off: ``max_retries`` cannot be
+    set above 0, and ``copy``/``with_options`` keep a guarded HTTP client."""
+    found = _classes.get((module, name))
+    if found is not None:
+        return found
+    import importlib
+
+    base = getattr(importlib.import_module(module), name)
+
+    def _get_retries(self: Any) -> int:
+        return 0
+
+    def _set_retries(self: Any, value: object) -> None:
+        if value != 0 or isinstance(value, bool):
+            raise RetriesEnabled(f"a guarded {module} client", value)
+
+    def copy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        http = kwargs.get("http_client")
+        if http is not None and not isinstance(getattr(http, "_transport", None), GuardedTransport):
+            raise ValueError(
+                "a guarded client keeps its guarded http client: give copy()/with_options() "
+                "a budget_tasks.transport.guarded_http_client(), or none"
+            )
+        return base.copy(self, *args, **kwargs)
+
+    guarded = type(
+        f"Guarded{name}",
+        (base,),
+        {
+            "max_retries": property(_get_retries, _set_retries),
+            "copy": copy,
+            "with_options": copy,
+            "__module__": __name__,
+        },
+    )
+    _classes[(module, name)] = guarded
+    return guarded
 
 
 __all__ = [
