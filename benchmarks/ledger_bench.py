@@ -117,6 +117,7 @@ def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> 
                 "lookup": None,
                 "model": None,
                 "timeout_ms": None,
+                "request_digest": None,
             },
         ).fetchone()
         hold = {"attempt_id": attempt_id, "period_id": period_id, "kind": "hold"}

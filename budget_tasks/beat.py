@@ -28,27 +28,9 @@ from .config import ledger_of
 from .errors import BudgetTasksError
 from .hooks import hooks
 from .ledger import Attempt, Hold, Ledger
-from .providers import (
-    Found,
-    Lookup,
-    NotFound,
-    Unknowable,
-    anthropic_client,
-    lookup_anthropic_message,
-    lookup_openai_chat,
-    lookup_openai_response,
-    openai_client,
-    settle_after,
-)
-from .providers.calls import (
-    LOOKUP_ANTHROPIC_BATCH,
-    LOOKUP_ANTHROPIC_MESSAGES,
-    LOOKUP_NONE,
-    LOOKUP_OPENAI_CHAT,
-    LOOKUP_OPENAI_RESPONSES,
-)
+from .ledger.records import NO_TIMEOUT_MS
+from .providers import Found, Lookup, LookupFacts, NotFound, Unknowable, registry, settle_after
 from .providers.clients import DEFAULT_MARGIN
-from .providers.lookups import lookup_anthropic_batch_total
 
 log = logging.getLogger("budget_tasks.beat")
 
@@ -80,12 +62,19 @@ def flag_stale_holds(ledger: Ledger, older_than: timedelta) -> list[Hold]:
     return flagged
 
 
-def _settle_after(attempt: Attempt, client: Any, margin: timedelta) -> timedelta:
+def _settle_after(attempt: Attempt, client: Any, margin: timedelta) -> timedelta | None:
     """How long after its send the provider may still be working on ``attempt``: the
-    timeout it was sent with (else the lookup client's) plus ``margin``."""
+    timeout it was sent with (else the lookup client's) plus ``margin``; None when it
+    was sent with no finite timeout, or none is known (it may run for ever: never "not
+    found")."""
+    if attempt.timeout_ms == NO_TIMEOUT_MS:
+        return None
     if attempt.timeout_ms is not None:
         return timedelta(milliseconds=attempt.timeout_ms) + margin
-    return settle_after(client, margin)
+    try:
+        return settle_after(client, margin)
+    except ValueError:
+        return None
 
 
 def look_up(
@@ -93,49 +82,43 @@ def look_up(
     clients: Clients,
     margin: timedelta = DEFAULT_MARGIN,
     now: datetime | None = None,
+    provider_key: str | None = None,
 ) -> Lookup:
-    """Ask the provider about one attempt, by the lookup recorded for it (``now``: the
-    ledger's time, which the attempt's age is measured by)."""
+    """Ask the provider about one attempt, through the vendor its recorded lookup names
+    (``now``: the ledger's time, which the attempt's age is measured by;
+    ``provider_key``: what the call was sent as, when it is not the attempt key)."""
     if attempt.lookup is None or attempt.model is None:
         return Unknowable("the attempt never recorded which call it was")
-    sent_at = attempt.sending_at or attempt.created_at
-    if attempt.lookup == LOOKUP_OPENAI_CHAT:
-        client = clients("openai")
-        return lookup_openai_chat(
-            client,
-            model=attempt.model,
-            completion_id=attempt.response_id,
-            attempt_key=attempt.key,
-            sent_at=sent_at,
-            settle_after=_settle_after(attempt, client, margin),
-            now=now,
-        )
-    if attempt.lookup == LOOKUP_OPENAI_RESPONSES:
-        client = clients("openai")
-        return lookup_openai_response(
-            client,
-            model=attempt.model,
-            response_id=attempt.response_id,
-            sent_at=sent_at,
-            settle_after=_settle_after(attempt, client, margin),
-            now=now,
-        )
-    if attempt.lookup == LOOKUP_ANTHROPIC_MESSAGES:
-        return lookup_anthropic_message()
-    if attempt.lookup == LOOKUP_ANTHROPIC_BATCH:
-        if attempt.response_id is None:
-            return Unknowable("the batch's id never arrived: an operator resolves it")
-        client = clients("anthropic")
-        return lookup_anthropic_batch_total(
-            client,
-            batch_id=attempt.response_id,
-            sent_at=sent_at,
-            settle_after=_settle_after(attempt, client, margin),
-            now=now,
-        )
-    if attempt.lookup == LOOKUP_NONE:
+    if attempt.lookup == "none":
         return Unknowable("the call was sent without storing it: the provider cannot find it")
-    return Unknowable(f"no lookup named {attempt.lookup!r}")
+    vendor = registry.for_lookup(attempt.lookup)
+    if vendor is None:
+        return Unknowable(f"no vendor has a lookup named {attempt.lookup!r}")
+    sent_at = attempt.sending_at or attempt.created_at
+    facts = LookupFacts(
+        lookup=attempt.lookup,
+        model=attempt.model,
+        key=attempt.key,
+        provider_key=provider_key or attempt.key,
+        response_id=attempt.response_id,
+        sent_at=sent_at,
+        settle_after=_settle_after(attempt, _Lazy(clients, vendor.name), margin),
+        now=now,
+        request=attempt.request_digest,
+    )
+    return vendor.look_up(facts, clients, None)
+
+
+class _Lazy:
+    """A vendor's lookup client, built only if its timeout is asked for."""
+
+    def __init__(self, clients: Clients, name: str) -> None:
+        self._clients, self._name = clients, name
+
+    @property
+    def timeout(self) -> Any:
+        client = self._clients(self._name)
+        return None if client is None else getattr(client, "timeout", None)
 
 
 def reconcile_unknown(
@@ -190,7 +173,7 @@ def _told_settled(attempt: Attempt, actual: int) -> None:
 def _reconcile_one(
     ledger: Ledger, attempt: Attempt, clients: Clients, margin: timedelta, requeue: Requeue | None
 ) -> str:
-    outcome = look_up(attempt, clients, margin, ledger.now())
+    outcome = look_up(attempt, clients, margin, ledger.now(), ledger.provider_key(attempt.key))
     recorded = attempt.recorded_actual or 0
     if isinstance(outcome, Found):
         actual = max(outcome.actual, recorded)
@@ -276,18 +259,9 @@ def purge_expired_operations(ledger: Ledger, retention: timedelta) -> int:
 
 @cache
 def _client(kind: str) -> Any:
+    """The lookup client of the vendor named ``kind``, from the environment."""
     timeout = float(os.environ.get("BUDGET_TASKS_PROVIDER_TIMEOUT", "60"))
-    if kind == "openai":
-        return openai_client(
-            base_url=os.environ.get("OPENAI_BASE_URL"),
-            api_key=os.environ.get("OPENAI_API_KEY", "unset"),
-            timeout=timeout,
-        )
-    return anthropic_client(
-        base_url=os.environ.get("ANTHROPIC_BASE_URL"),
-        api_key=os.environ.get("ANTHROPIC_API_KEY", "unset"),
-        timeout=timeout,
-    )
+    return registry.vendor(kind).client(timeout)
 
 
 def _ledger(task: Any) -> Ledger:

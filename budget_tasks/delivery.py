@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Protocol
@@ -45,6 +46,7 @@ from .errors import (
     OperationFailed,
     OperationInProgress,
     OutcomeUnknown,
+    ParallelCallsUnlabelled,
     PoisonMessage,
     PricingError,
     RetriesEnabled,
@@ -52,6 +54,7 @@ from .errors import (
     StepNotReplayable,
     UnguardedCall,
     UnknownBudget,
+    UnmeteredConnection,
 )
 from .hooks import Hooks, hooks
 from .ledger import CallFacts, Ledger
@@ -61,23 +64,41 @@ from .providers.outcomes import ErrorOutcome, classify
 
 log = logging.getLogger("budget_tasks.delivery")
 
-_running = threading.local()
+_running: ContextVar[AttemptScope | None] = ContextVar("budget_tasks_run", default=None)
+#: Every run in progress in this process, by the thread it runs on.
+_active: dict[int, AttemptScope] = {}
+_active_lock = threading.Lock()
 
 
 def current_scope() -> AttemptScope | None:
-    """The attempt scope of the BudgetTask run on this thread, if one runs."""
-    return getattr(_running, "scope", None)
+    """The attempt scope of the BudgetTask run in this context (its thread, the asyncio
+    tasks it starts, or a context copied from it), if one runs."""
+    return _running.get()
+
+
+def running_scopes() -> list[AttemptScope]:
+    """Every run in progress in this process (prefork: at most one)."""
+    with _active_lock:
+        return list(_active.values())
 
 
 @contextmanager
 def running(scope: AttemptScope) -> Iterator[AttemptScope]:
-    """Make ``scope`` this thread's current run (a run inside another's nests)."""
-    outer = current_scope()
-    _running.scope = scope
+    """Make ``scope`` this context's current run (a run inside another's nests)."""
+    token = _running.set(scope)
+    ident = threading.get_ident()
+    with _active_lock:
+        outer = _active.get(ident)
+        _active[ident] = scope
     try:
         yield scope
     finally:
-        _running.scope = outer
+        _running.reset(token)
+        with _active_lock:
+            if outer is None:
+                _active.pop(ident, None)
+            else:
+                _active[ident] = outer
 
 
 #: Pauses between tries of a write that must land after a provider call.
@@ -114,6 +135,8 @@ BEFORE_SEND_ERRORS: tuple[type[BaseException], ...] = (
     RetriesEnabled,
     CallConflict,
     UnguardedCall,
+    UnmeteredConnection,
+    ParallelCallsUnlabelled,
 )
 
 
@@ -182,6 +205,7 @@ class _Grants(Protocol):
         model: str | None = ...,
         response_id: str | None = ...,
         timeout: float | None = ...,
+        request: str | None = ...,
     ) -> None: ...
 
 
@@ -225,6 +249,21 @@ class Recorded:
         return self._key
 
     @property
+    def provider_key(self) -> str:
+        """What the provider is sent as this attempt's key (its Idempotency-Key): an
+        opaque digest of the ledger's installation and the attempt key. Asking for it
+        grants the send, as :attr:`key` does."""
+        ledger = self._ledger
+        digest = None
+        if ledger is not None and hasattr(ledger, "provider_key"):
+            try:
+                digest = ledger.provider_key(self._key)
+            except LedgerUnavailable as exc:
+                raise before_send(exc) from None
+        key = self.key
+        return digest or key
+
+    @property
     def ids(self) -> tuple[str | None, str | None]:
         """The request and response ids the call reported, for its settlement."""
         return self.request_id, self.response_id
@@ -247,11 +286,20 @@ class Recorded:
         model: str,
         response_id: str | None = None,
         timeout: float | None = None,
+        request: str | None = None,
     ) -> None:
         """Record what the call is, before it is sent, for reconciliation. Where the
         admission described it so already, nothing is written."""
-        facts = CallFacts(lookup, model, timeout)
-        if response_id is None and self._described is not None and self._described.covers(facts):
+        facts = CallFacts(lookup, model, timeout, request)
+        # Where the admission described the call (describe_call), its request digest
+        # alone is not worth a commit of its own: the provider key already keeps another
+        # installation's, or another attempt's, answer from being adopted.
+        described = self._described
+        if (
+            response_id is None
+            and described
+            and described.covers(CallFacts(lookup, model, timeout))
+        ):
             return
         if self._ledger is not None:
             try:
@@ -261,6 +309,7 @@ class Recorded:
                     model=model,
                     response_id=response_id,
                     timeout=timeout,
+                    request=request,
                 )
             except LedgerUnavailable as exc:
                 raise before_send(exc) from None
@@ -979,10 +1028,17 @@ class OperationManager:
 
     @contextmanager
     def step(
-        self, scope: AttemptScope, amount: int, label: str, call: CallFacts | None = None
+        self,
+        scope: AttemptScope,
+        amount: int,
+        label: str,
+        call: CallFacts | None = None,
+        price_version: str | None = None,
     ) -> Iterator[Call]:
         """One labelled billable call of ``scope``'s run as its own attempt (see
-        ``BudgetTask.spend``); ``call``, where known, describes it with its admission."""
+        ``BudgetTask.spend``); ``call``, where known, describes it with its admission;
+        ``price_version`` names the prices its amount was estimated at (else the
+        task's)."""
         check.text(label, "label", max_length=60)
         check.money(amount)
         seq = scope._labels.get(label, 0) + 1
@@ -998,7 +1054,15 @@ class OperationManager:
         record = _STEP_RECORD.format(label=label, seq=seq)
         facts = call or CallFacts()
         try:
-            found = self._step_attempt(scope, amount, label, base, record, facts)
+            found = self._step_attempt(
+                scope,
+                amount,
+                label,
+                base,
+                record,
+                facts,
+                price_version or self.options.price_version,
+            )
         except LedgerUnavailable as exc:
             raise before_send(exc) from None
         if isinstance(found, Call):
@@ -1063,6 +1127,7 @@ class OperationManager:
         base: str,
         record: str,
         facts: CallFacts,
+        price_version: str | None = None,
     ) -> Call | tuple[str, bool]:
         """A replayed call, or the key of the attempt this call sends under and whether
         it was granted with its admission."""
@@ -1086,7 +1151,7 @@ class OperationManager:
                 fingerprint=scope.fingerprint,
                 label=label,
                 plan=plan,
-                price_version=self.options.price_version,
+                price_version=price_version,
                 call=facts,
             )
         except (BudgetExceeded, BudgetFrozen) as exc:
@@ -1149,7 +1214,7 @@ class OperationManager:
                     amount,
                     fingerprint=scope.fingerprint,
                     reason=reason,
-                    price_version=self.options.price_version,
+                    price_version=price_version,
                     operation_id=scope.operation_id,
                     label=label,
                     step=base,

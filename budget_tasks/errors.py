@@ -229,6 +229,27 @@ class EstimateRefused(PricingError):
         super().__init__(reason, reason=reason)
 
 
+class RefusedEndpoint(EstimateRefused):
+    """A request that may bill and that nothing bounds (a batch from an uploaded file, a
+    realtime session, a POST no vendor knows): refused before it is sent."""
+
+    def __init__(self, method: str, path: str, why: str, name: str = "") -> None:
+        allow = (
+            f"; let it through unmetered with allow=({name!r},) and reserve for it yourself"
+            f" (BudgetTask.spend)"
+            if name
+            else ""
+        )
+        PricingError.__init__(
+            self,
+            f"{method} {path} is not metered and is refused before sending: {why}{allow}",
+            method=method,
+            path=path,
+            reason=why,
+            name=name,
+        )
+
+
 class ProviderError(BudgetTasksError):
     """A provider call was refused or its outcome could not be read."""
 
@@ -359,6 +380,36 @@ class UnguardedCall(BudgetTasksError):
         )
 
 
+class ParallelCallsUnlabelled(BudgetTasksError):
+    """Two threads or asyncio tasks made calls at one label path in one run: the order
+    of their positions would depend on scheduling. Refused before anything is sent."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            f"calls at {path!r} come from two threads or tasks of one run at once: their "
+            "positions would depend on which runs first, so a redelivery could hand one "
+            "branch the other's stored answer. Nothing was sent. Wrap each branch's calls in "
+            "budget_tasks.transport.call_label(<a name of its own>)",
+            path=path,
+        )
+
+
+class UnmeteredConnection(BudgetTasksError):
+    """A connection to a provider endpoint opened inside a BudgetTask's ``run`` by a
+    client that is not guarded: refused before any byte was sent."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(
+            f"a connection to the provider at {host}:{port} was opened inside a BudgetTask's "
+            "run by a client that is not guarded: refused, nothing was sent. Use "
+            "budget_tasks.transport.guarded_openai_client()/guarded_anthropic_client() (or "
+            "their async twins, or http_client=guarded_http_client()); wrap an unbilled "
+            "call in budget_tasks.bypass.unmetered() to let it through on purpose",
+            host=host,
+            port=port,
+        )
+
+
 class CallConflict(BudgetTasksError):
     """On a redelivery, the call at a position of the run sends another request body than
     the one stored there: the run is not deterministic up to that point."""
@@ -371,3 +422,28 @@ class CallConflict(BudgetTasksError):
             key=key,
             attempt=attempt,
         )
+
+
+def mark_raised_by_transport(exc: BudgetTasksError) -> BudgetTasksError:
+    """Mark an error of ours raised inside the guarded transport: an SDK that wraps it
+    (as a connection error) does not hide it from the task (see
+    :func:`raised_by_transport`)."""
+    exc.__dict__["budget_tasks_transport"] = True
+    return exc
+
+
+def raised_by_transport(exc: BaseException) -> BudgetTasksError | None:
+    """The error the guarded transport raised under ``exc`` (an SDK's wrapper), if any."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        current = todo.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, BudgetTasksError) and current.__dict__.get("budget_tasks_transport"):
+            return current
+        if isinstance(current, BaseExceptionGroup):  # raised inside an async task group
+            todo.extend(current.exceptions)
+        todo.extend(e for e in (current.__cause__ or current.__context__,) if e is not None)
+    return None

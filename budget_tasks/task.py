@@ -17,12 +17,12 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
-from celery import Task
+from celery import Task, current_task
 from celery.exceptions import Retry
 from celery.signals import celeryd_after_setup
 
 from . import _validate as check
-from . import wiring
+from . import bypass, wiring
 from .config import LEDGER_URL_ENV, LEDGER_URL_SETTING, close_ledgers, ledger_for, ledger_of
 from .delivery import (
     PERSIST_DELAYS,
@@ -35,6 +35,7 @@ from .delivery import (
     catch_up,
     current_scope,
     running,
+    running_scopes,
 )
 from .errors import (
     BudgetExceeded,
@@ -42,9 +43,9 @@ from .errors import (
     OperationFailed,
     OutcomeUnknown,
     SideEffectUncertain,
+    raised_by_transport,
 )
 from .ledger import CallFacts, Ledger
-from .transport import raised_by_transport
 
 __all__ = [
     "LEDGER_URL_ENV",
@@ -216,6 +217,7 @@ class BudgetTask(Task):  # type: ignore[misc]
             raise self._later(later.cause, countdown) from later.cause
 
     def _run_in(self, scope: AttemptScope, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        bypass.install(_whose)
         with running(scope):
             try:
                 return self.run(*args, **kwargs)
@@ -268,6 +270,17 @@ class BudgetTask(Task):  # type: ignore[misc]
             raise
         ledger.finish_side_effect(scope.operation_id, record, value)
         return value
+
+
+def _whose() -> str | None:
+    """Whether the calling context belongs to a BudgetTask's run, for the audit hook of
+    :mod:`budget_tasks.bypass`: "mine" (its context runs one), "maybe" (a thread that
+    runs no task while a run is in progress here: one the run started), or None."""
+    if current_scope() is not None:
+        return "mine"
+    if running_scopes() and current_task._get_current_object() is None:
+        return "maybe"
+    return None
 
 
 def _check_wiring(sender: Any = None, instance: Any = None, **_: Any) -> None:

@@ -54,7 +54,7 @@ class Checks:
             all(r.spent + r.held - r.overruns <= r.cap for r in rows),
         )
         attempts = {a.key: a for b in budgets.values() for a in ledger.attempts(budget=b)}
-        sent = [s for s in fake.served() if s.method == "POST"]
+        sent = [s for s in fake.served_as(ledger) if s.method == "POST"]
         keys = Counter(s.idempotency_key for s in sent)
         self.expect(
             f"each of the {len(sent)} provider requests carried its own attempt's key, once",

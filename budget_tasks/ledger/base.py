@@ -4,6 +4,7 @@ chains and periods it caches, and the primitives every part admits and settles w
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -44,9 +45,7 @@ from .records import (
     CallFacts,
     Reservation,
 )
-from .schema import (
-    metadata,
-)
+from .schema import metadata, new_installation_id
 from .states import attempt_may
 
 log = logging.getLogger("budget_tasks.ledger")
@@ -82,6 +81,7 @@ class LedgerBase:
         self._chains: dict[str, tuple[tuple[int, str, str], ...]] = {}
         self._period_ids: dict[tuple[int, datetime], tuple[int, datetime]] = {}
         self._dialect = self.engine.dialect.name
+        self._installation: str | None = None
         self._driver = Driver(self.engine)
 
     def __repr__(self) -> str:
@@ -99,6 +99,34 @@ class LedgerBase:
         """
         with self._driver.transaction() as cur:
             metadata.create_all(cur.conn)
+
+    def installation_id(self) -> str:
+        """This ledger's own id, made with its tables (and kept for good)."""
+        found = self._installation
+        if found is None:
+            with self._driver.transaction() as cur:
+                row = cur.one(sql.INSTALLATION, {})
+                if row is None:
+                    cur.run(
+                        sql.INSERT_INSTALLATION,
+                        {
+                            "installation_id": new_installation_id(),
+                            "now": self._driver.ts(_utcnow()),
+                        },
+                    )
+                    row = cur.one(sql.INSTALLATION, {})
+            assert row is not None
+            found = self._installation = str(row[0])
+        return found
+
+    def provider_key(self, key: str) -> str:
+        """What the provider is sent as attempt ``key``'s key (its Idempotency-Key, a
+        stored completion's metadata): an opaque digest of this ledger's installation
+        id and the key. A business key may hold a customer's e-mail or a tenant's name:
+        it never leaves the ledger; and two ledgers on one API key never share one."""
+        check.text(key, "key")
+        digest = hashlib.sha256(f"{self.installation_id()}\n{key}".encode()).hexdigest()
+        return f"bt1-{digest[:48]}"
 
     def now(self) -> datetime:
         """The current time: the ``clock`` given, else the database's (this host's
@@ -241,6 +269,7 @@ class LedgerBase:
                 "lookup": call.lookup if call is not None else None,
                 "model": call.model if call is not None else None,
                 "timeout_ms": call.timeout_ms if call is not None else None,
+                "request_digest": call.request if call is not None else None,
             },
         )
         if inserted is None:
@@ -535,4 +564,5 @@ def _attempt(r: Row[Any]) -> Attempt:
         recorded_actual=r.recorded_actual,
         step=r.step,
         timeout_ms=r.timeout_ms,
+        request_digest=r.request_digest,
     )

@@ -36,16 +36,22 @@ class Maintenance(Operations, Reports):
         model: str | None = None,
         response_id: str | None = None,
         timeout: float | None = None,
+        request: str | None = None,
     ) -> None:
         """Record what a call is (which lookup finds it, the model it is priced at, the
-        provider's response id, the client timeout it is sent with), for reconciliation
-        if its outcome becomes unknown."""
+        provider's response id, the client timeout it is sent with, its request's
+        digest), for reconciliation if its outcome becomes unknown."""
         check.text(key, "key")
-        facts = CallFacts(lookup, model, timeout)
+        facts = CallFacts(lookup, model, timeout, request)
         timeout_ms = facts.timeout_ms
         values = {
             name: value
-            for name, value in (("lookup", lookup), ("model", model), ("response_id", response_id))
+            for name, value in (
+                ("lookup", lookup),
+                ("model", model),
+                ("response_id", response_id),
+                ("request_digest", request),
+            )
             if value is not None
         }
         if response_id is not None:
@@ -57,6 +63,7 @@ class Maintenance(Operations, Reports):
             "lookup": None,
             "model": None,
             "response_id": None,
+            "request_digest": None,
             "timeout_ms": timeout_ms,
             **values,
         }

@@ -25,31 +25,48 @@ class BudgetInfo:
     frozen: bool
 
 
+#: How an attempt records a call sent with no finite timeout (``timeout_ms`` 0): the
+#: provider may work on it for ever, so not finding it never proves it was not billed.
+NO_TIMEOUT_MS = 0
+
+
 @dataclass(frozen=True, slots=True)
 class CallFacts:
     """What a call is, known before it is sent: the lookup that finds it again, the
-    model it is priced at, the client timeout it is sent with (seconds). Written with
-    the admission that grants its send, so that reconciliation can find it should the
-    run die mid-call."""
+    model it is priced at, the client timeout it is sent with (seconds; ``math.inf``
+    for none), the digest of its request (a found answer is adopted only for the same
+    request). Written with the admission that grants its send, so that reconciliation
+    can find it should the run die mid-call."""
 
     lookup: str | None = None
     model: str | None = None
     timeout: float | None = None
+    request: str | None = None
 
     def __post_init__(self) -> None:
-        for name, value, limit in (("lookup", self.lookup, 32), ("model", self.model, 100)):
+        for name, value, limit in (
+            ("lookup", self.lookup, 32),
+            ("model", self.model, 100),
+            ("request", self.request, 64),
+        ):
             if value is not None:
                 check.text(value, name, max_length=limit)
         timeout = self.timeout
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, int | float):
                 raise TypeError(f"timeout must be seconds, not {type(timeout).__name__}")
-            if not 0 < timeout < 10**7:
-                raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
+            if not (0 < timeout < 10**7 or timeout == math.inf):
+                raise ValueError(
+                    f"timeout must be a positive number of seconds or math.inf, not {timeout}"
+                )
 
     @property
     def timeout_ms(self) -> int | None:
-        return None if self.timeout is None else math.ceil(self.timeout * 1000)
+        if self.timeout is None:
+            return None
+        if self.timeout == math.inf:
+            return NO_TIMEOUT_MS
+        return max(1, math.ceil(self.timeout * 1000))
 
     def covers(self, other: CallFacts) -> bool:
         """Whether writing ``other`` would change nothing this records."""
@@ -59,6 +76,7 @@ class CallFacts:
                 (other.lookup, self.lookup),
                 (other.model, self.model),
                 (other.timeout_ms, self.timeout_ms),
+                (other.request, self.request),
             )
         )
 
@@ -140,8 +158,10 @@ class Attempt:
     recorded_actual: int | None = None
     #: a labelled call's position in its operation (its first attempt's key)
     step: str | None = None
-    #: the client timeout the call was sent with, in milliseconds
+    #: the client timeout the call was sent with, in milliseconds (0: none, unbounded)
     timeout_ms: int | None = None
+    #: the digest of the request it sent (a found answer is adopted only for it)
+    request_digest: str | None = None
 
     @property
     def overrun(self) -> int:

@@ -6,6 +6,7 @@ same database; ``tests/integration/test_migrations.py`` checks that they do.
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -163,6 +164,9 @@ attempts = Table(
     Column("recorded_actual", BigInteger, nullable=True),
     Column("answer", Text, nullable=True),
     Column("timeout_ms", BigInteger, nullable=True),
+    # Added in migration 0007: the digest of the request the attempt sent; an answer
+    # reconciliation finds is adopted only for the same request.
+    Column("request_digest", String(64), nullable=True),
     UniqueConstraint("key"),
     CheckConstraint("amount >= 0", name="amount_not_negative"),
     CheckConstraint("actual IS NULL OR actual >= 0", name="actual_not_negative"),
@@ -237,6 +241,33 @@ journal = Table(
     Index(None, "attempt_id"),
     Index(None, "period_id"),
 )
+
+# Added in migration 0007: this ledger's own id, made once when its tables are made.
+# What the provider is sent as a call's key (Idempotency-Key, stored metadata) is a
+# digest of it and the attempt key: two ledgers sharing an API key (staging and
+# production) never find, charge or replay each other's calls.
+installation = Table(
+    "installation",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("installation_id", String(64), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    CheckConstraint("id = 1", name="one_row"),
+)
+
+
+def new_installation_id() -> str:
+    return uuid.uuid4().hex
+
+
+@event.listens_for(installation, "after_create")
+def _installation_row(target: Table, connection: Connection, **kw: Any) -> None:
+    connection.execute(
+        target.insert().values(
+            id=1, installation_id=new_installation_id(), created_at=datetime.now(UTC)
+        )
+    )
+
 
 # The journal is append-only in the database itself, not only by convention.
 APPEND_ONLY_DDL: dict[str, tuple[str, ...]] = {

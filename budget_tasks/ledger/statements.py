@@ -19,11 +19,11 @@ AVAILABLE = "(cap - spent - held)"
 INSERT_ATTEMPT = """
 INSERT INTO attempts
     (key, budget_id, period_id, fingerprint, reason, amount, price_version, operation_id,
-     label, step, state, created_at, sending_at, lookup, model, timeout_ms)
+     label, step, state, created_at, sending_at, lookup, model, timeout_ms, request_digest)
 VALUES
     (:key, :budget_id, :period_id, :fingerprint, :reason, :amount, :price_version,
      :operation_id, :label, :step, :state, :now, :sending_at, :lookup, :model,
-     CAST(:timeout_ms AS BIGINT))
+     CAST(:timeout_ms AS BIGINT), :request_digest)
 ON CONFLICT (key) DO NOTHING
 RETURNING id"""
 
@@ -67,7 +67,8 @@ ATTEMPT_STATE = "SELECT state FROM attempts WHERE key = :key"
 DESCRIBE_ATTEMPT = """
 UPDATE attempts SET lookup = COALESCE(:lookup, lookup), model = COALESCE(:model, model),
     response_id = COALESCE(:response_id, response_id),
-    timeout_ms = COALESCE(CAST(:timeout_ms AS BIGINT), timeout_ms)
+    timeout_ms = COALESCE(CAST(:timeout_ms AS BIGINT), timeout_ms),
+    request_digest = COALESCE(:request_digest, request_digest)
 WHERE key = :key"""
 
 RECORD_REQUEST_ID = """
@@ -394,3 +395,11 @@ WHERE budget_id = :budget_id AND period_start = :start"""
 OPEN_PERIOD_COUNTERS = """
 SELECT cap, spent, held FROM budget_periods
 WHERE budget_id = :budget_id AND period_start = :start AND closed_at IS NULL"""
+
+#: This ledger's installation id (one row, made with the tables).
+INSTALLATION = """SELECT installation_id FROM installation WHERE id = 1"""
+
+#: The row, for a ledger whose tables were made before there was one.
+INSERT_INSTALLATION = """
+INSERT INTO installation (id, installation_id, created_at) VALUES (1, :installation_id, :now)
+ON CONFLICT (id) DO NOTHING"""

@@ -1,42 +1,59 @@
-"""Guarded provider clients, error classification, usage and reconciliation lookups.
+"""The providers: one package per vendor behind one small interface
+(:class:`~budget_tasks.providers.base.Vendor`: which requests bill, the estimate, the
+usage and its price, the error classes, the lookup) and a registry the transport, beat
+and the CLI use; plus the guarded call helpers and the SDK clients with retries off.
 
 This package never imports the ledger: the task layer wires the two together.
 """
 
+from .anthropic import (
+    Anthropic,
+    lookup_anthropic_batch,
+    lookup_anthropic_batch_total,
+    lookup_anthropic_message,
+)
+from .base import Endpoint, Kind, LookupFacts, Part, Reported, Rule, Vendor
 from .calls import ATTEMPT_METADATA_KEY, Sent, anthropic_message, openai_chat, openai_response
 from .clients import anthropic_client, openai_client, require_no_retries, settle_after
-from .lookups import (
-    Found,
-    Lookup,
-    NotFound,
-    Pending,
-    Unknowable,
-    lookup_anthropic_batch,
-    lookup_anthropic_message,
-    lookup_openai_chat,
-    lookup_openai_response,
-)
+from .lookups import Found, Lookup, NotFound, Pending, Unknowable
+from .openai import OpenAI, lookup_openai_chat, lookup_openai_response
 from .outcomes import ErrorOutcome, classify
+from .registry import Registry, Route, UnknownVendor, register, registry
 
 __all__ = [
     "ATTEMPT_METADATA_KEY",
+    "Anthropic",
+    "Endpoint",
     "ErrorOutcome",
     "Found",
+    "Kind",
     "Lookup",
+    "LookupFacts",
     "NotFound",
+    "OpenAI",
+    "Part",
     "Pending",
+    "Registry",
+    "Reported",
+    "Route",
+    "Rule",
     "Sent",
     "Unknowable",
+    "UnknownVendor",
+    "Vendor",
     "anthropic_client",
     "anthropic_message",
     "classify",
     "lookup_anthropic_batch",
+    "lookup_anthropic_batch_total",
     "lookup_anthropic_message",
     "lookup_openai_chat",
     "lookup_openai_response",
     "openai_chat",
     "openai_client",
     "openai_response",
+    "register",
+    "registry",
     "require_no_retries",
     "settle_after",
 ]

@@ -8,20 +8,24 @@ usage and prices it. Errors are the SDKs' own; :func:`classify` says what they m
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .. import _validate as check
+from .. import bypass
 from ..errors import StreamIncomplete
-from ..pricing import PriceTable, Usage, default_prices
-from . import usage as usage_of
+from ..pricing import Prices, Usage
+from .anthropic import usage as anthropic_usage
+from .anthropic.lookups import message_result
+from .base import Reported, request_digest
 from .clients import client_timeout, require_no_retries
+from .openai import usage as openai_usage
+from .openai.lookups import ATTEMPT_METADATA_KEY, REQUEST_METADATA_KEY, chat_result
 
 RequestIdSink = Callable[[str], None]
-#: The metadata key under which a stored chat completion carries its attempt key, so
-#: reconciliation can find it when the response id never arrived.
-ATTEMPT_METADATA_KEY = "budget_tasks_attempt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,30 +49,6 @@ def _dump(obj: Any) -> Any:
     return dump(mode="json") if callable(dump) else None
 
 
-def chat_result(completion: Any) -> dict[str, Any]:
-    """What a task keeps of a chat completion: the first choice's text, and the whole
-    completion as JSON under ``response`` (every choice, tool calls, refusals)."""
-    choice = completion.choices[0] if completion.choices else None
-    return {
-        "id": completion.id,
-        "content": choice.message.content if choice else None,
-        "finish_reason": choice.finish_reason if choice else None,
-        "response": _dump(completion),
-    }
-
-
-def message_result(message: Any) -> dict[str, Any]:
-    """What a task keeps of an Anthropic message: its text, and the whole message as
-    JSON under ``response`` (tool_use blocks included)."""
-    text = "".join(getattr(block, "text", "") for block in message.content)
-    return {
-        "id": message.id,
-        "content": text,
-        "stop_reason": message.stop_reason,
-        "response": _dump(message),
-    }
-
-
 class AttemptLike(Protocol):
     """What the call helpers use of ``attempt=`` (a BudgetTask's ``self.attempt``).
     Reading ``key`` is what grants the send."""
@@ -76,12 +56,16 @@ class AttemptLike(Protocol):
     @property
     def key(self) -> str: ...
 
+    @property
+    def provider_key(self) -> str: ...
+
     def describe(
         self,
         lookup: str,
         model: str,
         response_id: str | None = None,
         timeout: float | None = None,
+        request: str | None = None,
     ) -> None: ...
     def record_request_id(self, request_id: str) -> None: ...
     def record(self, sent: Sent) -> None: ...
@@ -103,9 +87,11 @@ def _bind(
     key: str | None,
     on_request_id: RequestIdSink | None,
     lookup: str,
-    model: str,
+    params: dict[str, Any],
 ) -> tuple[str, RequestIdSink | None]:
-    """The attempt key and request-id sink, from ``attempt=`` or given one by one.
+    """The key the provider is sent and the request-id sink, from ``attempt=`` (its
+    provider key: an opaque digest of the ledger's installation and the attempt key),
+    or given one by one (``key=``, sent as it is).
 
     Everything that can refuse the call is checked first; then the attempt learns what
     the call is, and only then is its key read, which grants the send."""
@@ -114,8 +100,14 @@ def _bind(
         if key is None:
             raise TypeError("give the attempt key: key=... or attempt=self.attempt")
         return check.text(key, "attempt key"), on_request_id
-    attempt.describe(lookup, model, timeout=client_timeout(client))
-    return attempt.key, on_request_id or attempt.record_request_id
+    timeout = client_timeout(client)
+    attempt.describe(
+        lookup,
+        params["model"],
+        timeout=math.inf if timeout is None else timeout,
+        request=request_digest(params),
+    )
+    return attempt.provider_key, on_request_id or attempt.record_request_id
 
 
 def _prepare(client: Any, key: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -133,22 +125,37 @@ def _priced(
     provider: str,
     model: str,
     request_id: str | None,
-    used: Usage,
+    reported: Reported | None,
     result: dict[str, Any],
-    prices: PriceTable | None,
+    prices: Prices | None,
     response: Any = None,
 ) -> Sent:
-    cost = (prices or default_prices()).cost(model, used)
-    return Sent(provider, model, request_id, result["id"], used, cost, result, response)
+    if reported is None:
+        raise StreamIncomplete(provider, "the answer carried no usage")
+    cost = reported.cost(prices, provider, None)
+    return Sent(provider, model, request_id, result["id"], reported.usage, cost, result, response)
 
 
+def _metered(helper: Callable[..., Sent]) -> Callable[..., Sent]:
+    """A call helper's connections are the guard's own: it sends under the attempt's key
+    and records what the call used (see :mod:`budget_tasks.bypass`)."""
+
+    @functools.wraps(helper)
+    def call(*args: Any, **kwargs: Any) -> Sent:
+        with bypass.guarded():
+            return helper(*args, **kwargs)
+
+    return call
+
+
+@_metered
 def openai_chat(
     client: Any,
     *,
     key: str | None = None,
     attempt: AttemptLike | None = None,
     on_request_id: RequestIdSink | None = None,
-    prices: PriceTable | None = None,
+    prices: Prices | None = None,
     store_for_lookup: bool = True,
     **params: Any,
 ) -> Sent:
@@ -160,11 +167,16 @@ def openai_chat(
     ``attempt=self.attempt`` the call is described, its request id and usage recorded.
     """
     lookup = LOOKUP_OPENAI_CHAT if store_for_lookup else LOOKUP_NONE
-    key, on_request_id = _bind(client, attempt, key, on_request_id, lookup, params["model"])
+    digest = request_digest(params)
+    key, on_request_id = _bind(client, attempt, key, on_request_id, lookup, params)
     headers = _prepare(client, key, params)
     if store_for_lookup:
         params["store"] = True
-        params["metadata"] = {**(params.get("metadata") or {}), ATTEMPT_METADATA_KEY: key}
+        params["metadata"] = {
+            **(params.get("metadata") or {}),
+            ATTEMPT_METADATA_KEY: key,
+            REQUEST_METADATA_KEY: digest,
+        }
     streamed = bool(params.get("stream"))
     if streamed:
         params["stream_options"] = {**(params.get("stream_options") or {}), "include_usage": True}
@@ -177,7 +189,7 @@ def openai_chat(
             if completion.usage is None:
                 raise StreamIncomplete("openai", "the completion carried no usage")
             result = chat_result(completion)
-            raw_usage = completion.usage
+            reported = openai_usage.chat(completion, params)
             sdk_response: Any = completion
         else:
             parts: list[str] = []
@@ -196,18 +208,19 @@ def openai_chat(
                 )
             result = {"id": completion_id, "content": "".join(parts), "finish_reason": finish}
             sdk_response = chunks
-    used = usage_of.from_openai_chat(raw_usage)
-    sent = _priced("openai", params["model"], request_id, used, result, prices, sdk_response)
+            reported = openai_usage.chat_stream([_dump(c) for c in chunks], params)
+    sent = _priced("openai", params["model"], request_id, reported, result, prices, sdk_response)
     return _done(attempt, sent)
 
 
+@_metered
 def openai_response(
     client: Any,
     *,
     key: str | None = None,
     attempt: AttemptLike | None = None,
     on_request_id: RequestIdSink | None = None,
-    prices: PriceTable | None = None,
+    prices: Prices | None = None,
     **params: Any,
 ) -> Sent:
     """``client.responses.create(**params)`` as one billable attempt.
@@ -217,9 +230,7 @@ def openai_response(
     """
     if params.get("stream"):
         raise ValueError("streamed Responses calls are not supported; use background=True")
-    key, on_request_id = _bind(
-        client, attempt, key, on_request_id, LOOKUP_OPENAI_RESPONSES, params["model"]
-    )
+    key, on_request_id = _bind(client, attempt, key, on_request_id, LOOKUP_OPENAI_RESPONSES, params)
     headers = _prepare(client, key, params)
     with client.responses.with_streaming_response.create(extra_headers=headers, **params) as r:
         request_id = r.request_id
@@ -236,17 +247,18 @@ def openai_response(
         return _done(
             attempt, Sent("openai", model, request_id, response.id, None, None, result, response)
         )
-    used = usage_of.from_openai_response(response.usage)
-    return _done(attempt, _priced("openai", model, request_id, used, result, prices, response))
+    reported = openai_usage.response(response, params)
+    return _done(attempt, _priced("openai", model, request_id, reported, result, prices, response))
 
 
+@_metered
 def anthropic_message(
     client: Any,
     *,
     key: str | None = None,
     attempt: AttemptLike | None = None,
     on_request_id: RequestIdSink | None = None,
-    prices: PriceTable | None = None,
+    prices: Prices | None = None,
     **params: Any,
 ) -> Sent:
     """``client.messages.create(**params)`` as one billable attempt (plain or streamed).
@@ -255,7 +267,7 @@ def anthropic_message(
     operator resolves it.
     """
     key, on_request_id = _bind(
-        client, attempt, key, on_request_id, LOOKUP_ANTHROPIC_MESSAGES, params["model"]
+        client, attempt, key, on_request_id, LOOKUP_ANTHROPIC_MESSAGES, params
     )
     headers = _prepare(client, key, params)
     with client.messages.with_streaming_response.create(extra_headers=headers, **params) as r:
@@ -265,12 +277,13 @@ def anthropic_message(
         if not params.get("stream"):
             message = r.parse()
             result = message_result(message)
-            used = usage_of.from_anthropic(message.usage)
+            reported = anthropic_usage.message(message, params)
         else:
             events = list(r.parse())
-            result, used = _read_anthropic_stream(events)
+            result = _read_anthropic_stream(events)
+            reported = anthropic_usage.message_stream([_dump(e) for e in events], params)
             message = events
-    sent = _priced("anthropic", params["model"], request_id, used, result, prices, message)
+    sent = _priced("anthropic", params["model"], request_id, reported, result, prices, message)
     return _done(attempt, sent)
 
 
@@ -280,29 +293,32 @@ def _done(attempt: AttemptLike | None, sent: Sent) -> Sent:
     return sent
 
 
-def _read_anthropic_stream(events: Any) -> tuple[dict[str, Any], Usage]:
+def _read_anthropic_stream(events: Any) -> dict[str, Any]:
     parts: list[str] = []
-    start_usage: Any = None
-    output_tokens = 0
     message_id = stop_reason = None
     finished = False
     for event in events:
         if event.type == "message_start":
-            message_id, start_usage = event.message.id, event.message.usage
+            message_id = event.message.id
         elif event.type == "content_block_delta":
             parts.append(getattr(event.delta, "text", "") or "")
         elif event.type == "message_delta":
-            output_tokens = event.usage.output_tokens  # cumulative, not a delta
             stop_reason = event.delta.stop_reason
         elif event.type == "message_stop":
             finished = True
-    if not finished or start_usage is None:
+    if not finished or message_id is None:
         raise StreamIncomplete("anthropic", "no message_stop event")
-    base = usage_of.from_anthropic(start_usage)
-    used = Usage(
-        input_tokens=base.input_tokens,
-        cached_input_tokens=base.cached_input_tokens,
-        cache_write_tokens=base.cache_write_tokens,
-        output_tokens=output_tokens,
-    )
-    return {"id": message_id, "content": "".join(parts), "stop_reason": stop_reason}, used
+    return {"id": message_id, "content": "".join(parts), "stop_reason": stop_reason}
+
+
+__all__ = [
+    "ATTEMPT_METADATA_KEY",
+    "AttemptLike",
+    "Sent",
+    "Usage",
+    "anthropic_message",
+    "chat_result",
+    "message_result",
+    "openai_chat",
+    "openai_response",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from .. import bypass
 from ..errors import RetriesEnabled
 
 #: How long after a call's own timeout a provider may still be working on it.
@@ -16,6 +17,7 @@ def openai_client(**kwargs: Any) -> Any:
     import openai
 
     _refuse_retries("openai.OpenAI(...)", kwargs)
+    bypass.know(str(kwargs["base_url"]) if kwargs.get("base_url") else None)
     return openai.OpenAI(**{**kwargs, "max_retries": 0})
 
 
@@ -24,6 +26,7 @@ def anthropic_client(**kwargs: Any) -> Any:
     import anthropic
 
     _refuse_retries("anthropic.Anthropic(...)", kwargs)
+    bypass.know(str(kwargs["base_url"]) if kwargs.get("base_url") else None)
     return anthropic.Anthropic(**{**kwargs, "max_retries": 0})
 
 

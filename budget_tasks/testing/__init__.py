@@ -7,6 +7,7 @@ budget-tasks' own harness (worker processes, the fault proxy, races) is apart, i
 """
 
 from .clock import ManualClock
+from .fake_billing import Realism
 from .fake_provider import FakeProvider
 
-__all__ = ["FakeProvider", "ManualClock"]
+__all__ = ["FakeProvider", "ManualClock", "Realism"]

@@ -1,36 +1,47 @@
-"""A fake LLM provider that speaks enough of the OpenAI and Anthropic HTTP APIs for the
-official SDKs to work unchanged, and bills every request it serves.
+"""A fake LLM provider that speaks the OpenAI and Anthropic HTTP APIs as the real ones do,
+for the official SDKs to use unchanged, and bills every request it serves.
 
 Run it in a thread (``FakeProvider().start()``) or as a process::
 
-    python -m budget_tasks.testing.fake_provider --port 8089
+    budget-tasks fake-provider --port 8089     # or: python -m budget_tasks.testing
 
 OpenAI clients use ``base_url=<url>/v1``; Anthropic clients use ``base_url=<url>``.
 
 Endpoints: ``POST /v1/chat/completions`` (plain and streamed, ``store`` + ``metadata``),
 ``GET /v1/chat/completions/{id}`` and ``GET /v1/chat/completions?metadata[k]=v``,
-``POST /v1/responses`` (``background``) and ``GET /v1/responses/{id}``,
-``POST /v1/messages`` (plain and streamed), ``POST /v1/messages/batches``,
-``GET /v1/messages/batches/{id}`` and ``.../results``.
+``POST /v1/responses`` (``background``, streamed) and ``GET /v1/responses/{id}``,
+``POST /v1/embeddings``, ``POST /v1/completions`` (legacy), ``POST
+/v1/images/generations``, ``POST /v1/audio/speech``, ``POST /v1/messages`` (plain and
+streamed), ``POST /v1/messages/count_tokens``, ``POST /v1/messages/batches``, ``GET
+/v1/messages/batches/{id}`` and ``.../results``.
+
+As the real APIs (each can be turned off with ``realism``, :class:`Realism`): answers
+are compressed in the first of br, gzip, zstd and deflate that the client's
+``Accept-Encoding`` names, streams flushed event by event; answers name the snapshot
+(``gpt-4o-mini`` is answered by ``gpt-4o-mini-2024-07-18``); each vendor's request-id
+and rate-limit headers (``retry-after`` on a 429); reasoning models report reasoning
+tokens; Anthropic bills ``cache_control`` prefixes as cache writes (5 minutes, or 1 hour)
+and then reads, split by TTL in ``cache_creation``; the service tier asked for bills
+(and the answer names it); a batch bills half; items stored at the provider that a
+request points at (``item_reference``) and media inside tool results bill.
 
 Tools: a (non-streamed) chat completion or message whose request carries tools and
 ends with the user's own message asks for the first tool (``tool_calls`` /
 ``tool_use``); after a tool result the answer is text: a tool round trip.
 
-Answers are compressed as the real APIs compress them: in the first of br, gzip, zstd
-and deflate that the client's ``Accept-Encoding`` names (``encodings`` narrows it; ``()``
-answers uncompressed); streams are flushed event by event.
-
-Billing is deterministic: a message's text costs ``ceil(utf8 bytes / 4) + 4`` input
-tokens, a request 3 more; output tokens are ``x-fake-output-tokens`` if given, else
-``min(max tokens, 12 + input tokens % 17)``. Each served request is billed at the
-package price table (unknown models get 404 and no bill).
+Billing is deterministic: a text costs ``ceil(utf8 bytes / 4) + 4`` input tokens, a
+request 3 more, an image 765, a stored item 6,000; output tokens are
+``x-fake-output-tokens`` if given, else ``min(max tokens, 12 + input tokens % 17)``.
+Each served request is billed at this package's prices (the maintained source: real
+list prices, snapshots, tiers, cache and batch rates); unknown models get 404 and no
+bill. ``x-fake-cached-tokens`` and ``x-fake-reasoning-tokens`` set those counts.
 
 Faults, per request in the ``x-fake-fault`` header or queued with ``plan()`` /
-``POST /_fake/faults``: ``status=NNN`` (an error, not billed), ``delay=S`` (answer
-after S seconds), ``hang=S`` (bill, then answer only after S seconds: the client times
-out), ``reset`` (bill, then close the connection without an answer), ``cut-stream``
-(bill, send part of the stream, then cut the connection).
+``POST /_fake/faults``: ``status=NNN`` (an error, not billed; 429 with ``retry-after``,
+529 Anthropic's overloaded), ``delay=S`` (answer after S seconds), ``hang=S`` (bill,
+then answer only after S seconds: the client times out), ``reset`` (bill, then close
+the connection without an answer), ``cut-stream`` (bill, send part of the stream, then
+cut the connection).
 
 State for tests: ``GET /_fake/state`` (or ``.state()``), ``POST /_fake/reset``.
 """
@@ -47,16 +58,52 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from ..pricing import PriceTable, Usage, default_prices
+from .. import bypass
+from ..pricing import PriceContext, Prices, Usage, default_prices
+from . import fake_answers as answers
 from . import fake_wire
+from .fake_billing import (
+    IMAGE_TOKENS,
+    STORED_ITEM_TOKENS,
+    TOOL_PROMPT_TOKENS,
+    PromptCache,
+    Realism,
+    context_of,
+    prompt_tokens,
+    reasoning_tokens,
+    snapshot,
+    text_tokens,
+    tier_of,
+)
+
+#: Kept for callers of the old names.
+message_tokens = text_tokens
 
 CONTROL = "/_fake"
 METADATA_PREFIX = "metadata["
+#: Output tokens of one image, by size and quality (what the fake bills; "auto" is
+#: answered with a 1024x1024 image at medium quality).
+IMAGE_OUTPUT_TOKENS = {
+    "1024x1024": {"low": 272, "medium": 1056, "high": 4160},
+    "1024x1536": {"low": 408, "medium": 1584, "high": 6240},
+    "1536x1024": {"low": 400, "medium": 1568, "high": 6208},
+}
+
+__all__ = [
+    "IMAGE_TOKENS",
+    "STORED_ITEM_TOKENS",
+    "TOOL_PROMPT_TOKENS",
+    "FakeProvider",
+    "Realism",
+    "Served",
+    "message_tokens",
+    "prompt_tokens",
+]
 
 
 @dataclass
@@ -77,6 +124,8 @@ class Served:
     at: float
     #: the Content-Encoding the answer went out in
     encoding: str = "identity"
+    #: the model that answered (a snapshot of the one asked for)
+    answered_by: str | None = None
 
 
 @dataclass
@@ -89,59 +138,6 @@ class _Job:
     ready_at: float
     model: str
     payload: dict[str, Any] = field(default_factory=dict)
-
-
-#: What the fake bills for one image input, and for the tool-use prompt a provider adds
-#: when a request carries tools (Anthropic documents a few hundred tokens).
-IMAGE_TOKENS = 765
-TOOL_PROMPT_TOKENS = 346
-_IMAGE_PARTS = ("image_url", "input_image", "image")
-
-
-def message_tokens(text: str) -> int:
-    return -(-len(text.encode("utf-8")) // 4) + 4
-
-
-def _text_of(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            (part.get("text", "") if part.get("type", "text") in ("text", "input_text")
-             else "" if part.get("type") in _IMAGE_PARTS else json.dumps(part))
-            if isinstance(part, dict) else str(part)
-            for part in content
-        )  # fmt: skip
-    return str(content)
-
-
-def _images_in(content: Any) -> int:
-    if not isinstance(content, list):
-        return 0
-    return sum(1 for p in content if isinstance(p, dict) and p.get("type") in _IMAGE_PARTS)
-
-
-def prompt_tokens(messages: list[Any], system: Any = None, extras: Any = None) -> int:
-    """The input tokens the fake bills: every message's text (tool calls and results
-    as their JSON), the system prompt, images at a fixed count each, and ``extras``
-    (tool definitions, a response schema) as JSON plus the tool-use prompt."""
-    texts = [_text_of(system)] if system else []
-    images = 0
-    for m in messages:
-        if not isinstance(m, dict):
-            texts.append(str(m))
-            continue
-        text = _text_of(m.get("content"))
-        images += _images_in(m.get("content"))
-        if m.get("tool_calls"):
-            text += json.dumps(m["tool_calls"])
-        texts.append(text)
-    tokens = 3 + sum(message_tokens(t) for t in texts) + images * IMAGE_TOKENS
-    if extras:
-        tokens += message_tokens(json.dumps(extras)) + TOOL_PROMPT_TOKENS
-    return tokens
 
 
 def _tool_to_call(body: dict[str, Any], *, anthropic: bool) -> str | None:
@@ -172,15 +168,23 @@ class FakeProvider:
     """The fake provider server. Use as a context manager or ``start()``/``stop()``."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, prices: PriceTable | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        prices: Prices | None = None,
+        realism: Realism | None = None,
     ) -> None:
-        self.prices = prices or default_prices()
+        self.prices: Prices = prices or default_prices()
+        self._default_realism = realism or Realism()
+        #: Which of the real APIs' ways the fake follows (see :class:`Realism`).
+        self.realism = self._default_realism
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._served: list[Served] = []
         self._faults: list[dict[str, Any]] = []
         self._completions: dict[str, dict[str, Any]] = {}
         self._jobs: dict[str, _Job] = {}
+        self.cache = PromptCache()
         #: Content encodings the answers go out in when the client accepts them: "auto"
         #: (every one this fake can make, as the real APIs compress), or an order of
         #: names; () answers uncompressed.
@@ -212,6 +216,7 @@ class FakeProvider:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        bypass.forget(self.url)  # its port is free for anything now
 
     def __enter__(self) -> FakeProvider:
         return self.start()
@@ -231,10 +236,12 @@ class FakeProvider:
         with self._lock:
             self.completion_storage = "on"
             self.encodings = "auto"
+            self.realism = self._default_realism
             self._served.clear()
             self._faults.clear()
             self._completions.clear()
             self._jobs.clear()
+        self.cache.clear()
 
     def served(self) -> list[Served]:
         with self._lock:
@@ -251,9 +258,23 @@ class FakeProvider:
             "billed_total": sum(s["billed"] for s in served),
         }
 
-    def billed_for(self, key: str) -> int:
-        """What the requests carrying this Idempotency-Key were billed."""
+    def billed_for(self, key: str, ledger: Any = None) -> int:
+        """What the requests carrying this Idempotency-Key were billed; with ``ledger``,
+        ``key`` is that ledger's attempt key (the provider is sent its provider key)."""
+        if ledger is not None:
+            key = ledger.provider_key(key)
         return sum(s.billed for s in self.served() if s.idempotency_key == key)
+
+    def served_as(self, ledger: Any) -> list[Served]:
+        """The requests served, each Idempotency-Key given back as ``ledger``'s attempt
+        key: the provider is sent an opaque digest of it
+        (:meth:`~budget_tasks.Ledger.provider_key`). A key the ledger does not know
+        stays as it was sent."""
+        keys = {ledger.provider_key(a.key): a.key for a in ledger.attempts()}
+        return [
+            replace(s, idempotency_key=keys.get(s.idempotency_key or "", s.idempotency_key))
+            for s in self.served()
+        ]
 
     # -- internals used by the handler -------------------------------------------------
 
@@ -308,6 +329,7 @@ class _Handler(BaseHTTPRequestHandler):
     #: the request being answered (None for the control routes)
     _record: Served | None = None
     _stream: fake_wire.Encoder = fake_wire.encoder("identity")
+    _anthropic = False
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -319,12 +341,41 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length) if length else b""
 
     def _encoding(self) -> str:
+        if not self.fake.realism.compress:
+            return "identity"
         return fake_wire.choose(self.headers.get("Accept-Encoding"), self.fake.encodings)
+
+    def _ids(self, request_id: str) -> None:
+        """The request id and rate-limit headers, as this request's vendor sends them."""
+        if not self.fake.realism.headers:
+            self.send_header("x-request-id", request_id)
+            self.send_header("request-id", request_id)
+            return
+        if self._anthropic:
+            self.send_header("request-id", request_id)
+            for kind in ("requests", "tokens", "input-tokens", "output-tokens"):
+                self.send_header(f"anthropic-ratelimit-{kind}-limit", "100000")
+                self.send_header(f"anthropic-ratelimit-{kind}-remaining", "99999")
+                self.send_header(f"anthropic-ratelimit-{kind}-reset", "2099-01-01T00:00:00Z")
+        else:
+            self.send_header("x-request-id", request_id)
+            self.send_header("openai-processing-ms", "3")
+            for kind in ("requests", "tokens"):
+                self.send_header(f"x-ratelimit-limit-{kind}", "100000")
+                self.send_header(f"x-ratelimit-remaining-{kind}", "99999")
+                self.send_header(f"x-ratelimit-reset-{kind}", "6ms")
 
     def _send_json(self, status: int, obj: Any, request_id: str) -> None:
         self._send_bytes(status, json.dumps(obj).encode(), request_id, "application/json")
 
-    def _send_bytes(self, status: int, raw: bytes, request_id: str, content_type: str) -> None:
+    def _send_bytes(
+        self,
+        status: int,
+        raw: bytes,
+        request_id: str,
+        content_type: str,
+        extra: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         name = self._encoding()
         body = fake_wire.encode_whole(name, raw)
         if self._record is not None:
@@ -334,8 +385,10 @@ class _Handler(BaseHTTPRequestHandler):
         if name != "identity":
             self.send_header("Content-Encoding", name)
         self.send_header("Content-Length", str(len(body)))
-        self.send_header("x-request-id", request_id)
-        self.send_header("request-id", request_id)
+        if request_id != "control":
+            self._ids(request_id)
+        for key, value in extra:
+            self.send_header(key, value)
         self.end_headers()
         self.wfile.write(body)
 
@@ -348,8 +401,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self._stream.name != "identity":
             self.send_header("Content-Encoding", self._stream.name)
         self.send_header("Transfer-Encoding", "chunked")
-        self.send_header("x-request-id", request_id)
-        self.send_header("request-id", request_id)
+        self._ids(request_id)
         self.end_headers()
         self.wfile.flush()
 
@@ -377,24 +429,17 @@ class _Handler(BaseHTTPRequestHandler):
             )
             self.connection.shutdown(socket.SHUT_RDWR)
 
-    def _error(self, status: int, message: str, request_id: str, anthropic: bool) -> None:
-        if anthropic:
-            kinds = {
-                400: "invalid_request_error",
-                401: "authentication_error",
-                403: "permission_error",
-                404: "not_found_error",
-                429: "rate_limit_error",
-                500: "api_error",
-                529: "overloaded_error",
-            }
-            body: dict[str, Any] = {
-                "type": "error",
-                "error": {"type": kinds.get(status, "api_error"), "message": message},
-            }
-        else:
-            body = {"error": {"message": message, "type": "fake_error", "code": str(status)}}
-        self._send_json(status, body, request_id)
+    def _error(self, status: int, message: str, request_id: str) -> None:
+        extra: tuple[tuple[str, str], ...] = ()
+        if status in (429, 529) and self.fake.realism.headers:
+            extra = (("retry-after", "1"),)
+        self._send_bytes(
+            status,
+            json.dumps(answers.error(status, message, self._anthropic)).encode(),
+            request_id,
+            "application/json",
+            extra,
+        )
 
     # -- routing ---------------------------------------------------------------------
 
@@ -414,17 +459,22 @@ class _Handler(BaseHTTPRequestHandler):
             return
         fake = self.fake
         request_id = fake._next_id("req_")
-        body: dict[str, Any] = json.loads(raw) if raw else {}
+        self._anthropic = path.startswith("/v1/messages")
+        try:
+            body: dict[str, Any] = json.loads(raw) if raw else {}
+        except ValueError:
+            body = {}
+        if not isinstance(body, dict):
+            body = {}
         query = parse_qs(parts.query)
         fault = (
             fake._take_fault(path, self.headers.get("x-fake-fault")) if method == "POST" else None
         )
-        anthropic = path.startswith("/v1/messages")
         record = Served(
             seq=0,
             method=method,
             path=path,
-            model=body.get("model"),
+            model=body.get("model") if isinstance(body.get("model"), str) else None,
             idempotency_key=self.headers.get("Idempotency-Key"),
             body_sha=hashlib.sha256(raw).hexdigest()[:16],
             request_id=request_id,
@@ -445,14 +495,14 @@ class _Handler(BaseHTTPRequestHandler):
                 name, value = _parse_fault(fault)
                 if name == "status":
                     record.status = int(value)
-                    self._error(int(value), f"fake {int(value)}", request_id, anthropic)
+                    self._error(int(value), f"fake {int(value)}", request_id)
                     return
                 if name == "delay":
                     time.sleep(value)
             handler = self._endpoint(method, path)
             if handler is None:
                 record.status = 404
-                self._error(404, f"no route {method} {path}", request_id, anthropic)
+                self._error(404, f"no route {method} {path}", request_id)
                 return
             handler(record, body, query)
         except OSError:
@@ -464,7 +514,12 @@ class _Handler(BaseHTTPRequestHandler):
             ("POST", "v1", "chat", "completions"): self._chat,
             ("GET", "v1", "chat", "completions"): self._chat_list,
             ("POST", "v1", "responses"): self._responses_create,
+            ("POST", "v1", "embeddings"): self._embeddings,
+            ("POST", "v1", "completions"): self._completions,
+            ("POST", "v1", "images", "generations"): self._images,
+            ("POST", "v1", "audio", "speech"): self._speech,
             ("POST", "v1", "messages"): self._messages,
+            ("POST", "v1", "messages", "count_tokens"): self._count_tokens,
             ("POST", "v1", "messages", "batches"): self._batch_create,
         }
         stored = self.fake.completion_storage != "no-route"
@@ -500,14 +555,37 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- billing ---------------------------------------------------------------------
 
-    def _usage(self, model: str, input_tokens: int, max_tokens: int | None) -> Usage | None:
-        if model not in self.fake.prices.models:
+    @property
+    def _provider(self) -> str:
+        return "anthropic" if self._anthropic else "openai"
+
+    def _answered_by(self, model: Any) -> str | None:
+        """The snapshot that answers for ``model``; None for a model without a price."""
+        if not isinstance(model, str) or not model:
             return None
-        limit = max_tokens if max_tokens is not None else 4096
-        wanted = self.headers.get("x-fake-output-tokens")
-        output = min(limit, int(wanted)) if wanted else min(limit, 12 + input_tokens % 17)
-        cached = min(input_tokens, int(self.headers.get("x-fake-cached-tokens") or 0))
-        reasoning = min(output, int(self.headers.get("x-fake-reasoning-tokens") or 0))
+        answered = snapshot(model, self.fake.realism)
+        prices = self.fake.prices
+        if prices.knows(answered, self._provider):
+            return answered
+        return model if prices.knows(model, self._provider) else None
+
+    def _header_int(self, name: str) -> int | None:
+        value = self.headers.get(name)
+        return int(value) if value else None
+
+    def _output(self, input_tokens: int, limit: int | None) -> int:
+        limit = limit if isinstance(limit, int) and limit > 0 else 4096
+        wanted = self._header_int("x-fake-output-tokens")
+        return min(limit, wanted) if wanted is not None else min(limit, 12 + input_tokens % 17)
+
+    def _tokens(self, model: str, input_tokens: int, limit: int | None) -> Usage:
+        """One answer's usage: cached tokens as asked, reasoning tokens as a reasoning
+        model reports them."""
+        output = self._output(input_tokens, limit)
+        cached = min(input_tokens, self._header_int("x-fake-cached-tokens") or 0)
+        reasoning = reasoning_tokens(
+            model, output, self._header_int("x-fake-reasoning-tokens"), self.fake.realism
+        )
         return Usage(
             input_tokens=input_tokens - cached,
             cached_input_tokens=cached,
@@ -515,13 +593,20 @@ class _Handler(BaseHTTPRequestHandler):
             reasoning_tokens=reasoning,
         )
 
-    def _bill(self, record: Served, model: str, usage: Usage) -> None:
-        record.billed = self.fake.prices.cost(model, usage)
-        record.usage = asdict(usage)
+    def _bill(
+        self, record: Served, model: str, usage: Usage, context: PriceContext | None = None
+    ) -> int:
+        billed = self.fake.prices.cost(
+            model, usage, provider=self._provider, context=context or PriceContext()
+        )
+        record.billed += billed
+        record.answered_by = model
+        record.usage = {k: v for k, v in asdict(usage).items() if v}
+        return billed
 
-    def _unknown_model(self, record: Served, model: str, anthropic: bool) -> None:
+    def _unknown_model(self, record: Served, model: Any) -> None:
         record.status = 404
-        self._error(404, f"The model {model!r} does not exist", record.request_id, anthropic)
+        self._error(404, f"The model {model!r} does not exist", record.request_id)
 
     def _after_billing(self, record: Served) -> bool:
         """Apply hang/reset faults once the work is billed; True if the answer is gone."""
@@ -537,16 +622,29 @@ class _Handler(BaseHTTPRequestHandler):
             return True
         return False
 
+    def _sse(self, record: Served, events: list[bytes], cut_at: int) -> None:
+        self._start_stream(record.request_id)
+        try:
+            for i, event in enumerate(events):
+                if record.fault == "cut-stream" and i == cut_at:
+                    self._cut()
+                    return
+                self._chunk(event)
+            self._end_stream()
+        except OSError:
+            return
+
     # -- OpenAI chat completions -------------------------------------------------------
 
     def _chat(self, record: Served, body: dict[str, Any], query: Any) -> None:
-        model = body.get("model", "")
+        model = self._answered_by(body.get("model"))
+        if model is None:
+            self._unknown_model(record, body.get("model"))
+            return
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         extras = _extras(body, ("tools", "functions", "tool_choice", "response_format"))
-        each = self._usage(model, prompt_tokens(body.get("messages", []), None, extras), max_tokens)
-        if each is None:
-            self._unknown_model(record, model, anthropic=False)
-            return
+        input_tokens = prompt_tokens(body.get("messages", []), None, extras, self.fake.realism)
+        each = self._tokens(model, input_tokens, max_tokens)
         n = body.get("n") or 1
         # Output is billed per choice: n choices of the same length here.
         usage = Usage(
@@ -555,28 +653,18 @@ class _Handler(BaseHTTPRequestHandler):
             output_tokens=each.output_tokens * n,
             reasoning_tokens=each.reasoning_tokens * n,
         )
-        self._bill(record, model, usage)
-        completion_id = self.fake._next_id("chatcmpl-")
-        text = " ".join(["fake"] * max(1, each.output_tokens))
-        completion = {
-            "id": completion_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [
-                {
-                    "index": index,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
-                    "finish_reason": "stop"
-                    if each.output_tokens < (max_tokens or 10**9)
-                    else "length",
-                    "logprobs": None,
-                }
-                for index in range(n)
-            ],
-            "usage": _openai_chat_usage(usage),
-            "metadata": body.get("metadata") or {},
-        }
+        tier = tier_of(body.get("service_tier"), self.fake.realism)
+        self._bill(record, model, usage, context_of(tier))
+        completion = answers.chat_completion(
+            self.fake._next_id("chatcmpl-"),
+            model,
+            usage,
+            each.output_tokens,
+            n,
+            max_tokens,
+            body.get("metadata") or {},
+            tier,
+        )
         tool = _tool_to_call(body, anthropic=False)
         if tool is not None and not body.get("stream"):
             # a request with tools whose last message is the user's: the model asks for
@@ -597,74 +685,23 @@ class _Handler(BaseHTTPRequestHandler):
                 choice["finish_reason"] = "tool_calls"
         if body.get("store") and self.fake.completion_storage == "on":
             with self.fake._lock:
-                self.fake._completions[completion_id] = completion
+                self.fake._completions[completion["id"]] = completion
         if self._after_billing(record):
             return
         if not body.get("stream"):
             self._send_json(200, completion, record.request_id)
             return
-        self._start_stream(record.request_id)
-        base = {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": completion["created"],
-            "model": model,
-        }
-        events = [
-            {
-                **base,
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "finish_reason": None,
-                    }
-                ],
-            },
-            *(
-                {
-                    **base,
-                    "choices": [
-                        {"index": 0, "delta": {"content": word + " "}, "finish_reason": None}
-                    ],
-                }
-                for word in text.split(" ")
-            ),
-            {
-                **base,
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {},
-                        "finish_reason": completion["choices"][0]["finish_reason"],
-                    }
-                ],
-            },
-        ]
-        if (body.get("stream_options") or {}).get("include_usage"):
-            events.append({**base, "choices": [], "usage": completion["usage"]})
-        try:
-            for i, event in enumerate(events):
-                if record.fault == "cut-stream" and i == 2:
-                    self._cut()
-                    return
-                self._chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
-            self._chunk(b"data: [DONE]\n\n")
-            self._end_stream()
-        except OSError:
-            return
+        with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunks = answers.chat_chunks(completion, with_usage)
+        events = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks]
+        self._sse(record, [*events, b"data: [DONE]\n\n"], cut_at=2)
 
     def _chat_get(self, record: Served, completion_id: str) -> None:
         with self.fake._lock:
             completion = self.fake._completions.get(completion_id)
         if completion is None:
             record.status = 404
-            self._error(
-                404,
-                f"No chat completion found with id {completion_id}",
-                record.request_id,
-                anthropic=False,
-            )
+            self._error(404, f"No chat completion found with id {completion_id}", record.request_id)
             return
         self._send_json(200, completion, record.request_id)
 
@@ -697,34 +734,56 @@ class _Handler(BaseHTTPRequestHandler):
     # -- OpenAI Responses --------------------------------------------------------------
 
     def _responses_create(self, record: Served, body: dict[str, Any], query: Any) -> None:
-        model = body.get("model", "")
-        raw_input = body.get("input", "")
-        messages = [{"content": raw_input}] if isinstance(raw_input, str) else raw_input
-        extras = _extras(body, ("tools", "tool_choice", "text"))
-        usage = self._usage(
-            model,
-            prompt_tokens(messages, body.get("instructions"), extras),
-            body.get("max_output_tokens"),
-        )
-        if usage is None:
-            self._unknown_model(record, model, anthropic=False)
+        model = self._answered_by(body.get("model"))
+        if model is None:
+            self._unknown_model(record, body.get("model"))
             return
-        self._bill(record, model, usage)
+        extras = _extras(body, ("tools", "tool_choice", "text"))
+        input_tokens = prompt_tokens(
+            body.get("input", ""), body.get("instructions"), extras, self.fake.realism
+        )
+        usage = self._tokens(model, input_tokens, body.get("max_output_tokens"))
+        tier = tier_of(body.get("service_tier"), self.fake.realism)
+        self._bill(record, model, usage, context_of(tier))
         work = float(self.headers.get("x-fake-work-seconds") or 0)
+        background = bool(body.get("background"))
         job = _Job(
             "response",
             self.fake._next_id("resp_"),
             time.time(),
             time.time() + work,
             model,
-            {"usage": usage, "background": bool(body.get("background"))},
+            {"usage": usage, "background": background, "tier": tier},
         )
         with self.fake._lock:
             self.fake._jobs[job.id] = job
         if self._after_billing(record):
             return
-        self._send_json(
-            200, _response_object(job, done=not job.payload["background"]), record.request_id
+        answer = answers.response_object(
+            job.id,
+            job.created_at,
+            model,
+            usage,
+            done=not background,
+            background=background,
+            tier=tier,
+        )
+        if not body.get("stream"):
+            self._send_json(200, answer, record.request_id)
+            return
+        created = {**answer, "status": "in_progress", "output": [], "usage": None}
+        events = [
+            ("response.created", {"type": "response.created", "response": created}),
+            (
+                "response.output_text.delta",
+                {"type": "response.output_text.delta", "delta": "fake ", "output_index": 0},
+            ),
+            ("response.completed", {"type": "response.completed", "response": answer}),
+        ]
+        self._sse(
+            record,
+            [f"event: {n}\ndata: {json.dumps(d)}\n\n".encode() for n, d in events],
+            cut_at=1,
         )
 
     def _responses_get(self, record: Served, response_id: str) -> None:
@@ -732,36 +791,129 @@ class _Handler(BaseHTTPRequestHandler):
             job = self.fake._jobs.get(response_id)
         if job is None or job.kind != "response":
             record.status = 404
-            self._error(
-                404,
-                f"Response with id '{response_id}' not found.",
-                record.request_id,
-                anthropic=False,
-            )
+            self._error(404, f"Response with id '{response_id}' not found.", record.request_id)
             return
-        self._send_json(
-            200, _response_object(job, done=time.time() >= job.ready_at), record.request_id
+        answer = answers.response_object(
+            job.id,
+            job.created_at,
+            job.model,
+            job.payload["usage"],
+            done=time.time() >= job.ready_at,
+            background=job.payload["background"],
+            tier=job.payload["tier"],
         )
+        self._send_json(200, answer, record.request_id)
+
+    # -- OpenAI embeddings, legacy completions, images, speech -------------------------
+
+    def _embeddings(self, record: Served, body: dict[str, Any], query: Any) -> None:
+        model = self._answered_by(body.get("model"))
+        if model is None:
+            self._unknown_model(record, body.get("model"))
+            return
+        raw = body.get("input")
+        inputs = raw if isinstance(raw, list) and raw and not isinstance(raw[0], int) else [raw]
+        tokens = sum(
+            len(item) if isinstance(item, list) else text_tokens(str(item)) for item in inputs
+        )
+        self._bill(record, model, Usage(input_tokens=tokens))
+        if self._after_billing(record):
+            return
+        self._send_json(200, answers.embeddings(model, len(inputs), tokens), record.request_id)
+
+    def _completions(self, record: Served, body: dict[str, Any], query: Any) -> None:
+        model = self._answered_by(body.get("model"))
+        if model is None:
+            self._unknown_model(record, body.get("model"))
+            return
+        prompt = body.get("prompt", "")
+        prompts = (
+            prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str)
+            else [prompt]
+        )
+        input_tokens = 3 + sum(
+            len(p) if isinstance(p, list) else text_tokens(str(p)) for p in prompts
+        )
+        if body.get("suffix"):
+            input_tokens += text_tokens(str(body["suffix"]))
+        each = self._output(input_tokens, body.get("max_tokens", 16))
+        generated = max(body.get("n") or 1, body.get("best_of") or 1) * len(prompts)
+        usage = Usage(input_tokens=input_tokens, output_tokens=each * generated)
+        self._bill(record, model, usage)
+        if self._after_billing(record):
+            return
+        answer = answers.text_completion(
+            self.fake._next_id("cmpl-"), model, usage, each, (body.get("n") or 1) * len(prompts)
+        )
+        self._send_json(200, answer, record.request_id)
+
+    def _images(self, record: Served, body: dict[str, Any], query: Any) -> None:
+        model = self._answered_by(body.get("model") or "gpt-image-1")
+        if model is None:
+            self._unknown_model(record, body.get("model"))
+            return
+        size = body.get("size") if body.get("size") not in (None, "auto") else "1024x1024"
+        quality = body.get("quality") if body.get("quality") not in (None, "auto") else "medium"
+        per_image = IMAGE_OUTPUT_TOKENS.get(str(size), {}).get(str(quality))
+        if per_image is None:
+            record.status = 400
+            self._error(400, f"unsupported size {size} or quality {quality}", record.request_id)
+            return
+        n = body.get("n") or 1
+        used = Usage(
+            input_tokens=text_tokens(str(body.get("prompt") or "")),
+            output_tokens=per_image * n,
+            output_image_tokens=per_image * n,
+        )
+        self._bill(record, model, used)
+        if self._after_billing(record):
+            return
+        self._send_json(200, answers.images(n, used, str(size), str(quality)), record.request_id)
+
+    def _speech(self, record: Served, body: dict[str, Any], query: Any) -> None:
+        model = self._answered_by(body.get("model"))
+        text = body.get("input")
+        if model is None or not isinstance(text, str):
+            self._unknown_model(record, body.get("model"))
+            return
+        self._bill(record, model, Usage(input_characters=len(text)))
+        if self._after_billing(record):
+            return
+        audio = b"ID3\x04\x00\x00\x00\x00\x00\x00" + hashlib.sha256(text.encode()).digest()
+        self._send_bytes(200, audio, record.request_id, "audio/mpeg")
 
     # -- Anthropic messages ------------------------------------------------------------
 
-    def _messages(self, record: Served, body: dict[str, Any], query: Any) -> None:
-        model = body.get("model", "")
-        usage = self._usage(
-            model,
-            prompt_tokens(
-                body.get("messages", []),
-                body.get("system"),
-                _extras(body, ("tools", "tool_choice")),
-            ),
-            body.get("max_tokens"),
+    def _anthropic_usage(self, model: str, body: dict[str, Any]) -> Usage:
+        input_tokens = prompt_tokens(
+            body.get("messages", []),
+            body.get("system"),
+            _extras(body, ("tools", "tool_choice")),
+            self.fake.realism,
         )
-        if usage is None:
-            self._unknown_model(record, model, anthropic=True)
+        used = self._tokens(model, input_tokens, body.get("max_tokens"))
+        if not self.fake.realism.cache:
+            return used
+        plain, read, written, written_1h = self.fake.cache.split(body, used.input_tokens)
+        return Usage(
+            input_tokens=plain,
+            cached_input_tokens=used.cached_input_tokens + read,
+            cache_write_tokens=written,
+            cache_write_1h_tokens=written_1h,
+            output_tokens=used.output_tokens,
+        )
+
+    def _messages(self, record: Served, body: dict[str, Any], query: Any) -> None:
+        model = self._answered_by(body.get("model"))
+        if model is None:
+            self._unknown_model(record, body.get("model"))
             return
+        usage = self._anthropic_usage(model, body)
+        tier = tier_of(body.get("service_tier"), self.fake.realism, anthropic=True)
         self._bill(record, model, usage)
-        message = _anthropic_message(
-            self.fake._next_id("msg_"), model, usage, body.get("max_tokens")
+        message = answers.anthropic_message(
+            self.fake._next_id("msg_"), model, usage, body.get("max_tokens"), tier
         )
         tool = _tool_to_call(body, anthropic=True)
         if tool is not None and not body.get("stream"):
@@ -774,73 +926,30 @@ class _Handler(BaseHTTPRequestHandler):
         if not body.get("stream"):
             self._send_json(200, message, record.request_id)
             return
-        self._start_stream(record.request_id)
-        start = {
-            **message,
-            "content": [],
-            "stop_reason": None,
-            "usage": {**message["usage"], "output_tokens": 1},
-        }
-        events: list[tuple[str, dict[str, Any]]] = [
-            ("message_start", {"type": "message_start", "message": start}),
-            (
-                "content_block_start",
-                {
-                    "type": "content_block_start",
-                    "index": 0,
-                    "content_block": {"type": "text", "text": ""},
-                },
-            ),
-            ("ping", {"type": "ping"}),
-            *(
-                (
-                    "content_block_delta",
-                    {
-                        "type": "content_block_delta",
-                        "index": 0,
-                        "delta": {"type": "text_delta", "text": word + " "},
-                    },
-                )
-                for word in message["content"][0]["text"].split(" ")
-            ),
-            ("content_block_stop", {"type": "content_block_stop", "index": 0}),
-            (
-                "message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
-                    "usage": {"output_tokens": usage.output_tokens},
-                },
-            ),
-            ("message_stop", {"type": "message_stop"}),
+        events = [
+            f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+            for name, data in answers.anthropic_events(message)
         ]
-        try:
-            for i, (name, data) in enumerate(events):
-                if record.fault == "cut-stream" and i == 3:
-                    self._cut()
-                    return
-                self._chunk(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
-            self._end_stream()
-        except OSError:
-            return
+        self._sse(record, events, cut_at=3)
+
+    def _count_tokens(self, record: Served, body: dict[str, Any], query: Any) -> None:
+        tokens = prompt_tokens(
+            body.get("messages", []),
+            body.get("system"),
+            _extras(body, ("tools",)),
+            self.fake.realism,
+        )
+        self._send_json(200, {"input_tokens": tokens}, record.request_id)
 
     # -- Anthropic message batches -------------------------------------------------------
 
     def _batch_create(self, record: Served, body: dict[str, Any], query: Any) -> None:
         results = []
+        batched = self.fake.realism.batch_discount
         for item in body.get("requests", []):
             params = item.get("params", {})
-            model = params.get("model", "")
-            usage = self._usage(
-                model,
-                prompt_tokens(
-                    params.get("messages", []),
-                    params.get("system"),
-                    _extras(params, ("tools", "tool_choice")),
-                ),
-                params.get("max_tokens"),
-            )
-            if usage is None:
+            model = self._answered_by(params.get("model"))
+            if model is None:
                 results.append(
                     {
                         "custom_id": item.get("custom_id"),
@@ -848,24 +957,30 @@ class _Handler(BaseHTTPRequestHandler):
                             "type": "errored",
                             "error": {
                                 "type": "error",
-                                "error": {"type": "not_found_error", "message": f"model {model!r}"},
+                                "error": {
+                                    "type": "not_found_error",
+                                    "message": f"model {params.get('model')!r}",
+                                },
                             },
                         },
                     }
                 )
                 continue
-            record.billed += self.fake.prices.cost(model, usage)
+            usage = self._anthropic_usage(model, params)
+            self._bill(record, model, usage, PriceContext(batch=batched))
+            tier = "batch" if batched else "standard"
             results.append(
                 {
                     "custom_id": item.get("custom_id"),
                     "result": {
                         "type": "succeeded",
-                        "message": _anthropic_message(
-                            self.fake._next_id("msg_"), model, usage, params.get("max_tokens")
+                        "message": answers.anthropic_message(
+                            self.fake._next_id("msg_"), model, usage, params.get("max_tokens"), tier
                         ),
                     },
                 }
             )
+        record.answered_by = None
         work = float(self.headers.get("x-fake-work-seconds") or 0)
         job = _Job(
             "batch",
@@ -877,21 +992,25 @@ class _Handler(BaseHTTPRequestHandler):
         )
         with self.fake._lock:
             self.fake._jobs[job.id] = job
-        self._send_json(200, _batch_object(job), record.request_id)
+        answer = answers.batch_object(job.id, job.created_at, job.ready_at, results)
+        self._send_json(200, answer, record.request_id)
 
     def _batch_job(self, record: Served, batch_id: str) -> _Job | None:
         with self.fake._lock:
             job = self.fake._jobs.get(batch_id)
         if job is None or job.kind != "batch":
             record.status = 404
-            self._error(404, f"batch {batch_id} not found", record.request_id, anthropic=True)
+            self._error(404, f"batch {batch_id} not found", record.request_id)
             return None
         return job
 
     def _batch_get(self, record: Served, batch_id: str) -> None:
         job = self._batch_job(record, batch_id)
         if job is not None:
-            self._send_json(200, _batch_object(job), record.request_id)
+            answer = answers.batch_object(
+                job.id, job.created_at, job.ready_at, job.payload["results"]
+            )
+            self._send_json(200, answer, record.request_id)
 
     def _batch_results(self, record: Served, batch_id: str) -> None:
         job = self._batch_job(record, batch_id)
@@ -901,108 +1020,15 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_bytes(200, lines, record.request_id, "application/binary")
 
 
-def _openai_chat_usage(usage: Usage) -> dict[str, Any]:
-    prompt = usage.input_tokens + usage.cached_input_tokens
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": usage.output_tokens,
-        "total_tokens": prompt + usage.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_input_tokens},
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-    }
-
-
-def _response_object(job: _Job, *, done: bool) -> dict[str, Any]:
-    usage: Usage = job.payload["usage"]
-    text = " ".join(["fake"] * max(1, usage.output_tokens))
-    return {
-        "id": job.id,
-        "object": "response",
-        "created_at": int(job.created_at),
-        "status": "completed" if done else "in_progress",
-        "model": job.model,
-        "output": []
-        if not done
-        else [
-            {
-                "type": "message",
-                "id": f"msg_{job.id}",
-                "role": "assistant",
-                "status": "completed",
-                "content": [{"type": "output_text", "text": text, "annotations": []}],
-            }
-        ],
-        "parallel_tool_calls": True,
-        "tool_choice": "auto",
-        "tools": [],
-        "error": None,
-        "incomplete_details": None,
-        "background": job.payload["background"],
-        "usage": None
-        if not done
-        else {
-            "input_tokens": usage.input_tokens + usage.cached_input_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_input_tokens},
-            "output_tokens": usage.output_tokens,
-            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-            "total_tokens": usage.input_tokens + usage.cached_input_tokens + usage.output_tokens,
-        },
-    }
-
-
-def _anthropic_message(
-    message_id: str, model: str, usage: Usage, max_tokens: int | None
-) -> dict[str, Any]:
-    return {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": [{"type": "text", "text": " ".join(["fake"] * max(1, usage.output_tokens))}],
-        "stop_reason": "max_tokens"
-        if max_tokens and usage.output_tokens >= max_tokens
-        else "end_turn",
-        "stop_sequence": None,
-        "usage": {
-            "input_tokens": usage.input_tokens,
-            "output_tokens": usage.output_tokens,
-            "cache_read_input_tokens": usage.cached_input_tokens,
-            "cache_creation_input_tokens": 0,
-        },
-    }
-
-
-def _batch_object(job: _Job) -> dict[str, Any]:
-    ended = time.time() >= job.ready_at
-    results = job.payload["results"]
-    succeeded = sum(1 for r in results if r["result"]["type"] == "succeeded")
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(job.created_at))
-    return {
-        "id": job.id,
-        "type": "message_batch",
-        "processing_status": "ended" if ended else "in_progress",
-        "request_counts": {
-            "processing": 0 if ended else len(results),
-            "succeeded": succeeded if ended else 0,
-            "errored": len(results) - succeeded if ended else 0,
-            "canceled": 0,
-            "expired": 0,
-        },
-        "created_at": stamp,
-        "expires_at": stamp,
-        "ended_at": stamp if ended else None,
-        "archived_at": None,
-        "cancel_initiated_at": None,
-        "results_url": f"/v1/messages/batches/{job.id}/results" if ended else None,
-    }
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Run the fake LLM provider.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8089)
-    args = parser.parse_args()
-    fake = FakeProvider(args.host, args.port)
+    parser.add_argument(
+        "--kind", action="store_true", help="turn off every realistic behaviour (see Realism)"
+    )
+    args = parser.parse_args(argv)
+    fake = FakeProvider(args.host, args.port, realism=Realism.kind() if args.kind else None)
     print(f"fake provider on {fake.url} (OpenAI base {fake.openai_base_url})", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         fake._server.serve_forever()

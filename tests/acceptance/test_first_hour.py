@@ -182,9 +182,11 @@ def test_the_quick_start_as_written_then_the_demo_then_the_plugin_example(
         first, again, status = outputs
         assert first == again and first.strip()  # the second job replayed the first
         posts = [s for s in fake.served() if s.method == "POST"]
-        assert [s.idempotency_key for s in posts] == ["summarize:doc-7:openai.chat:1"]
         ledger = Ledger(ledger_url)
         try:
+            assert [s.idempotency_key for s in posts] == [
+                ledger.provider_key("summarize:doc-7:openai.chat:1")
+            ]
             assert ledger.balance("acme").spent == posts[0].billed > 0
             assert ledger.balance("acme").held == 0
             assert ledger.audit() == []

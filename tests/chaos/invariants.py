@@ -45,7 +45,7 @@ def check_requests_match_attempts(ledger: Ledger, fake: FakeProvider) -> int:
     its attempt was committed as 'sending' before the request reached the provider.
     Returns the number of billable requests."""
     attempts = attempt_rows(ledger)
-    sent = [s for s in fake.served() if s.method == BILLABLE_METHOD]
+    sent = [s for s in fake.served_as(ledger) if s.method == BILLABLE_METHOD]
     keys = Counter(s.idempotency_key for s in sent)
     assert None not in keys, "a billable request without an attempt key"
     repeated = {k: n for k, n in keys.items() if n > 1}

@@ -192,7 +192,7 @@ def test_postgres_stopped_mid_load_sends_nothing_then_every_task_recovers(
 
         # -- fail closed: during the outage, only sends committed before the stop ----
         ledger = Ledger(ledger_url)
-        attempts = attempt_rows(ledger)
+        attempts = {ledger.provider_key(k): a for k, a in attempt_rows(ledger).items()}
         stopped = datetime.fromtimestamp(down_at, UTC)
         for served in served_in_outage:
             attempt = attempts.get(str(served.idempotency_key))

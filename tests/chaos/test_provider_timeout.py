@@ -46,12 +46,10 @@ FIT = len(KILLED + HUNG + RESET) + 4
 assert len(NORMAL) <= FIT  # without the holds, every ordinary call would fit
 
 
-def requests_for(fake: FakeProvider, job: str) -> list[Any]:
-    return [
-        s
-        for s in fake.served()
-        if s.method == "POST" and (s.idempotency_key or "").startswith(f"chaos:{job}#")
-    ]
+def requests_for(fake: FakeProvider, ledger: Ledger, job: str) -> list[Any]:
+    """The provider requests of ``job``'s main attempts (sent under their provider keys)."""
+    keys = {ledger.provider_key(f"chaos:{job}#{n}") for n in range(1, 6)}
+    return [s for s in fake.served() if s.method == "POST" and s.idempotency_key in keys]
 
 
 def lease_pid(ledger: Ledger, job: str) -> int | None:
@@ -90,7 +88,7 @@ def test_timeouts_keep_their_holds_under_load_then_beat_settles_them_at_the_bill
         }
         kills = 0
         for job in KILLED:
-            wait_for(lambda job=job: requests_for(fake, job), 30, f"{job}'s request")
+            wait_for(lambda job=job: requests_for(fake, real, job), 30, f"{job}'s request")
             pid = lease_pid(real, job)  # None if the SDK already gave up
             kills += pid is not None and sigkill(pid)
         ended = {job: outcome(r, timeout=60) for job, r in results.items()}
@@ -102,8 +100,8 @@ def test_timeouts_keep_their_holds_under_load_then_beat_settles_them_at_the_bill
             attempt = unknown[f"chaos:{job}"]
             assert ended[job] not in ("ok", "BudgetExceeded"), (job, ended[job])
             assert attempt.actual is None and attempt.amount == each, attempt
-            assert len(requests_for(fake, job)) == 1, job
-            assert fake.billed_for(attempt.key) > 0, "the provider billed the call"
+            assert len(requests_for(fake, real, job)) == 1, job
+            assert fake.billed_for(attempt.key, real) > 0, "the provider billed the call"
         bal = real.balance("slow")
         assert (bal.held, bal.spent) == (len(faults) * each, 0), "a hold was released"
 
@@ -129,7 +127,10 @@ def test_timeouts_keep_their_holds_under_load_then_beat_settles_them_at_the_bill
         for attempt in unknown.values():
             settled = real.attempt(attempt.key)
             assert settled.flagged_at is not None
-            assert (settled.state, settled.actual) == ("settled", fake.billed_for(attempt.key))
+            assert (settled.state, settled.actual) == (
+                "settled",
+                fake.billed_for(attempt.key, real),
+            )
         bal = real.balance("slow")
         assert bal.held == 0 and bal.spent == fake.state()["billed_total"]
 
@@ -139,7 +140,7 @@ def test_timeouts_keep_their_holds_under_load_then_beat_settles_them_at_the_bill
         }
         for job, r in again.items():
             assert r.get(timeout=60) == real.operation(f"chaos:{job}").result, job
-            assert len(requests_for(fake, job)) == 1, job
+            assert len(requests_for(fake, real, job)) == 1, job
         requests = check_all(real, fake)
         print(
             f"{len(faults)} unknown outcomes settled at the bill, {tally['ok']} ordinary "

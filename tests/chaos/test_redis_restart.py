@@ -51,11 +51,11 @@ def operations(ledger: Ledger) -> dict[str, Any]:
     return {r.key.removeprefix("chaos:"): r for r in rows}
 
 
-def provider_calls(fake: FakeProvider) -> Counter[str]:
+def provider_calls(fake: FakeProvider, ledger: Ledger) -> Counter[str]:
     """POST requests per business key (the attempt key without its '#n')."""
     return Counter(
         (s.idempotency_key or "?").removeprefix("chaos:").split("#")[0]
-        for s in fake.served()
+        for s in fake.served_as(ledger)
         if s.method == "POST"
     )
 
@@ -119,7 +119,7 @@ def test_redis_killed_mid_load_worker_reconnects_and_resent_keys_replay(
         assert worker.proc.poll() is None, "the worker died instead of reconnecting"
 
         ops = operations(real)
-        calls = provider_calls(fake)
+        calls = provider_calls(fake, real)
         assert max(calls.values()) == 1, f"a business key called twice: {calls}"
         for key, end in ended.items():
             assert end in ("ok", "BudgetExceeded"), (key, end)

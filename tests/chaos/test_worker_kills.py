@@ -86,12 +86,10 @@ def schedule(rng: random.Random) -> list[str]:
     return first + rest
 
 
-def requests_for(fake: FakeProvider, job: str) -> list[Any]:
-    return [
-        s
-        for s in fake.served()
-        if s.method == "POST" and (s.idempotency_key or "").startswith(f"chaos:{job}#")
-    ]
+def requests_for(fake: FakeProvider, ledger: Ledger, job: str) -> list[Any]:
+    """The provider requests of ``job``'s main attempts (sent under their provider keys)."""
+    keys = {ledger.provider_key(f"chaos:{job}#{n}") for n in range(1, 6)}
+    return [s for s in fake.served() if s.method == "POST" and s.idempotency_key in keys]
 
 
 def operation_row(ledger: Ledger, job: str) -> Any:
@@ -138,7 +136,7 @@ def play_round(
     result = client.send_task("chaos.call", args=[job, kill, fault])
     killed = False
     if kind == "mid_request":
-        wait_for(lambda: requests_for(fake, job) or result.ready(), 30, f"{where}: the send")
+        wait_for(lambda: requests_for(fake, real, job) or result.ready(), 30, f"{where}: the send")
         if not result.ready():  # a denied round never sends
             pid = lease_pid(real, job)
             assert pid is not None, where
@@ -148,7 +146,7 @@ def play_round(
         killed = any([sigkill(pid) for pid in live_children(lane.worker)])
     ended = outcome(result, timeout=60)
     lane.tally[(kind, ended)] += 1
-    sent = requests_for(fake, job)
+    sent = requests_for(fake, real, job)
     attempts = real.attempts(keys=[f"chaos:{job}#1", f"chaos:{job}#2"])
     if available < each:
         assert ended == "BudgetExceeded", f"{where}: {ended} with {available} left"
@@ -262,7 +260,7 @@ def test_thirty_sigkills_of_a_pool_child_never_resend_and_lose_no_hold(
         with celery_client(lanes[0].url) as client:
             counts = client.send_task("budget_tasks.reconcile_unknown").get(timeout=60)
         undescribed = [a for a in unknown if a.lookup is None]
-        never_sent = [a for a in unknown if a.lookup and fake.billed_for(a.key) == 0]
+        never_sent = [a for a in unknown if a.lookup and fake.billed_for(a.key, real) == 0]
         assert counts == {
             "found": len(unknown) - len(undescribed) - len(never_sent),
             "not_found": len(never_sent),
@@ -272,14 +270,14 @@ def test_thirty_sigkills_of_a_pool_child_never_resend_and_lose_no_hold(
         }, (counts, unknown)
         # The operator checks with the provider and releases what it never saw.
         for a in undescribed:
-            assert fake.billed_for(a.key) == 0, a
+            assert fake.billed_for(a.key, real) == 0, a
             done = CliRunner().invoke(
                 cli,
                 ["resolve", "--ledger-url", pg_url, a.key, "--actual", "0", "--note", "never sent"],
             )
             assert done.exit_code == 0, done.output
         for a in real.attempts():
-            billed = fake.billed_for(a.key)
+            billed = fake.billed_for(a.key, real)
             assert a.state == ("settled" if billed else "released"), a
             assert a.actual == billed, a
         assert check_all(real, fake) == sent_total

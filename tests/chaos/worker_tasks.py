@@ -38,6 +38,8 @@ def chaos_request(job: str) -> dict[str, Any]:
     return {
         "model": "gpt-4o-mini",
         "max_completion_tokens": 32,
+        # the tier named: the bound is priced at it, not at the dearest a project may use
+        "service_tier": "default",
         "messages": [{"role": "user", "content": f"Classify ticket {job}."}],
     }
 

@@ -135,13 +135,13 @@ def test_a_timeout_is_reconciled_with_what_the_provider_billed(
     assert counts["found"] == 1
     settled = pg_ledger.attempt(attempt.key)
     assert settled.state == "settled"
-    assert settled.actual == fake.billed_for(attempt.key) > 0
+    assert settled.actual == fake.billed_for(attempt.key, pg_ledger) > 0
     assert pg_ledger.balance("team").held == 0
     # The provider's answer is stored on the operation and replays: no second call.
     replayed = summarize.delay("a").get()
     assert replayed == pg_ledger.operation("doc:a").result
     assert replayed["content"].startswith("fake")
-    assert len([s for s in fake.served() if s.idempotency_key == attempt.key]) == 1
+    assert len([s for s in fake.served_as(pg_ledger) if s.idempotency_key == attempt.key]) == 1
     assert pg_ledger.audit() == []
 
 
@@ -151,7 +151,7 @@ def test_not_found_releases_and_requeues_pending_backs_off(
     client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
     pg_ledger.create_budget("team", 1_000_000)
     # The provider stores completions (another call's is there): "not found" means something.
-    openai_chat(client, key="another-call", **PROMPT)
+    openai_chat(client, key=pg_ledger.provider_key("another-call"), **PROMPT)
     start = pg_ledger.begin_operation(
         "op-lost",
         fingerprint="f",
@@ -234,7 +234,7 @@ def test_two_reconcilers_at_once_settle_once(
     with pg_ledger.engine.connect() as conn:
         charges = conn.execute(text("SELECT count(*) FROM journal WHERE kind = 'charge'")).scalar()
     assert charges == len(keys)
-    assert pg_ledger.balance("team").spent == sum(fake.billed_for(k) for k in keys)
+    assert pg_ledger.balance("team").spent == sum(fake.billed_for(k, pg_ledger) for k in keys)
     assert pg_ledger.audit() == []
 
 
@@ -244,14 +244,21 @@ class _Described:
     def __init__(self, ledger: Ledger, key: str) -> None:
         self.ledger, self.key = ledger, key
 
+    @property
+    def provider_key(self) -> str:
+        return self.ledger.provider_key(self.key)
+
     def describe(
         self,
         lookup: str,
         model: str,
         response_id: str | None = None,
         timeout: float | None = None,
+        request: str | None = None,
     ) -> None:
-        self.ledger.describe_attempt(self.key, lookup=lookup, model=model, timeout=timeout)
+        self.ledger.describe_attempt(
+            self.key, lookup=lookup, model=model, timeout=timeout, request=request
+        )
 
     def record_request_id(self, request_id: str) -> None:
         self.ledger.record_request_id(self.key, request_id)
@@ -361,11 +368,16 @@ def test_a_send_left_sending_by_a_run_that_is_gone_is_reconciled(
         pg_ledger.reserve("team", key, 10_000, operation_id=start.operation_id)
         pg_ledger.describe_attempt(key, lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
         pg_ledger.mark_sending(key, provider="openai")
-        openai_chat(client, key=key, **PROMPT)  # reached the provider; the run died after
+        openai_chat(
+            client, key=pg_ledger.provider_key(key), **PROMPT
+        )  # reached the provider; the run died after
     counts = reconcile_unknown(pg_ledger, lambda kind: client, margin=timedelta(0))
     assert counts["found"] == 1
     dead_attempt = pg_ledger.attempt("op-dead#1")
-    assert (dead_attempt.state, dead_attempt.actual) == ("settled", fake.billed_for("op-dead#1"))
+    assert (dead_attempt.state, dead_attempt.actual) == (
+        "settled",
+        fake.billed_for("op-dead#1", pg_ledger),
+    )
     assert pg_ledger.operation("op-dead").status == "succeeded"
     assert pg_ledger.attempt("op-alive#1").state == "sending"
     assert pg_ledger.attempt("op-away#1").state == "sending"
@@ -384,7 +396,9 @@ def test_not_found_waits_for_the_timeout_the_attempt_was_sent_with(
     seconds after the send the provider may still be working on it: "not found" means
     "not yet", whatever beat's client would wait."""
     beat_client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
-    openai_chat(beat_client, key="stored", **PROMPT)  # the provider stores completions
+    openai_chat(
+        beat_client, key=pg_ledger.provider_key("stored"), **PROMPT
+    )  # the provider stores completions
     pg_ledger.create_budget("team", 1_000_000)
     pg_ledger.reserve("team", "slow-call", 10_000)
     pg_ledger.describe_attempt(
@@ -410,7 +424,7 @@ def test_one_refused_resolution_does_not_stop_the_batch(
     pg_ledger.create_budget("team", 1_000_000)
     for key in ("first", "second"):
         unknown_attempt(pg_ledger, key)
-        openai_chat(client, key=key, **PROMPT)  # both reached the provider
+        openai_chat(client, key=pg_ledger.provider_key(key), **PROMPT)  # both reached the provider
 
     class Meddled:
         """The ledger, where an operator settled 'first' a moment before beat did."""
@@ -425,8 +439,10 @@ def test_one_refused_resolution_does_not_stop_the_batch(
 
     counts = reconcile_unknown(Meddled(), lambda kind: client, margin=timedelta(0))  # type: ignore[arg-type]
     assert (counts["failed"], counts["found"]) == (1, 1)
-    assert pg_ledger.attempt("first").actual == fake.billed_for("first") + 1  # theirs stands
-    assert pg_ledger.attempt("second").actual == fake.billed_for("second")
+    assert (
+        pg_ledger.attempt("first").actual == fake.billed_for("first", pg_ledger) + 1
+    )  # theirs stands
+    assert pg_ledger.attempt("second").actual == fake.billed_for("second", pg_ledger)
     assert pg_ledger.audit() == []
 
 
@@ -438,7 +454,7 @@ def test_settlements_by_reconciliation_feed_the_overrun_and_ratio_metrics(
     pg_ledger.reserve("team", "low", 1)  # an estimate far below the bill
     pg_ledger.describe_attempt("low", lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
     pg_ledger.mark_sending("low")
-    openai_chat(client, key="low", **PROMPT)
+    openai_chat(client, key=pg_ledger.provider_key("low"), **PROMPT)
     pg_ledger.mark_unknown("low", "worker lost")
 
     def sample(name: str) -> float:
@@ -447,6 +463,6 @@ def test_settlements_by_reconciliation_feed_the_overrun_and_ratio_metrics(
     overruns = sample("budget_tasks_overruns_total")
     ratios = sample("budget_tasks_actual_to_estimate_ratio_count")
     assert reconcile_unknown(pg_ledger, lambda kind: client, margin=timedelta(0))["found"] == 1
-    assert pg_ledger.attempt("low").actual == fake.billed_for("low") > 1
+    assert pg_ledger.attempt("low").actual == fake.billed_for("low", pg_ledger) > 1
     assert sample("budget_tasks_overruns_total") == overruns + 1
     assert sample("budget_tasks_actual_to_estimate_ratio_count") == ratios + 1

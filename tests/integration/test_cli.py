@@ -350,3 +350,30 @@ def test_a_budget_without_a_period_says_so(pg_url: str, pg_ledger: Ledger) -> No
     shown = command("budget", "show", "daily", "--ledger-url", pg_url).stdout.splitlines()
     assert shown[0] == "budget daily (period day, renewal reset)"
     assert shown[1].startswith("period from 20")
+
+
+def test_providers_lists_what_bills_and_price_shows_a_models_rates() -> None:
+    """What an operator asks before a deploy: is this endpoint metered, and at what
+    price does a snapshot settle."""
+    import json as _json
+
+    from click.testing import CliRunner
+
+    from budget_tasks.cli import main
+
+    runner = CliRunner()
+    done = runner.invoke(main, ["providers", "--vendor", "openai", "--json"])
+    assert done.exit_code == 0, done.output
+    rules = _json.loads(done.output)
+    metered = {r["endpoint"] for r in rules if r["kind"] == "metered"}
+    assert {"openai.chat", "openai.embeddings", "openai.images"} <= metered
+    assert any(r["kind"] == "refused" and "batches" in r["pattern"] for r in rules)
+    done = runner.invoke(main, ["price", "claude-haiku-4-5-20251001", "--vendor", "anthropic"])
+    assert done.exit_code == 0 and "1000000" in done.output  # $1 per million input tokens
+    batch = runner.invoke(
+        main, ["price", "claude-haiku-4-5", "--vendor", "anthropic", "--batch", "--json"]
+    )
+    assert _json.loads(batch.output)["input"] == 500_000
+    unknown = runner.invoke(main, ["price", "no-such-model", "--vendor", "openai"])
+    assert unknown.exit_code == 2 and "no price" in unknown.output
+    assert runner.invoke(main, ["providers", "--vendor", "nosuch"]).exit_code == 2

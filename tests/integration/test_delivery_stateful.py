@@ -231,7 +231,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         self.beat_ran_last = False
         unknown = self.ledger.attempts(states=["unknown"])
         attempt = data.draw(st.sampled_from(unknown), label="attempt")
-        billed = self.fake.billed_for(attempt.key)
+        billed = self.fake.billed_for(attempt.key, self.ledger)
         with contextlib.suppress(BudgetTasksError):  # moved since it was read: that stands
             self.ledger.resolve_attempt(
                 attempt.key, billed, note="checked the invoice", by="operator", expected="unknown"
@@ -241,7 +241,7 @@ class DeliveryMachine(RuleBasedStateMachine):
 
     @invariant()
     def each_business_key_is_billed_once_but_for_explicit_resends(self) -> None:
-        served = [s for s in self.fake.served() if s.method == "POST"]
+        served = [s for s in self.fake.served_as(self.ledger) if s.method == "POST"]
         sends = Counter(s.idempotency_key for s in served)
         assert max(sends.values(), default=0) <= 1, "an attempt key was sent twice"
         attempts = self.ledger.attempts()
@@ -261,12 +261,12 @@ class DeliveryMachine(RuleBasedStateMachine):
     @invariant()
     def every_billed_attempt_is_charged_its_bill_or_held(self) -> None:
         attempts = {a.key: a for a in self.ledger.attempts()}
-        for served in self.fake.served():
+        for served in self.fake.served_as(self.ledger):
             if served.method != "POST":
                 continue
             attempt = attempts.get(str(served.idempotency_key))
             assert attempt is not None, f"{served.idempotency_key} was sent without an attempt"
-            billed = self.fake.billed_for(attempt.key)
+            billed = self.fake.billed_for(attempt.key, self.ledger)
             if attempt.state in ("settled", "released"):
                 assert attempt.actual == billed, (
                     attempt.key,
@@ -278,7 +278,7 @@ class DeliveryMachine(RuleBasedStateMachine):
                 assert attempt.state in ("unknown", "sending"), attempt
         for attempt in attempts.values():
             if attempt.state in ("settled", "released"):
-                assert attempt.actual == self.fake.billed_for(attempt.key), attempt
+                assert attempt.actual == self.fake.billed_for(attempt.key, self.ledger), attempt
 
     @invariant()
     def no_hold_is_left_without_a_run_or_a_reconciliation(self) -> None:

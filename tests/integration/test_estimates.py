@@ -19,6 +19,7 @@ from budget_tasks.providers import (
     openai_client,
 )
 from budget_tasks.testing import FakeProvider
+from budget_tasks.testing.fake_billing import IMAGE_TOKENS
 
 texts = st.text(st.characters(codec="utf-8"), max_size=300)
 messages = st.lists(
@@ -133,7 +134,6 @@ SCHEMA = {
         ("web_search_options", {}, "web_search_options"),
         ("web_search_options", {"search_context_size": "low"}, "web_search_options"),
         ("tools", [{"type": "web_search"}], "web_search"),
-        ("service_tier", "priority", "service_tier"),
         ("extra_body", {"anything": 1}, "extra_body"),
         ("some_new_parameter", True, "some_new_parameter"),
     ],
@@ -236,8 +236,6 @@ def test_a_conversation_with_tool_calls_and_results_is_bounded(fake: FakeProvide
 
 
 def test_images_are_bounded_only_with_a_per_image_bound(fake: FakeProvider) -> None:
-    from budget_tasks.testing.fake_provider import IMAGE_TOKENS
-
     params = {
         **CHAT,
         "messages": [
@@ -291,3 +289,216 @@ def test_anthropic_tools_and_system_blocks_are_bounded(fake: FakeProvider) -> No
         client, key=key, extra_headers={"x-fake-output-tokens": "40"}, **params
     )
     assert bare.amount < sent.cost == fake.billed_for(key) <= bound.amount
+
+
+# -- every metered endpoint: billed within its bound, or refused before sending ---------
+
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "https://example.org/a.png"}}
+INPUT_IMAGE = {"type": "input_image", "image_url": "https://example.org/a.png"}
+FUNCTION_TOOL = {
+    "type": "function",
+    "name": "lookup",
+    "description": "Look a word up in the dictionary. " * 15,
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}},
+}
+words = st.text(st.characters(codec="utf-8"), min_size=1, max_size=120)
+
+
+@st.composite
+def responses_input(draw: st.DrawFn) -> list[Any]:
+    """Responses input items as agent code sends them: messages, tool calls and their
+    outputs (media inside them), reasoning items, computer screenshots."""
+    items: list[Any] = []
+    for _ in range(draw(st.integers(1, 5))):
+        kind = draw(
+            st.sampled_from(
+                ["message", "function_call", "output", "output_image", "reasoning", "computer"]
+            )
+        )
+        if kind == "message":
+            items.append({"role": "user", "content": draw(words)})
+        elif kind == "function_call":
+            items.append(
+                {
+                    "type": "function_call",
+                    "call_id": "call_1",
+                    "name": "lookup",
+                    "arguments": '{"word": "' + draw(words).replace('"', "") + '"}',
+                }
+            )
+        elif kind == "output":
+            items.append(
+                {"type": "function_call_output", "call_id": "call_1", "output": draw(words)}
+            )
+        elif kind == "output_image":
+            items.append(
+                {"type": "function_call_output", "call_id": "call_1", "output": [INPUT_IMAGE]}
+            )
+        elif kind == "reasoning":
+            items.append(
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [{"type": "summary_text", "text": draw(words)}],
+                    "encrypted_content": "gAAAA" + "x" * draw(st.integers(0, 400)),
+                }
+            )
+        else:
+            items.append(
+                {
+                    "type": "computer_call_output",
+                    "call_id": "call_2",
+                    "output": {
+                        "type": "computer_screenshot",
+                        "image_url": "data:image/png;base64,AA",
+                    },
+                }
+            )
+    return items
+
+
+@st.composite
+def metered_request(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    """A request to one of the metered endpoints, as a user's code would send it."""
+    endpoint = draw(
+        st.sampled_from(
+            ["chat", "responses", "embeddings", "completions", "images", "speech", "messages"]
+        )
+    )
+    limit = draw(st.integers(1, 400))
+    if endpoint == "chat":
+        content: Any = draw(words)
+        if draw(st.booleans()):
+            content = [{"type": "text", "text": content}, IMAGE_PART]
+        params: dict[str, Any] = {
+            "model": draw(st.sampled_from(["gpt-4o-mini", "gpt-4.1-nano", "o4-mini"])),
+            "max_completion_tokens": limit,
+            "n": draw(st.integers(1, 3)),
+            "messages": [{"role": "user", "content": content}],
+        }
+        if draw(st.booleans()):
+            params["tools"] = [WEATHER_TOOL]
+        tier = draw(st.sampled_from(["default", "priority", "flex", "auto", None]))
+        if tier is not None:
+            params["service_tier"] = tier
+        return endpoint, params
+    if endpoint == "responses":
+        params = {
+            "model": draw(st.sampled_from(["gpt-4o-mini", "o4-mini"])),
+            "max_output_tokens": limit,
+            "input": draw(responses_input()),
+            "instructions": draw(st.none() | words),
+            # a tier named: the bound is priced at it alone (tight, as a bill at it is)
+            "service_tier": draw(st.sampled_from(["default", "priority", "flex", None])),
+        }
+        if draw(st.booleans()):
+            # tool definitions as large as real ones get (long descriptions, schemas)
+            described = {
+                **FUNCTION_TOOL,
+                "description": "Look it up. " * draw(st.integers(1, 400)),
+            }
+            params["tools"] = [described] * draw(st.integers(1, 3))
+        return endpoint, {k: v for k, v in params.items() if v is not None}
+    if endpoint == "embeddings":
+        one = draw(words)
+        value = draw(st.sampled_from([one, [one, one + "!"], [1, 2, 3, 4]]))
+        return endpoint, {"model": "text-embedding-3-small", "input": value}
+    if endpoint == "completions":
+        params = {
+            "model": "gpt-3.5-turbo-instruct",
+            "prompt": draw(st.sampled_from([draw(words), [draw(words), draw(words)]])),
+            "n": draw(st.integers(1, 2)),
+        }
+        if draw(st.booleans()):
+            params["max_tokens"] = limit  # else the API's own default of 16
+        return endpoint, params
+    if endpoint == "images":
+        return endpoint, {
+            "model": "gpt-image-1",
+            "prompt": draw(words),
+            "n": draw(st.integers(1, 2)),
+            "size": draw(st.sampled_from(["auto", "1024x1024", "1536x1024", "1024x1536"])),
+            "quality": draw(st.sampled_from(["auto", "low", "medium", "high"])),
+        }
+    if endpoint == "speech":
+        return endpoint, {
+            "model": draw(st.sampled_from(["tts-1", "tts-1-hd"])),
+            "voice": "alloy",
+            "input": draw(words),
+        }
+    cache = draw(st.sampled_from([None, {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}]))
+    system: Any = [{"type": "text", "text": "You are terse. " * draw(st.integers(1, 50))}]
+    if cache:
+        system[0]["cache_control"] = cache
+    content = draw(words)
+    if draw(st.booleans()):
+        content = [
+            {
+                "type": "tool_result",
+                "tool_use_id": "tu_1",
+                "content": [
+                    {"type": "text", "text": content},
+                    {
+                        "type": "image",
+                        "source": {"type": "url", "url": "https://example.org/a.png"},
+                    },
+                ],
+            }
+        ]
+    return endpoint, {
+        "model": draw(st.sampled_from(["claude-haiku-4-5", "claude-sonnet-4-5"])),
+        "max_tokens": limit,
+        "system": system,
+        "messages": [{"role": "user", "content": content}],
+    }
+
+
+def _estimate(endpoint: str, params: dict[str, Any]) -> Any:
+    media = {"image_tokens": IMAGE_TOKENS}
+    return {
+        "chat": lambda: estimates.openai_chat(params, **media),
+        "responses": lambda: estimates.openai_response(params, **media),
+        "embeddings": lambda: estimates.openai_embeddings(params),
+        "completions": lambda: estimates.openai_completions(params),
+        "images": lambda: estimates.openai_images(params),
+        "speech": lambda: estimates.openai_speech(params),
+        "messages": lambda: estimates.anthropic_message(params, **media),
+    }[endpoint]()
+
+
+def _send(fake: FakeProvider, endpoint: str, params: dict[str, Any], key: str) -> None:
+    import anthropic as anthropic_sdk
+    import openai as openai_sdk
+
+    headers = {"Idempotency-Key": key, "x-fake-output-tokens": "100000"}  # all it may
+    if endpoint == "messages":
+        claude = anthropic_sdk.Anthropic(base_url=fake.url, api_key="x", max_retries=0)
+        claude.messages.create(extra_headers=headers, **params)
+        return
+    oai = openai_sdk.OpenAI(base_url=fake.openai_base_url, api_key="x", max_retries=0)
+    {
+        "chat": oai.chat.completions.create,
+        "responses": oai.responses.create,
+        "embeddings": oai.embeddings.create,
+        "completions": oai.completions.create,
+        "images": oai.images.generate,
+        "speech": oai.audio.speech.create,
+    }[endpoint](extra_headers=headers, **params)
+
+
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(request=metered_request())
+def test_every_metered_endpoint_is_billed_within_its_estimate(
+    fake: FakeProvider, request: tuple[str, dict[str, Any]]
+) -> None:
+    """Through the official SDKs to the fake in its realistic mode (cache writes by TTL,
+    reasoning tokens, snapshots, tiers, media in tool results billed as media), each
+    request using every output token it may: the bill never passes the estimate."""
+    endpoint, params = request
+    bound = _estimate(endpoint, params)
+    key = f"bound-{uuid.uuid4()}"
+    _send(fake, endpoint, params, key)
+    billed = fake.billed_for(key)
+    assert 0 < billed <= bound.amount, (endpoint, billed, bound)

@@ -73,6 +73,7 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
             "attempts",
             "budget_periods",
             "budgets",
+            "installation",
             "journal",
             "operations",
             "side_effects",
@@ -82,7 +83,10 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
         assert a["journal"]["checks"], "the comparison must see check constraints"
         assert a["triggers"], "the append-only trigger must exist"
         assert a == b
-        assert current(migrated) == "0006"
+        assert current(migrated) == "0007"
+        # each made its own installation id, once
+        ids = [Ledger(url).installation_id() for url in (migrated, created)]
+        assert ids[0] != ids[1] and all(len(i) == 32 for i in ids)
 
 
 def test_autogenerate_sees_no_difference_after_upgrade() -> None:
@@ -109,7 +113,7 @@ def test_cli_db_upgrade_then_the_ledger_works() -> None:
             check=False,
         )
         assert done.returncode == 0, done.stderr
-        assert "revision 0006" in done.stdout
+        assert "revision 0007" in done.stdout
         ledger = Ledger(url)
         ledger.create_budget("acme", 10)
         assert ledger.reserve("acme", "k", 10).created
@@ -226,7 +230,7 @@ def _upgrade_with_data(url: str, revision: str) -> None:
     upgrade(url, revision)
     _fill(url, revision)
     upgrade(url)  # to head, over the data
-    assert current(url) == "0006"
+    assert current(url) == "0007"
     ledger = Ledger(url)
     assert ledger.audit() == []
     assert [(a.key, a.state, a.actual) for a in ledger.attempts()] == [
@@ -276,8 +280,8 @@ def test_two_upgrades_at_once_take_turns() -> None:
         outcomes = [(p.wait(120), *p.communicate()) for p in runs]
         for code, out, err in outcomes:
             assert code == 0 and "Traceback" not in err, err
-            assert "revision 0006" in out
-        assert current(url) == "0006"
+            assert "revision 0007" in out
+        assert current(url) == "0007"
         ledger = Ledger(url)
         ledger.create_budget("after", 10)
         assert ledger.audit() == []

@@ -227,8 +227,9 @@ def app(backend_url: str, fake: FakeProvider) -> Any:
     close_ledgers()
 
 
-def sent_for(fake: FakeProvider, prefix: str) -> list[Any]:
-    return [s for s in fake.served() if (s.idempotency_key or "").startswith(prefix)]
+def sent_for(fake: FakeProvider, prefix: str, ledger: Ledger) -> list[Any]:
+    """The requests sent under ``ledger``'s attempt keys that start with ``prefix``."""
+    return [s for s in fake.served_as(ledger) if (s.idempotency_key or "").startswith(prefix)]
 
 
 # -- 1. a billed cost is settled, never released ------------------------------------
@@ -251,16 +252,16 @@ def test_an_error_after_a_billed_call_settles_it_and_never_sends_it_again(
         task.delay(f"doc-{then}", then).get()
     ledger = Ledger(app.url)
     [attempt] = ledger.attempts()
-    billed = fake.billed_for(attempt.key)
+    billed = fake.billed_for(attempt.key, ledger)
     assert billed > 0
     assert (attempt.state, attempt.actual) == ("settled", billed)  # not released at 0
     assert ledger.balance("team").spent == billed
     assert ledger.operation(f"billed:doc-{then}").status == "failed"
-    sent = len(sent_for(fake, "billed:"))
+    sent = len(sent_for(fake, "billed:", ledger))
     # a redelivery reports the failure: the billed call is not sent again
     with pytest.raises(OperationFailed):
         task.delay(f"doc-{then}", then).get()
-    assert len(sent_for(fake, "billed:")) == sent
+    assert len(sent_for(fake, "billed:", ledger)) == sent
     assert ledger.holds() == [] and ledger.audit() == []
     ledger.dispose()
 
@@ -271,12 +272,12 @@ def test_an_error_after_a_billed_spend_call_settles_it(app: Any, fake: FakeProvi
         task.delay("d1", "value").get()
     ledger = Ledger(app.url)
     [step] = [a for a in ledger.attempts() if a.label == "draft"]
-    assert (step.state, step.actual) == ("settled", fake.billed_for(step.key))
+    assert (step.state, step.actual) == ("settled", fake.billed_for(step.key, ledger))
     assert step.actual > 0
     # the billed call's answer was never stored: a rerun would send it again, so no rerun
     with pytest.raises(OperationFailed):
         task.delay("d1", "ok").get()
-    assert len(sent_for(fake, "step:d1")) == 1
+    assert len(sent_for(fake, "step:d1", ledger)) == 1
     assert ledger.holds() == [] and ledger.audit() == []
     ledger.dispose()
 
@@ -295,18 +296,18 @@ def test_budget_exceeded_in_a_step_strands_nothing_and_the_rerun_replays(
         app.jobs["agent"].delay("pricing").get()
     # step one settled below its estimate; step two asks for a whole estimate again
     assert info.value.requested == ONE_CALL
-    assert info.value.available == ONE_CALL - fake.billed_for("agent:pricing:one:1")
+    assert info.value.available == ONE_CALL - fake.billed_for("agent:pricing:one:1", ledger)
     attempts = {a.key: a for a in ledger.attempts()}
     main = attempts["agent:pricing#1"]
     assert (main.state, main.actual) == ("released", 0)  # not unknown for good
     step_one = attempts["agent:pricing:one:1"]
-    assert (step_one.state, step_one.actual) == ("settled", fake.billed_for(step_one.key))
+    assert (step_one.state, step_one.actual) == ("settled", fake.billed_for(step_one.key, ledger))
     assert [h.key for h in ledger.holds()] == ["blocker"]
     assert ledger.operation("agent:pricing").status == "pending"
     # budget frees up: the next delivery replays step one and sends step two
     ledger.release("blocker", "freed")
     assert len(app.jobs["agent"].delay("pricing").get()) == 2
-    assert [s.idempotency_key for s in sent_for(fake, "agent:pricing")] == [
+    assert [s.idempotency_key for s in sent_for(fake, "agent:pricing", ledger)] == [
         "agent:pricing:one:1",
         "agent:pricing:two:1",
     ]
@@ -328,7 +329,7 @@ def test_a_step_released_after_a_429_is_a_new_attempt_on_the_next_run(
         ("agent:weather:one:1", "released", "first"),
         ("agent:weather:one:1~2", "settled", "redelivery"),
     ]
-    assert [s.status for s in sent_for(fake, "agent:weather:one")] == [429, 200]
+    assert [s.status for s in sent_for(fake, "agent:weather:one", ledger)] == [429, 200]
     assert ledger.operation("agent:weather").status == "succeeded"
     assert ledger.holds() == [] and ledger.audit() == []
     assert ledger.balance("team").spent == fake.state()["billed_total"]
@@ -345,7 +346,7 @@ def test_a_ledger_outage_before_a_step_is_sent_leaves_nothing_unknown(
     assert states == {"agent-down:t#1": "released", "agent-down:t:one:1": "settled"}
     assert ledger.operation("agent-down:t").status == "pending"
     assert ledger.holds() == []
-    assert [s.idempotency_key for s in fake.served()] == ["agent-down:t:one:1"]
+    assert [s.idempotency_key for s in fake.served_as(ledger)] == ["agent-down:t:one:1"]
     ledger.dispose()
 
 
@@ -378,7 +379,7 @@ def test_a_result_that_cannot_be_stored_settles_the_call_and_frees_the_lease(
         app.jobs["billed_then"].delay(f"r-{then}", then).get()
     ledger = Ledger(app.url)
     [attempt] = ledger.attempts()
-    assert (attempt.state, attempt.actual) == ("settled", fake.billed_for(attempt.key))
+    assert (attempt.state, attempt.actual) == ("settled", fake.billed_for(attempt.key, ledger))
     operation = ledger.operation(f"billed:r-{then}")
     assert (operation.status, operation.lease_owner) == ("failed", None)
     assert ledger.holds() == [] and ledger.audit() == []
@@ -421,7 +422,7 @@ def test_an_operator_resolving_an_old_attempt_never_reopens_the_operation(
     # a duplicate enqueue replays: no third attempt, no OperationFailed
     assert app.jobs["resend"].delay(f"op-{actual}").get() == result
     assert [a.key for a in ledger.attempts()] == [f"{key}#1", f"{key}#2"]
-    assert len(sent_for(fake, key)) == 2
+    assert len(sent_for(fake, key, ledger)) == 2
     assert ledger.audit() == []
     ledger.dispose()
 
@@ -469,7 +470,7 @@ def test_reconciling_an_old_attempt_never_reopens_a_succeeded_resend(
     assert ledger.operation("resend:beat").status == "succeeded"
     assert requeued == []
     assert app.jobs["resend"].delay("beat").get() == result
-    assert len(sent_for(fake, "resend:beat")) == 2
+    assert len(sent_for(fake, "resend:beat", ledger)) == 2
     assert ledger.holds() == [] and ledger.audit() == []
     ledger.dispose()
 
@@ -500,7 +501,7 @@ def test_a_background_response_keeps_its_hold_until_reconciliation_reads_its_usa
     later = Ledger(app.url, clock=clock)
     assert reconcile_unknown(later, lambda kind: client)["found"] == 1
     settled = later.attempt(attempt.key)
-    assert (settled.state, settled.actual) == ("settled", fake.billed_for(attempt.key))
+    assert (settled.state, settled.actual) == ("settled", fake.billed_for(attempt.key, ledger))
     assert settled.actual > 0 and not settled.estimate_only
     assert later.operation("bg:Plan the quarter.").result == result  # the task's own
     assert later.holds() == [] and later.audit() == []
@@ -531,7 +532,7 @@ def test_a_step_whose_outcome_is_unknown_holds_the_operation_until_beat_finds_it
     assert ledger.operation("agent:tide").status == "retryable"
     notes = task.delay("tide").get()  # step one replays; step two replays what beat found
     assert len(notes) == 2 and notes[1]["id"]
-    sent = [s.idempotency_key for s in sent_for(fake, "agent:tide")]
+    sent = [s.idempotency_key for s in sent_for(fake, "agent:tide", ledger)]
     assert sent == ["agent:tide:one:1", "agent:tide:two:1"]
     assert ledger.balance("team").spent == fake.state()["billed_total"]
     assert ledger.holds() == [] and ledger.audit() == []

@@ -66,8 +66,9 @@ def deliver(
     )
 
 
-def sent(fake: FakeProvider, key: str) -> list[Any]:
-    return [s for s in fake.served() if (s.idempotency_key or "").startswith(f"{key}#")]
+def sent(fake: FakeProvider, key: str, ledger: Ledger) -> list[Any]:
+    """The requests sent under the main attempts of operation ``key``."""
+    return [s for s in fake.served_as(ledger) if (s.idempotency_key or "").startswith(f"{key}#")]
 
 
 def test_a_success_found_by_beat_is_never_overwritten_by_a_delivery_that_read_unknown(
@@ -102,8 +103,8 @@ def test_a_success_found_by_beat_is_never_overwritten_by_a_delivery_that_read_un
     )
     # Every later delivery replays: one send of the business key, charged once.
     assert deliver(ledger, fake, "found") == answer
-    assert len(sent(fake, "found")) == 1
-    assert ledger.balance("team").spent == fake.billed_for("found#1")
+    assert len(sent(fake, "found", ledger)) == 1
+    assert ledger.balance("team").spent == fake.billed_for("found#1", ledger)
     assert ledger.holds() == [] and ledger.audit() == []
 
 
@@ -138,7 +139,7 @@ def test_beat_never_reopens_a_resend_and_never_clears_its_live_lease(
     assert ledger.operation("resend").status == "succeeded"
     # later deliveries replay: two sends in all (the failed one and the resend)
     assert deliver(ledger, fake, "resend", on_unknown="resend") == answer
-    assert [s.status for s in sent(fake, "resend")] == [500, 200]
+    assert [s.status for s in sent(fake, "resend", ledger)] == [500, 200]
     assert ledger.holds() == [] and ledger.audit() == []
 
 
@@ -154,7 +155,7 @@ def test_an_operator_release_while_a_delivery_decides_is_adopted_not_overwritten
     ledger.resolve_attempt("op#1", 0, note="provider: no such request", by="operator")
     outcome, answer = paused.go()
     assert outcome == "ok", answer
-    assert [s.status for s in sent(fake, "op")] == [500, 200]
+    assert [s.status for s in sent(fake, "op", ledger)] == [500, 200]
     assert [(a.key, a.state) for a in ledger.attempts()] == [
         ("op#1", "released"),
         ("op#2", "settled"),
@@ -173,7 +174,7 @@ def test_a_delivery_that_meets_an_unknown_attempt_holds_without_a_race(
     with pytest.raises(OutcomeUnknown):
         deliver(ledger, fake, "plain")
     assert ledger.operation("plain").status == "unknown"
-    assert len(sent(fake, "plain")) == 1
+    assert len(sent(fake, "plain", ledger)) == 1
 
 
 def test_an_answer_found_for_a_resend_is_adopted_while_an_older_attempt_stays_unknown(
@@ -200,7 +201,7 @@ def test_an_answer_found_for_a_resend_is_adopted_while_an_older_attempt_stays_un
     operation = ledger.operation("twice")
     assert operation.status == "succeeded"
     assert deliver(ledger, fake, "twice", on_unknown="resend") == operation.result
-    assert [s.idempotency_key for s in fake.served() if s.method == "POST"] == ["twice#2"]
+    assert [s.idempotency_key for s in fake.served_as(ledger) if s.method == "POST"] == ["twice#2"]
     assert ledger.attempt("twice#1").state == "unknown"  # still held, for an operator
 
 

@@ -45,7 +45,7 @@ def test_the_quick_start_block_reserves_settles_and_replays(
         first = summarize.delay("doc-7", "The board met and approved the budget.").get()
         again = summarize.delay("doc-7", "The board met and approved the budget.").get()
         assert isinstance(first, str) and first and again == first  # replayed
-        [served] = [s for s in fake.served() if s.method == "POST"]
+        [served] = [s for s in fake.served_as(ledger) if s.method == "POST"]
         assert served.idempotency_key == "summarize:doc-7:openai.chat:1"  # the SDK's call
         [attempt] = [a for a in ledger.attempts() if a.key == served.idempotency_key]
         assert attempt.state == "settled" and attempt.actual == served.billed

@@ -95,8 +95,11 @@ def app(backend_url: str, fake: FakeProvider) -> Any:
     return app
 
 
-def posts(fake: FakeProvider) -> list[Any]:
-    return [s for s in fake.served() if s.method == "POST"]
+def posts(fake: FakeProvider, ledger: Ledger | None = None) -> list[Any]:
+    """The POSTs the fake served; with ``ledger``, each keyed by that ledger's attempt
+    key (the provider is sent an opaque digest of it)."""
+    served = fake.served() if ledger is None else fake.served_as(ledger)
+    return [s for s in served if s.method == "POST"]
 
 
 def test_each_sdk_call_is_its_own_attempt_settled_at_the_bill(
@@ -104,7 +107,7 @@ def test_each_sdk_call_is_its_own_attempt_settled_at_the_bill(
 ) -> None:
     value = app.jobs["agent"].delay("tides").get()
     assert [n for n, _ in value] == [2, 2, 2]  # the SDK's full response: both choices
-    sent = posts(fake)
+    sent = posts(fake, Ledger(backend_url))
     assert [s.idempotency_key for s in sent] == [
         "agent:tides:openai.chat:1",
         "agent:tides:openai.chat:2",
@@ -266,7 +269,7 @@ def test_tool_call_round_trips_through_both_sdks_are_metered_call_by_call(
     value = with_tools.delay().get()
     assert value[:2] == ["tool_calls", "lookup"] and value[3:5] == ["tool_use", "lookup"]
     assert value[2].startswith("fake") and value[5].startswith("fake")
-    sent = posts(fake)
+    sent = posts(fake, Ledger(backend_url))
     assert [s.idempotency_key for s in sent] == [
         "tools:1:openai.chat:1",
         "tools:1:openai.chat:2",
@@ -308,13 +311,60 @@ def test_langchain_chat_openai_unchanged_through_the_guarded_http_client(
         return str(llm.invoke("Hello there").content)
 
     assert ask.delay().get().startswith("fake")
-    [sent] = posts(fake)
+    [sent] = posts(fake, Ledger(backend_url))
     assert sent.idempotency_key == "lc:1:openai.chat:1"
     [step] = [a for a in Ledger(backend_url).attempts() if a.key == "lc:1:openai.chat:1"]
     assert (step.state, step.actual) == ("settled", sent.billed)
     with pytest.raises(UnguardedCall):
         llm.invoke("Outside any task")
     assert len(posts(fake)) == 1
+
+
+def test_litellm_through_the_guarded_client_is_metered_and_replays_and_refused_without(
+    app: Any, fake: FakeProvider, backend_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LiteLLM given the guarded SDK client (``client=``) is metered call by call and
+    replays on a redelivery; LiteLLM left to build its own client inside a task would
+    bill unmetered: its connection is refused when it opens (the ``litellm`` extra)."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
+    litellm = pytest.importorskip("litellm")
+    from budget_tasks.bypass import UnmeteredConnection
+
+    guarded = app.openai
+
+    def ask(client: Any) -> str:
+        answer = litellm.completion(
+            model="openai/gpt-4o-mini",
+            messages=[{"role": "user", "content": "Hello from LiteLLM"}],
+            max_tokens=16,
+            api_base=fake.openai_base_url,
+            api_key="x",
+            num_retries=0,
+            **({"client": client} if client is not None else {}),
+        )
+        return str(answer.choices[0].message.content)
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"litellm-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        idempotency_key=lambda guarded_client: f"litellm:{guarded_client}",
+        estimate_cost=lambda guarded_client: 0,
+    )
+    def via_litellm(self: BudgetTask, guarded_client: bool) -> str:
+        return ask(guarded if guarded_client else None)
+
+    text = via_litellm.delay(True).get()
+    assert text.startswith("fake")
+    [sent] = posts(fake, Ledger(backend_url))
+    assert sent.idempotency_key == "litellm:True:openai.chat:1"
+    [step] = [a for a in Ledger(backend_url).attempts() if a.key == sent.idempotency_key]
+    assert (step.state, step.actual) == ("settled", sent.billed)
+    assert via_litellm.delay(True).get() == text and len(posts(fake)) == 1  # replayed
+    with pytest.raises(UnmeteredConnection):
+        via_litellm.delay(False).get()
+    assert len(posts(fake)) == 1  # the unguarded call never reached the provider
 
 
 def test_a_call_reconciliation_found_is_replayed_to_the_sdk_as_the_task_built_it(
@@ -419,7 +469,7 @@ def test_streams_through_the_sdk_are_settled_from_their_last_event(
     assert mid_stream == ["sending"]  # passed on as it arrives, settled at its end
     assert text.startswith("fake") and said.startswith("fake")
     assert usage_chunks == (1 if asked_for_usage else 0)
-    sent = posts(fake)
+    sent = posts(fake, Ledger(backend_url))
     charged = {a.key: a.actual for a in Ledger(backend_url).attempts() if "#" not in a.key}
     assert charged == {s.idempotency_key: s.billed for s in sent}
     assert len(sent) == 2 and all(s.billed > 0 for s in sent)
@@ -459,7 +509,7 @@ def test_an_anthropic_batch_is_held_until_it_ends_then_settled_at_what_it_billed
         return str(claude.messages.batches.create(requests=[ask(1), ask(2)]).id)
 
     batch_id = batch.delay().get()
-    [sent] = posts(fake)
+    [sent] = posts(fake, Ledger(backend_url))
     assert sent.idempotency_key == "batch:1:anthropic.batches:1" and sent.billed > 0
     ledger = Ledger(backend_url)
     [step] = [a for a in ledger.attempts() if a.key == sent.idempotency_key]
@@ -491,7 +541,7 @@ def test_an_openai_batch_is_refused_before_sending_not_let_through_unmetered(
         )
         return str(created.id)
 
-    with pytest.raises(EstimateRefused, match="batch creation is not metered"):
+    with pytest.raises(EstimateRefused, match="batches is not metered and is refused"):
         batch.delay().get()
     assert posts(fake) == []
     assert Ledger(backend_url).balance("team").held == 0
@@ -528,7 +578,7 @@ def test_plain_http_clients_and_call_labels(app: Any, fake: FakeProvider, backen
         return [*statuses, unlabelled.status_code]
 
     assert plain.delay().get() == [200, 200, 200]
-    sent = posts(fake)
+    sent = posts(fake, Ledger(backend_url))
     assert [s.idempotency_key for s in sent] == [
         "plain:1:summary/openai.chat:1",
         "plain:1:search/openai.chat:1",

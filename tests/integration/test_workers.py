@@ -32,8 +32,9 @@ def operation_counts(ledger: Ledger, key: str) -> tuple[int, int]:
     return int(deliveries), int(replays)
 
 
-def requests_for(fake: FakeProvider, prefix: str) -> list[Any]:
-    return [s for s in fake.served() if (s.idempotency_key or "").startswith(prefix)]
+def requests_for(fake: FakeProvider, prefix: str, ledger: Ledger) -> list[Any]:
+    """The requests sent under ``ledger``'s attempt keys that start with ``prefix``."""
+    return [s for s in fake.served_as(ledger) if (s.idempotency_key or "").startswith(prefix)]
 
 
 def test_sigkill_mid_call_then_redelivery_keeps_the_hold_and_never_resends(
@@ -42,12 +43,12 @@ def test_sigkill_mid_call_then_redelivery_keeps_the_hold_and_never_resends(
     worker = start_worker()
     fake.plan("delay=4", path="/chat/completions")
     result = client.send_task(SUMMARIZE, args=["doc-kill", "Board minutes."])
-    wait_for(lambda: requests_for(fake, "summarize:doc-kill"), what="the provider call")
+    wait_for(lambda: requests_for(fake, "summarize:doc-kill", pg_ledger), what="the provider call")
     [child] = worker.children()
     os.kill(child, signal.SIGKILL)  # mid-request: the provider is still working on it
     with pytest.raises(Exception, match="outcome of attempt 'summarize:doc-kill#1' is unknown"):
         result.get(timeout=60)
-    assert len(requests_for(fake, "summarize:doc-kill")) == 1
+    assert len(requests_for(fake, "summarize:doc-kill", pg_ledger)) == 1
     [attempt] = pg_ledger.attempts()
     assert attempt.state == "unknown"
     bal = pg_ledger.balance("default")
@@ -67,7 +68,7 @@ def test_duplicate_deliveries_replay_one_provider_call(
     other = client.send_task(SUMMARIZE, args=args, task_id="dup-2")
     assert again.get(timeout=60) == value
     assert other.get(timeout=60) == value
-    assert len(requests_for(fake, "summarize:doc-dup")) == 1
+    assert len(requests_for(fake, "summarize:doc-dup", pg_ledger)) == 1
     assert pg_ledger.balance("default").spent == value["cost"]
     assert pg_ledger.audit() == []
 
@@ -82,7 +83,7 @@ def test_two_task_ids_same_business_key_at_once_make_one_call(
     results = [client.send_task(SUMMARIZE, args=args) for _ in range(2)]
     values = [r.get(timeout=90) for r in results]
     assert values[0] == values[1]
-    assert len(requests_for(fake, "summarize:doc-twin")) == 1
+    assert len(requests_for(fake, "summarize:doc-twin", pg_ledger)) == 1
     assert len(pg_ledger.attempts()) == 1
 
 
@@ -95,8 +96,8 @@ def test_visibility_timeout_redelivery_while_running_replays(
     fake.plan("delay=7", path="/chat/completions")
     result = client.send_task(SUMMARIZE, args=["doc-vis", "A long job."])
     value = result.get(timeout=120)
-    assert len(requests_for(fake, "summarize:doc-vis")) == 1
-    assert value["cost"] == fake.billed_for("summarize:doc-vis#1")
+    assert len(requests_for(fake, "summarize:doc-vis", pg_ledger)) == 1
+    assert value["cost"] == fake.billed_for("summarize:doc-vis#1", pg_ledger)
     # The broker handed the running message out again; that delivery found the lease
     # live, came back later and replayed the stored result.
     counts = wait_for(
@@ -132,7 +133,7 @@ def test_two_hundred_tasks_against_a_cap_for_fifty(
             outcomes.append(type(exc).__name__)
     assert outcomes.count("ok") == 50
     assert outcomes.count("BudgetExceeded") == 150
-    assert len(requests_for(fake, "fixed:")) == 50
+    assert len(requests_for(fake, "fixed:", pg_ledger)) == 50
     bal = pg_ledger.balance("capped")
     assert bal.spent + bal.held == 50 * each == bal.cap
     assert pg_ledger.audit() == []
@@ -169,7 +170,7 @@ def test_agent_task_spends_per_step_and_notifies_once(
     assert value["notified"] == "notified: tides after 3 steps"
     again = client.send_task(RESEARCH, args=["tides", 3]).get(timeout=60)
     assert again == value
-    assert len(requests_for(fake, "research:tides:3:step:")) == 3
+    assert len(requests_for(fake, "research:tides:3:step:", pg_ledger)) == 3
     steps = [a for a in pg_ledger.attempts() if a.label == "step"]
     assert sum(a.actual or 0 for a in steps) == fake.state()["billed_total"]
     assert pg_ledger.audit() == []
@@ -193,11 +194,11 @@ def test_beat_jobs_through_a_real_worker_flag_then_reconcile_a_timeout(
     counts = client.send_task("budget_tasks.reconcile_unknown").get(timeout=60)
     assert counts["found"] == 1
     settled = pg_ledger.attempt(attempt.key)
-    assert (settled.state, settled.actual) == ("settled", fake.billed_for(attempt.key))
+    assert (settled.state, settled.actual) == ("settled", fake.billed_for(attempt.key, pg_ledger))
     # the next delivery of that document replays the reconciled answer
     value = client.send_task(SUMMARIZE, args=["doc-late", "Slow."]).get(timeout=60)
     assert value == pg_ledger.operation("summarize:doc-late").result
-    assert len(requests_for(fake, "summarize:doc-late")) == 1
+    assert len(requests_for(fake, "summarize:doc-late", pg_ledger)) == 1
     assert client.send_task("budget_tasks.renew_periods").get(timeout=60) == 0
     assert pg_ledger.audit() == []
 
@@ -209,13 +210,13 @@ def test_whole_worker_killed_mid_call_then_a_new_worker_never_resends(
     first = start_worker("first", **settings)
     fake.plan("delay=4", path="/chat/completions")
     result = client.send_task(SUMMARIZE, args=["doc-crash", "Power cut."])
-    wait_for(lambda: requests_for(fake, "summarize:doc-crash"), what="the provider call")
+    wait_for(lambda: requests_for(fake, "summarize:doc-crash", pg_ledger), what="the provider call")
     os.killpg(first.proc.pid, signal.SIGKILL)  # the machine dies: no ack, no requeue
     first.proc.wait(timeout=10)
     start_worker("second", **settings)  # Redis hands the unacked message out again
     with pytest.raises(Exception, match="outcome of attempt 'summarize:doc-crash#1' is unknown"):
         result.get(timeout=90)
-    assert len(requests_for(fake, "summarize:doc-crash")) == 1
+    assert len(requests_for(fake, "summarize:doc-crash", pg_ledger)) == 1
     [attempt] = pg_ledger.attempts()
     assert attempt.state == "unknown"
     assert pg_ledger.balance("default").held == attempt.amount
@@ -287,7 +288,7 @@ def test_metrics_scraped_from_a_worker_match_the_ledger(
     for name in ("cap", "spent", "held", "available"):
         assert value(f"budget_tasks_{name}", budget="metered") == getattr(bal, name), name
     assert bal.spent == 6 * each
-    assert len(requests_for(fake, "fixed:")) == 6
+    assert len(requests_for(fake, "fixed:", pg_ledger)) == 6
 
 
 def test_a_429_after_a_billed_call_settles_it_and_is_not_retried(
@@ -299,10 +300,10 @@ def test_a_429_after_a_billed_call_settles_it_and_is_not_retried(
     with pytest.raises(Exception, match="429"):
         client.send_task("tests.billed_then_429", args=[1]).get(timeout=60)
     time.sleep(1.5)  # a retry would come after rate_limit_countdown (0.2 s)
-    sent = requests_for(fake, "b429:1")
+    sent = requests_for(fake, "b429:1", pg_ledger)
     assert [s.status for s in sent] == [200, 429]
     [attempt] = pg_ledger.attempts()
-    assert (attempt.state, attempt.actual) == ("settled", fake.billed_for("b429:1#1"))
+    assert (attempt.state, attempt.actual) == ("settled", fake.billed_for("b429:1#1", pg_ledger))
     assert attempt.actual > 0
     assert pg_ledger.operation("b429:1").status == "failed"
     assert pg_ledger.audit() == []
@@ -316,7 +317,7 @@ def test_a_step_rate_limited_is_retried_by_the_worker_as_a_new_attempt_of_that_s
         "tests.agent_steps", args=["tide"], kwargs={"faults": {"two": "status=429"}}
     ).get(timeout=60)
     assert value == ["one done", "two done"]
-    sent = [(s.idempotency_key, s.status) for s in requests_for(fake, "steps:tide")]
+    sent = [(s.idempotency_key, s.status) for s in requests_for(fake, "steps:tide", pg_ledger)]
     assert sent == [
         ("steps:tide:one:1", 200),
         ("steps:tide:two:1", 429),
@@ -349,17 +350,17 @@ def test_retry_when_budget_frees_works_for_a_step(
     assert pg_ledger.attempts(states=["unknown"]) == []  # no hold stranded as unknown
     pg_ledger.release("blocker", "the budget frees up")
     assert result.get(timeout=60) == ["one done", "two done"]
-    assert [s.idempotency_key for s in requests_for(fake, "steps:budget")] == [
+    assert [s.idempotency_key for s in requests_for(fake, "steps:budget", pg_ledger)] == [
         "steps:budget:one:1",
         "steps:budget:two:1",
     ]
     assert pg_ledger.holds() == [] and pg_ledger.audit() == []
 
 
-def guarded_posts(fake: FakeProvider, topic: str) -> list[str]:
+def guarded_posts(fake: FakeProvider, topic: str, ledger: Ledger) -> list[str]:
     return [
         s.idempotency_key or ""
-        for s in fake.served()
+        for s in fake.served_as(ledger)
         if s.method == "POST" and (s.idempotency_key or "").startswith(f"guarded:{topic}:")
     ]
 
@@ -378,10 +379,10 @@ def test_an_sdk_agent_killed_after_three_calls_replays_them_and_sends_the_rest_o
     marker = tmp_path / "died-once"
     value = client.send_task("tests.guarded_agent", args=["tides", str(marker)]).get(timeout=90)
     assert marker.exists() and len(value) == 5
-    keys = guarded_posts(fake, "tides")
+    keys = guarded_posts(fake, "tides", pg_ledger)
     assert keys == [f"guarded:tides:openai.chat:{n}" for n in range(1, 6)]  # each once
     steps = {a.key: a for a in pg_ledger.attempts() if a.key.startswith("guarded:tides:")}
-    billed = {s.idempotency_key: s.billed for s in fake.served() if s.method == "POST"}
+    billed = {s.idempotency_key: s.billed for s in fake.served_as(pg_ledger) if s.method == "POST"}
     assert {k: (a.state, a.actual) for k, a in steps.items()} == {
         k: ("settled", billed[k]) for k in keys
     }
@@ -401,7 +402,9 @@ def test_a_redelivery_that_asks_something_else_at_a_replayed_position_is_a_confl
     result = client.send_task("tests.guarded_agent", args=["ebb", str(marker), 2])
     with pytest.raises(Exception, match=r"CallConflict|another request"):
         result.get(timeout=90)
-    assert guarded_posts(fake, "ebb") == [f"guarded:ebb:openai.chat:{n}" for n in range(1, 4)]
+    assert guarded_posts(fake, "ebb", pg_ledger) == [
+        f"guarded:ebb:openai.chat:{n}" for n in range(1, 4)
+    ]
     assert pg_ledger.operation("guarded:ebb").status == "failed"
     assert pg_ledger.balance("default").held == 0
 
@@ -419,7 +422,7 @@ def test_the_sdks_own_calls_through_the_guarded_transport_in_a_real_worker(
         "stream_usage_True": 1,
         "anthropic": ["tool_use", "tool_use"],
     }
-    sent = [s for s in fake.served() if s.method == "POST"]
+    sent = [s for s in fake.served_as(pg_ledger) if s.method == "POST"]
     assert len(sent) == 7
     charged = {a.key: (a.state, a.actual) for a in pg_ledger.attempts() if "#" not in a.key}
     assert charged == {s.idempotency_key: ("settled", s.billed) for s in sent}

@@ -10,10 +10,13 @@ from budget_tasks.pricing import (
     MESSAGE_OVERHEAD_TOKENS,
     REQUEST_OVERHEAD_TOKENS,
     ModelPrice,
+    PriceContext,
     PriceTable,
+    Pricing,
     Usage,
     default_prices,
     load_prices,
+    parse_prices,
 )
 
 TABLE = PriceTable(
@@ -78,14 +81,107 @@ def test_usage_refuses_bad_counts() -> None:
         Usage(output_tokens=1, reasoning_tokens=2)
 
 
-def test_packaged_table_is_versioned_and_in_integer_units() -> None:
-    table = default_prices()
-    assert table.version
-    assert "gpt-4o-mini" in table.models
-    assert "claude-haiku-4-5" in table.models
-    for price in table.models.values():
-        assert isinstance(price.input, int)
-        assert isinstance(price.output, int)
+MILLION = 1_000_000
+
+
+def test_the_default_prices_come_from_the_maintained_source_in_integer_units() -> None:
+    prices = default_prices()
+    assert prices.version.startswith("genai-prices ")
+    # gpt-4o-mini: $0.15 / $0.60 per million tokens, as micro-USD per million
+    rates = prices.rates("gpt-4o-mini", provider="openai")
+    assert (rates.input, rates.output, rates.cached_input) == (150_000, 600_000, 75_000)
+    assert prices.cost("gpt-4o-mini", Usage(input_tokens=MILLION), provider="openai") == 150_000
+    assert isinstance(prices.cost("gpt-4o-mini", Usage(input_tokens=7), provider="openai"), int)
+    # one token at $0.15/M is 0.15 micro-USD: charged 1, never 0
+    assert prices.cost("gpt-4o-mini", Usage(input_tokens=1), provider="openai") == 1
+
+
+def test_a_snapshot_id_is_priced_as_its_model() -> None:
+    prices = default_prices()
+    for alias, snapshot, provider in (
+        ("gpt-4o", "gpt-4o-2024-08-06", "openai"),
+        ("claude-haiku-4-5", "claude-haiku-4-5-20251001", "anthropic"),
+    ):
+        usage = Usage(input_tokens=1234, output_tokens=567)
+        assert (
+            prices.cost(snapshot, usage, provider=provider)
+            == prices.cost(alias, usage, provider=provider)
+            > 0
+        )
+
+
+def test_anthropic_cache_writes_are_priced_by_their_ttl() -> None:
+    prices = default_prices()
+    five = prices.cost("claude-haiku-4-5", Usage(cache_write_tokens=MILLION), provider="anthropic")
+    hour = prices.cost(
+        "claude-haiku-4-5", Usage(cache_write_1h_tokens=MILLION), provider="anthropic"
+    )
+    read = prices.cost("claude-haiku-4-5", Usage(cached_input_tokens=MILLION), provider="anthropic")
+    plain = prices.cost("claude-haiku-4-5", Usage(input_tokens=MILLION), provider="anthropic")
+    # input $1/M: a 5-minute write 1.25x, a 1-hour write 2x, a read 0.1x
+    assert (plain, five, hour, read) == (1_000_000, 1_250_000, 2_000_000, 100_000)
+
+
+def test_batches_bill_half_and_tiers_bill_their_own_rates() -> None:
+    prices = default_prices()
+    usage = Usage(input_tokens=MILLION, output_tokens=MILLION)
+    full = prices.cost("claude-haiku-4-5", usage, provider="anthropic")
+    batch = prices.cost(
+        "claude-haiku-4-5", usage, provider="anthropic", context=PriceContext(batch=True)
+    )
+    assert batch * 2 == full == 6_000_000
+    standard = prices.cost("gpt-4o", usage, provider="openai")
+    priority = prices.cost(
+        "gpt-4o", usage, provider="openai", context=PriceContext(service_tier="priority")
+    )
+    flex = prices.cost("o3", usage, provider="openai", context=PriceContext(service_tier="flex"))
+    assert standard < priority and flex * 2 == prices.cost("o3", usage, provider="openai")
+
+
+def test_a_long_context_request_is_priced_at_its_tier() -> None:
+    prices = default_prices()
+    short = prices.rates("claude-sonnet-4-5", provider="anthropic", input_tokens=100_000)
+    long = prices.rates("claude-sonnet-4-5", provider="anthropic", input_tokens=300_000)
+    assert long.input == 2 * short.input and long.output > short.output
+    # the estimate picks the tier its own input bound falls in
+    big = ["x" * 250_000]
+    est = prices.estimate("claude-sonnet-4-5", big, 10, provider="anthropic", cache=None)
+    assert est.amount >= -(-(est.input_tokens * long.input + 10 * long.output) // MILLION)
+
+
+def test_a_model_is_looked_up_in_its_own_provider_only() -> None:
+    prices = default_prices()
+    assert prices.knows("gpt-4o-mini", "openai")
+    assert not prices.knows("gpt-4o-mini", "anthropic")  # never another vendor's price
+    with pytest.raises(UnknownModelPrice):
+        prices.cost("claude-9-turbo", Usage(input_tokens=1), provider="anthropic")
+
+
+def test_your_own_table_overrides_the_maintained_prices_and_matches_snapshots() -> None:
+    contract = parse_prices(
+        {
+            "version": "acme-2026",
+            "models": {
+                "gpt-4o": {
+                    "input": 1_000_000,
+                    "output": 2_000_000,
+                    "variants": {"batch": {"input": 500_000, "output": 1_000_000}},
+                }
+            },
+        }
+    )
+    prices = Pricing(contract)
+    usage = Usage(input_tokens=MILLION, output_tokens=MILLION)
+    assert prices.cost("gpt-4o-2024-08-06", usage, provider="openai") == 3_000_000
+    assert (
+        prices.cost("gpt-4o", usage, provider="openai", context=PriceContext(batch=True))
+        == 1_500_000
+    )
+    # a model the table does not name: the maintained price
+    assert prices.cost("gpt-4o-mini", usage, provider="openai") == default_prices().cost(
+        "gpt-4o-mini", usage, provider="openai"
+    )
+    assert prices.version.startswith("acme-2026+genai-prices")
 
 
 def test_a_table_from_a_file(tmp_path: Path) -> None:
@@ -100,31 +196,49 @@ def test_a_table_from_a_file(tmp_path: Path) -> None:
 
 
 texts = st.lists(st.text(max_size=200), min_size=1, max_size=6)
+MODELS = [
+    ("gpt-4o-mini", "openai"),
+    ("gpt-4o", "openai"),
+    ("gpt-4.1-nano", "openai"),
+    ("o4-mini", "openai"),
+    ("claude-haiku-4-5", "anthropic"),
+    ("claude-sonnet-4-5", "anthropic"),
+    ("claude-opus-4-1", "anthropic"),
+]
 
 
 @given(
-    model=st.sampled_from(sorted(default_prices().models)),
+    model=st.sampled_from(MODELS),
     prompt=texts,
     max_output=st.integers(1, 4_000),
+    cache=st.sampled_from([None, "5m", "1h"]),
     data=st.data(),
 )
 def test_estimate_is_never_below_any_usage_within_the_limits(
-    model: str, prompt: list[str], max_output: int, data: st.DataObject
+    model: tuple[str, str],
+    prompt: list[str],
+    max_output: int,
+    cache: str | None,
+    data: st.DataObject,
 ) -> None:
     """Whatever way a provider splits the bounded input between plain, cached and
-    cache-write tokens, and however much of the output limit it uses (reasoning
-    included), the priced actual never exceeds the estimate."""
+    cache-write tokens (only the writes the request allows), and however much of the
+    output limit it uses (reasoning included), the priced actual never exceeds the
+    estimate."""
+    name, provider = model
     table = default_prices()
-    est = table.estimate(model, prompt, max_output)
+    est = table.estimate(name, prompt, max_output, provider=provider, cache=cache)
     cached = data.draw(st.integers(0, est.input_tokens))
-    written = data.draw(st.integers(0, est.input_tokens - cached))
-    plain = data.draw(st.integers(0, est.input_tokens - cached - written))
+    written = 0 if cache is None else data.draw(st.integers(0, est.input_tokens - cached))
+    hour = 0 if cache != "1h" else data.draw(st.integers(0, est.input_tokens - cached - written))
+    plain = data.draw(st.integers(0, est.input_tokens - cached - written - hour))
     output = data.draw(st.integers(0, max_output))
     usage = Usage(
         input_tokens=plain,
         cached_input_tokens=cached,
         cache_write_tokens=written,
+        cache_write_1h_tokens=hour,
         output_tokens=output,
         reasoning_tokens=data.draw(st.integers(0, output)),
     )
-    assert table.cost(model, usage) <= est.amount
+    assert table.cost(name, usage, provider=provider) <= est.amount

@@ -1,0 +1,35 @@
+"""Prices and estimates in integer minor units (micro-USD by default).
+
+Prices come from a maintained source (:mod:`~budget_tasks.pricing.maintained`: Pydantic's
+``genai-prices``, which knows snapshot ids, cache writes by TTL, service tiers, batch
+prices and price changes over time), under your own table of contract prices where you
+give one (:mod:`~budget_tasks.pricing.table`, ``BUDGET_TASKS_PRICES``). Costs round up
+to a whole minor unit; estimates are upper bounds (:mod:`~budget_tasks.pricing.rates`).
+"""
+
+from .maintained import MaintainedPrices
+from .prices import PRICES_ENV, Prices, Pricing, default_prices, set_default_prices
+from .rates import MESSAGE_OVERHEAD_TOKENS, PER_MILLION, REQUEST_OVERHEAD_TOKENS, Rates
+from .table import ModelPrice, PriceTable, load_prices, parse_prices
+from .usage import STANDARD, Estimate, PriceContext, Usage
+
+__all__ = [
+    "MESSAGE_OVERHEAD_TOKENS",
+    "PER_MILLION",
+    "PRICES_ENV",
+    "REQUEST_OVERHEAD_TOKENS",
+    "STANDARD",
+    "Estimate",
+    "MaintainedPrices",
+    "ModelPrice",
+    "PriceContext",
+    "PriceTable",
+    "Prices",
+    "Pricing",
+    "Rates",
+    "Usage",
+    "default_prices",
+    "load_prices",
+    "parse_prices",
+    "set_default_prices",
+]

@@ -1,0 +1,173 @@
+"""Prices from a maintained source: Pydantic's ``genai-prices``, from the data bundled
+with the installed package (never fetched at run time; upgrade the package for newer
+prices). It knows snapshot ids, cache reads and writes by TTL, service tiers, batch
+prices, long-context tiers and price changes over time; its Decimal dollars become
+integer minor units here, rounded up."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from decimal import ROUND_CEILING, Decimal
+from typing import Any
+
+from ..errors import UnknownModelPrice
+from .rates import PER_MILLION, Rates, bound, input_bound
+from .usage import STANDARD, Estimate, PriceContext, Usage
+
+#: Minor units per dollar (micro-USD).
+MINOR_PER_DOLLAR = 1_000_000
+
+
+def _ceil_minor(dollars: Decimal) -> int:
+    return int((dollars * MINOR_PER_DOLLAR).to_integral_value(rounding=ROUND_CEILING))
+
+
+class MaintainedPrices:
+    """Prices from ``genai-prices`` (see the module). ``provider`` names its provider
+    ids (``openai``, ``anthropic``); a model is looked up in that provider only, never
+    another's prices."""
+
+    def __init__(self) -> None:
+        import genai_prices
+        from genai_prices import data_snapshot
+
+        self._genai = genai_prices
+        self._snapshot = data_snapshot.get_snapshot()
+        self.version = f"genai-prices {genai_prices.__version__}"
+
+    def _model(self, model: str, provider: str | None) -> tuple[Any, Any]:
+        try:
+            if provider is None:
+                found = self._snapshot.find_provider_model(model, None, None, None)
+                return found[0], found[1]
+            vendor = self._snapshot.find_provider(None, provider, None)
+        except LookupError:
+            raise UnknownModelPrice(model, self.version) from None
+        info = vendor.find_model(model)  # no fallback to another provider's prices
+        if info is None:
+            raise UnknownModelPrice(model, self.version)
+        return vendor, info
+
+    def knows(self, model: str, provider: str | None = None) -> bool:
+        try:
+            self._model(model, provider)
+        except UnknownModelPrice:
+            return False
+        return True
+
+    def rates(
+        self,
+        model: str,
+        *,
+        provider: str | None = None,
+        context: PriceContext = STANDARD,
+        input_tokens: int = 0,
+    ) -> Rates:
+        """The model's rates for ``context``, in the long-context tier that
+        ``input_tokens`` input tokens fall in."""
+        _, info = self._model(model, provider)
+        prices = info.get_prices(context.at or datetime.now(UTC), context.as_genai() or None)
+
+        def rate(key: str, per: int = PER_MILLION) -> int | None:
+            value = getattr(prices, key, None)
+            if value is None:
+                return None
+            if hasattr(value, "tiers"):
+                chosen = value.base
+                for tier in reversed(value.tiers):
+                    if input_tokens > tier.start:
+                        chosen = tier.price
+                        break
+                value = chosen
+            # dollars per ``per`` units -> minor units per million units (or per unit)
+            return _ceil_minor(Decimal(value) * PER_MILLION / per)
+
+        plain_input, output = rate("input_mtok"), rate("output_mtok")
+        if plain_input is None or output is None:
+            # priced per image, per second or per request only: not by the token
+            plain_input = plain_input or 0
+            output = output or 0
+        per_search = rate("web_searches_kcount", 1000)
+        return Rates(
+            input=plain_input,
+            output=max(output, rate("output_reasoning_mtok") or 0),
+            cached_input=rate("cache_read_mtok"),
+            cache_write=rate("cache_write_mtok"),
+            cache_write_1h=rate("cache_write_1h_mtok"),
+            input_audio=rate("input_audio_mtok"),
+            input_image=rate("input_image_mtok"),
+            output_audio=rate("output_audio_mtok"),
+            output_image=rate("output_image_mtok"),
+            web_search=None if per_search is None else -(-per_search // PER_MILLION),
+            input_character=rate("input_mchars"),
+        )
+
+    def cost(
+        self,
+        model: str,
+        usage: Usage,
+        *,
+        provider: str | None = None,
+        context: PriceContext = STANDARD,
+    ) -> int:
+        """What ``usage`` costs, as genai-prices computes it, rounded up."""
+        vendor, info = self._model(model, provider)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a key the model has no price for costs 0
+            priced = info.calc_price(
+                self._genai.Usage(**genai_usage(usage)),
+                vendor,
+                genai_request_timestamp=context.at or datetime.now(UTC),
+                price_context=context.as_genai() or None,
+            )
+        return _ceil_minor(priced.total_price)
+
+    def estimate(
+        self,
+        model: str,
+        prompt: Iterable[str],
+        max_output_tokens: int | None,
+        *,
+        choices: int = 1,
+        extra_input_tokens: int = 0,
+        extra_output_tokens: int = 0,
+        provider: str | None = None,
+        context: PriceContext = STANDARD,
+        cache: str | None = "5m",
+        images: bool = False,
+    ) -> Estimate:
+        texts = list(prompt)
+        tokens = input_bound(texts, extra_input_tokens)
+        rates = self.rates(model, provider=provider, context=context, input_tokens=tokens)
+        return bound(
+            rates,
+            model,
+            self.version,
+            texts,
+            max_output_tokens,
+            choices=choices,
+            extra_input_tokens=extra_input_tokens,
+            extra_output_tokens=extra_output_tokens,
+            cache=cache,
+            images=images,
+        )
+
+
+def genai_usage(usage: Usage) -> dict[str, int]:
+    """``usage`` in genai-prices' keys: input totals that contain their parts."""
+    keys = {
+        "input_tokens": usage.total_input_tokens,
+        "cache_read_tokens": usage.cached_input_tokens,
+        "cache_write_tokens": usage.cache_write_tokens + usage.cache_write_1h_tokens,
+        "cache_write_1h_tokens": usage.cache_write_1h_tokens,
+        "output_tokens": usage.output_tokens,
+        "input_audio_tokens": usage.input_audio_tokens,
+        "input_image_tokens": usage.input_image_tokens,
+        "output_audio_tokens": usage.output_audio_tokens,
+        "output_image_tokens": usage.output_image_tokens,
+        "web_searches": usage.web_searches,
+        "input_characters": usage.input_characters,
+    }
+    return {k: v for k, v in keys.items() if v}

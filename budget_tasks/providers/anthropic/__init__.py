@@ -1,0 +1,146 @@
+"""Anthropic: which requests bill and how, its usage, prices and lookups.
+
+Metered: Messages (plain and streamed) and Message Batches (held at the sum of their
+requests' bounds, settled when the batch has ended, at the batch price). Free: token
+counting, file uploads, cancels, the admin API. Refused: sessions, agents' runs,
+deployments and anything this module does not name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+from ...pricing import Prices
+from ..base import Clients, Endpoint, Kind, LookupFacts, Rule, Vendor
+from ..lookups import Lookup, Unknowable
+from . import estimates
+from . import usage as usage_of
+from .lookups import (
+    lookup_anthropic_batch,
+    lookup_anthropic_batch_total,
+    lookup_anthropic_message,
+    message_result,
+)
+
+_ID = r"[^/]+"
+
+
+class Anthropic(Vendor):
+    """Anthropic's API (and any API that speaks it, on the hosts you give)."""
+
+    def __init__(
+        self,
+        name: str = "anthropic",
+        *,
+        hosts: Sequence[str] = ("api.anthropic.com",),
+        price_provider: str | None = "anthropic",
+    ) -> None:
+        self.name = name
+        self.hosts = tuple(hosts)
+        self.price_provider = price_provider
+        self.lookups = (f"{name}.messages", f"{name}.batch")
+        self.usage_fields = usage_of.USAGE_FIELDS
+        self.rules = self._rules()
+
+    def _rules(self) -> tuple[Rule, ...]:
+        provider, p = self.price_provider, self.name
+
+        def free(pattern: str, why: str) -> Rule:
+            return Rule(pattern, Kind.FREE, why)
+
+        def refused(pattern: str, name: str, why: str) -> Rule:
+            return Rule(pattern, Kind.REFUSED, why, name=f"{p}.{name}")
+
+        messages = Endpoint(
+            f"{p}.messages",
+            partial(estimates.message, provider=provider),
+            usage_of.message,
+            usage_of.message_stream,
+            lookup=lambda body: f"{p}.messages",
+        )
+        batches = Endpoint(
+            f"{p}.batches",
+            partial(estimates.batch, provider=provider),
+            usage_of.batch_created,
+            lookup=lambda body: f"{p}.batch",
+        )
+        return (
+            Rule(
+                r"/v1/messages$",
+                Kind.METERED,
+                "billed by the tokens it uses",
+                messages,
+                messages.name,
+            ),
+            Rule(
+                r"/v1/messages/batches$",
+                Kind.METERED,
+                "billed when the batch ends",
+                batches,
+                batches.name,
+            ),
+            free(r"/v1/messages/count_tokens$", "counts a request's input tokens"),
+            free(rf"/v1/messages/batches/{_ID}/cancel$", "cancels a batch"),
+            free(r"/v1/files$", "uploads a file (a request that uses it is bounded or refused)"),
+            free(r"/v1/organizations(/.*)?$", "the admin API bills nothing"),
+            free(r"/v1/compliance(/.*)?$", "the compliance API bills nothing"),
+            free(rf"/v1/skills(/{_ID}/versions)?$", "stores a skill"),
+            free(r"/v1/user_profiles(/.*)?$", "manages user profiles"),
+            free(r"/v1/vaults(/.*)?$", "stores credentials"),
+            free(r"/v1/tunnels(/.*)?$", "manages tunnels"),
+            free(rf"/v1/agents(/{_ID}(/archive)?)?$", "stores an agent's definition"),
+            free(rf"/v1/environments(/{_ID}(/archive)?)?$", "stores an environment's definition"),
+            free(r"/v1/memory_stores(/.*)?$", "stores memories"),
+            refused(
+                r"/v1/sessions(/.*)?$", "sessions", "a session runs the model on events unseen here"
+            ),
+            refused(
+                r"/v1/deployments(/.*)?$",
+                "deployments",
+                "a deployment's runs bill model calls unseen here",
+            ),
+            refused(
+                rf"/v1/environments/{_ID}/work(/.*)?$",
+                "environments.work",
+                "work in an environment bills model calls unseen here",
+            ),
+            refused(r"/v1/dreams(/.*)?$", "dreams", "its price is not known here"),
+        )
+
+    def look_up(self, facts: LookupFacts, clients: Clients, prices: Prices | None) -> Lookup:
+        kind = facts.lookup.removeprefix(f"{self.name}.")
+        if kind == "messages":
+            return lookup_anthropic_message()
+        if kind == "batch":
+            if facts.response_id is None:
+                return Unknowable("the batch's id never arrived: an operator resolves it")
+            return lookup_anthropic_batch_total(
+                clients(self.name),
+                batch_id=facts.response_id,
+                sent_at=facts.sent_at,
+                settle_after=facts.settle_after,
+                now=facts.now,
+                prices=prices,
+            )
+        return Unknowable(f"{self.name} has no lookup named {facts.lookup!r}")
+
+    def client(self, timeout: float) -> Any:
+        from ..clients import anthropic_client
+
+        return anthropic_client(
+            base_url=os.environ.get("ANTHROPIC_BASE_URL"),
+            api_key=os.environ.get("ANTHROPIC_API_KEY", "unset"),
+            timeout=timeout,
+        )
+
+
+__all__ = [
+    "Anthropic",
+    "lookup_anthropic_batch",
+    "lookup_anthropic_batch_total",
+    "lookup_anthropic_message",
+    "message_result",
+]

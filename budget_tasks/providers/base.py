@@ -1,0 +1,187 @@
+"""One shape for every vendor: which requests bill (a vendor's rules), how a billable
+request is bounded and what its answer says it used (an endpoint), how a call is found
+again afterwards (a lookup). A vendor module fills these in; the transport, beat and
+the CLI read them through :mod:`~budget_tasks.providers.registry`.
+
+A vendor's base class here does nothing on its own: every hook has a safe default (no
+lookup: an operator resolves the hold), in the way of dramatiq's middleware.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from ..pricing import STANDARD, Estimate, PriceContext, Prices, Usage, default_prices
+from .lookups import Lookup, Unknowable
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """What one model used in an answer, and how it was billed (an answer may hold
+    several: a batch's requests, an image's SVG authoring)."""
+
+    model: str
+    usage: Usage
+    context: PriceContext = STANDARD
+
+
+@dataclass(frozen=True, slots=True)
+class Reported:
+    """What an answer says was used: its priced parts and its id."""
+
+    parts: tuple[Part, ...]
+    response_id: str | None = None
+
+    @property
+    def usage(self) -> Usage:
+        total = Usage()
+        for part in self.parts:
+            total = total + part.usage
+        return total
+
+    def cost(self, prices: Prices | None, provider: str | None, at: datetime | None) -> int:
+        """The answer's charge: each part at its own model's price, in the context the
+        answer says billed it, at the time of the call."""
+        table = prices or default_prices()
+        total = 0
+        for part in self.parts:
+            context = part.context if at is None else _at(part.context, at)
+            total += table.cost(part.model, part.usage, provider=provider, context=context)
+        return total
+
+
+def _at(context: PriceContext, at: datetime) -> PriceContext:
+    return PriceContext(context.service_tier, context.batch, at, context.speed)
+
+
+class Estimator(Protocol):
+    """An upper bound from a request's JSON body, at ``prices`` (None: this process's);
+    ``image_tokens`` is the most one image (or other media item) may cost, where the
+    caller knows it (else media is refused)."""
+
+    def __call__(
+        self,
+        params: Mapping[str, Any],
+        prices: Prices | None = ...,
+        /,
+        *,
+        image_tokens: int | None = ...,
+    ) -> Estimate: ...
+
+
+#: What an answer (its JSON, None for a body that is not JSON) and the request's body
+#: say was used; None where the answer carries no usage yet (a background Response).
+UsageReader = Callable[[Any, Mapping[str, Any]], "Reported | None"]
+#: The same from a stream's events (decoded JSON, in order).
+StreamReader = Callable[[Sequence[Mapping[str, Any]], Mapping[str, Any]], "Reported | None"]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A billable endpoint: how to bound a request to it and read what it used."""
+
+    name: str
+    estimate: Estimator
+    usage: UsageReader
+    #: the usage of a streamed answer (None: this endpoint does not stream)
+    stream_usage: StreamReader | None = None
+    #: which lookup finds a call again (by its request body)
+    lookup: Callable[[Mapping[str, Any]], str] = lambda body: "none"
+    #: "json": the answer is JSON; "bytes": it is not (audio), and ``usage`` reads the
+    #: request alone
+    answer: str = "json"
+
+
+class Kind(enum.Enum):
+    """What the guard does with a request."""
+
+    METERED = "metered"  # reserved, sent, settled, stored
+    FREE = "free"  # bills nothing: passes (reviewed, with its reason)
+    REFUSED = "refused"  # may bill and cannot be bounded here: refused before sending
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Requests whose path matches ``pattern`` (searched; the longest match among a
+    vendor's rules wins) are of ``kind``; ``name`` lets a client allow a refused one."""
+
+    pattern: str
+    kind: Kind
+    why: str
+    endpoint: Endpoint | None = None
+    name: str = ""
+    compiled: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compiled", re.compile(self.pattern))
+        if (self.kind is Kind.METERED) != (self.endpoint is not None):
+            raise ValueError(
+                f"rule {self.pattern!r}: a metered rule, and only one, names its endpoint"
+            )
+
+    def match_length(self, path: str) -> int:
+        """How much of ``path`` this rule matches (0: none)."""
+        found = self.compiled.search(path)
+        return 0 if found is None else max(1, found.end() - found.start())
+
+
+def request_digest(body: Mapping[str, Any]) -> str:
+    """The digest of a request body: what a call is (its stored answer replays, and an
+    answer found at the provider is adopted, only for the same digest)."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+#: How to get an SDK client for a vendor's lookups (beat gives one built from env).
+Clients = Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class LookupFacts:
+    """What a lookup knows of the attempt it looks for."""
+
+    lookup: str
+    model: str
+    key: str
+    provider_key: str
+    response_id: str | None
+    sent_at: datetime
+    settle_after: timedelta | None
+    now: datetime | None
+    request: str | None = None
+
+
+class Vendor:
+    """A provider: its hosts, rules, prices and lookups (see the module).
+
+    ``price_provider`` names the vendor in the maintained price source (genai-prices'
+    provider id); ``hosts`` are the API hosts it serves on (a request to one of them is
+    judged by this vendor's rules alone)."""
+
+    name: str = ""
+    hosts: tuple[str, ...] = ()
+    price_provider: str | None = None
+    rules: tuple[Rule, ...] = ()
+    #: the lookups this vendor answers (names recorded on attempts)
+    lookups: tuple[str, ...] = ()
+    #: every usage field of the SDK's usage types: how it is priced, or why it needs no
+    #: price of its own (a reviewed list, checked against the installed SDK)
+    usage_fields: Mapping[str, str] = {}
+
+    def look_up(self, facts: LookupFacts, clients: Clients, prices: Prices | None) -> Lookup:
+        """Ask the provider what became of a call (default: it keeps no record)."""
+        return Unknowable(f"{self.name} keeps no record of {facts.lookup} to look up")
+
+    def client(self, timeout: float) -> Any:
+        """An SDK client for this vendor's lookups, from the environment (beat)."""
+        raise NotImplementedError(f"{self.name} has no lookup client")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"

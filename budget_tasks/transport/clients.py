@@ -1,0 +1,219 @@
+"""Guarded clients: an ``httpx2`` client over the guarded transport, and the official
+SDKs' clients built on it with their retries locked off."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import httpx2
+
+from .. import bypass
+from ..errors import RetriesEnabled
+from ..providers.clients import _refuse_retries
+from ..providers.registry import registry
+from .async_ import AsyncGuardedTransport
+from .sync import GuardedTransport
+
+#: The refused endpoints ``allow_batches=True`` lets through (reserve for them yourself).
+BATCH_ENDPOINTS = ("openai.batches",)
+
+
+def _allowed(allow: tuple[str, ...] | list[str], allow_batches: bool) -> tuple[str, ...]:
+    return tuple(allow) + (BATCH_ENDPOINTS if allow_batches else ())
+
+
+def guarded_http_client(
+    *,
+    allow_unguarded: bool = False,
+    allow: tuple[str, ...] | list[str] = (),
+    allow_batches: bool = False,
+    prices: Any = None,
+    vendor: str | None = None,
+    image_tokens: int | None = None,
+    **options: Any,
+) -> httpx2.Client:
+    """An ``httpx2.Client`` whose billable requests go through the ledger; give it to
+    an SDK (``openai.OpenAI(http_client=..., max_retries=0)``) or any library that takes
+    one. ``options`` go to ``httpx2.Client`` (``timeout=...``).
+
+    ``allow`` names refused endpoints to let through unmetered (``"openai.batches"``:
+    reserve for them yourself with ``spend()``); ``vendor`` names the vendor the client
+    speaks to (else it is found by host, or by every vendor's rules); ``image_tokens``
+    is the most one image or other media item may cost on the models you call (media
+    in a request is refused without it: it is billed by its size, unseen here)."""
+    if vendor is not None:
+        registry.vendor(vendor)  # an unknown name fails here, not at the first call
+    return httpx2.Client(
+        transport=GuardedTransport(
+            allow_unguarded=allow_unguarded,
+            allow=_allowed(allow, allow_batches),
+            prices=prices,
+            vendor=vendor,
+            image_tokens=image_tokens,
+        ),
+        **options,
+    )
+
+
+def guarded_async_http_client(
+    *,
+    allow_unguarded: bool = False,
+    allow: tuple[str, ...] | list[str] = (),
+    allow_batches: bool = False,
+    prices: Any = None,
+    vendor: str | None = None,
+    image_tokens: int | None = None,
+    **options: Any,
+) -> httpx2.AsyncClient:
+    """An ``httpx2.AsyncClient`` over the guarded transport (as
+    :func:`guarded_http_client`), for the SDKs' async clients and async code."""
+    if vendor is not None:
+        registry.vendor(vendor)
+    return httpx2.AsyncClient(
+        transport=AsyncGuardedTransport(
+            allow_unguarded=allow_unguarded,
+            allow=_allowed(allow, allow_batches),
+            prices=prices,
+            vendor=vendor,
+            image_tokens=image_tokens,
+        ),
+        **options,
+    )
+
+
+def guarded_openai_client(
+    *,
+    allow_unguarded: bool = False,
+    allow: tuple[str, ...] = (),
+    image_tokens: int | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``openai.OpenAI(**kwargs)`` with retries off and the guarded transport; its
+    ``copy``/``with_options`` refuse to turn retries back on or to swap the transport."""
+    _refuse_retries("guarded_openai_client(...)", kwargs)
+    bypass.know(kwargs.get("base_url"))
+    http = guarded_http_client(
+        allow_unguarded=allow_unguarded,
+        allow=allow,
+        image_tokens=image_tokens,
+        vendor="openai",
+        timeout=kwargs.get("timeout", 600.0),
+    )
+    return guarded_class("openai", "OpenAI")(**{**kwargs, "max_retries": 0, "http_client": http})
+
+
+def guarded_anthropic_client(
+    *,
+    allow_unguarded: bool = False,
+    allow: tuple[str, ...] = (),
+    image_tokens: int | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``anthropic.Anthropic(**kwargs)`` with retries off and the guarded transport; its
+    ``copy``/``with_options`` refuse to turn retries back on or to swap the transport."""
+    _refuse_retries("guarded_anthropic_client(...)", kwargs)
+    bypass.know(kwargs.get("base_url"))
+    http = guarded_http_client(
+        allow_unguarded=allow_unguarded,
+        allow=allow,
+        image_tokens=image_tokens,
+        vendor="anthropic",
+        timeout=kwargs.get("timeout", 600.0),
+    )
+    return guarded_class("anthropic", "Anthropic")(
+        **{**kwargs, "max_retries": 0, "http_client": http}
+    )
+
+
+def guarded_async_openai_client(
+    *,
+    allow_unguarded: bool = False,
+    allow: tuple[str, ...] = (),
+    image_tokens: int | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``openai.AsyncOpenAI(**kwargs)`` with retries off and the guarded async
+    transport: usable inside ``run`` through ``asyncio.run``, and in async code a task
+    calls."""
+    _refuse_retries("guarded_async_openai_client(...)", kwargs)
+    bypass.know(kwargs.get("base_url"))
+    http = guarded_async_http_client(
+        allow_unguarded=allow_unguarded,
+        allow=allow,
+        image_tokens=image_tokens,
+        vendor="openai",
+        timeout=kwargs.get("timeout", 600.0),
+    )
+    return guarded_class("openai", "AsyncOpenAI")(
+        **{**kwargs, "max_retries": 0, "http_client": http}
+    )
+
+
+def guarded_async_anthropic_client(
+    *,
+    allow_unguarded: bool = False,
+    allow: tuple[str, ...] = (),
+    image_tokens: int | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``anthropic.AsyncAnthropic(**kwargs)`` with retries off and the guarded async
+    transport."""
+    _refuse_retries("guarded_async_anthropic_client(...)", kwargs)
+    bypass.know(kwargs.get("base_url"))
+    http = guarded_async_http_client(
+        allow_unguarded=allow_unguarded,
+        allow=allow,
+        image_tokens=image_tokens,
+        vendor="anthropic",
+        timeout=kwargs.get("timeout", 600.0),
+    )
+    return guarded_class("anthropic", "AsyncAnthropic")(
+        **{**kwargs, "max_retries": 0, "http_client": http}
+    )
+
+
+_classes: dict[tuple[str, str], type] = {}
+
+
+def is_guarded(http: Any) -> bool:
+    """Whether an ``httpx2`` client sends through a guarded transport."""
+    return isinstance(getattr(http, "_transport", None), GuardedTransport | AsyncGuardedTransport)
+
+
+def guarded_class(module: str, name: str) -> type:
+    """A subclass of an SDK's client whose retries stay off: ``max_retries`` cannot be
+    set above 0, and ``copy``/``with_options`` keep a guarded HTTP client."""
+    found = _classes.get((module, name))
+    if found is not None:
+        return found
+    base = getattr(importlib.import_module(module), name)
+
+    def _get_retries(self: Any) -> int:
+        return 0
+
+    def _set_retries(self: Any, value: object) -> None:
+        if value != 0 or isinstance(value, bool):
+            raise RetriesEnabled(f"a guarded {module} client", value)
+
+    def copy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        http = kwargs.get("http_client")
+        if http is not None and not is_guarded(http):
+            raise ValueError(
+                "a guarded client keeps its guarded http client: give copy()/with_options() "
+                "a budget_tasks.transport.guarded_http_client(), or none"
+            )
+        return base.copy(self, *args, **kwargs)
+
+    guarded = type(
+        f"Guarded{name}",
+        (base,),
+        {
+            "max_retries": property(_get_retries, _set_retries),
+            "copy": copy,
+            "with_options": copy,
+            "__module__": __name__,
+        },
+    )
+    _classes[(module, name)] = guarded
+    return guarded
