@@ -7,14 +7,13 @@ integer minor units here, rounded up."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
 from datetime import UTC, datetime
 from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 from ..errors import UnknownModelPrice
-from .rates import PER_MILLION, Rates, bound, input_bound
-from .usage import STANDARD, Estimate, PriceContext, Usage
+from .rates import PER_MILLION, Estimating, Rates
+from .usage import STANDARD, PriceContext, Usage
 
 #: Minor units per dollar (micro-USD).
 MINOR_PER_DOLLAR = 1_000_000
@@ -24,7 +23,7 @@ def _ceil_minor(dollars: Decimal) -> int:
     return int((dollars * MINOR_PER_DOLLAR).to_integral_value(rounding=ROUND_CEILING))
 
 
-class MaintainedPrices:
+class MaintainedPrices(Estimating):
     """Prices from ``genai-prices`` (see the module). ``provider`` names its provider
     ids (``openai``, ``anthropic``); a model is looked up in that provider only, never
     another's prices."""
@@ -123,36 +122,6 @@ class MaintainedPrices:
                 price_context=context.as_genai() or None,
             )
         return _ceil_minor(priced.total_price)
-
-    def estimate(
-        self,
-        model: str,
-        prompt: Iterable[str],
-        max_output_tokens: int | None,
-        *,
-        choices: int = 1,
-        extra_input_tokens: int = 0,
-        extra_output_tokens: int = 0,
-        provider: str | None = None,
-        context: PriceContext = STANDARD,
-        cache: str | None = "5m",
-        images: bool = False,
-    ) -> Estimate:
-        texts = list(prompt)
-        tokens = input_bound(texts, extra_input_tokens)
-        rates = self.rates(model, provider=provider, context=context, input_tokens=tokens)
-        return bound(
-            rates,
-            model,
-            self.version,
-            texts,
-            max_output_tokens,
-            choices=choices,
-            extra_input_tokens=extra_input_tokens,
-            extra_output_tokens=extra_output_tokens,
-            cache=cache,
-            images=images,
-        )
 
 
 def genai_usage(usage: Usage) -> dict[str, int]:

@@ -11,7 +11,7 @@ from typing import Protocol
 from .. import _validate as check
 from ..errors import UnknownModelPrice
 from .maintained import MaintainedPrices
-from .rates import Rates
+from .rates import Estimating, Rates
 from .table import PriceTable, load_prices
 from .usage import STANDARD, Estimate, PriceContext, Usage
 
@@ -61,7 +61,7 @@ class Prices(Protocol):
     ) -> Estimate: ...
 
 
-class Pricing:
+class Pricing(Estimating):
     """``override`` (your own :class:`PriceTable`) for the models it names, the
     maintained source for the rest. An unknown model raises UnknownModelPrice."""
 
@@ -93,9 +93,12 @@ class Pricing:
         context: PriceContext = STANDARD,
         input_tokens: int = 0,
     ) -> Rates:
-        return self._for(model, provider).rates(
-            model, provider=provider, context=context, input_tokens=input_tokens
-        )
+        try:
+            return self._for(model, provider).rates(
+                model, provider=provider, context=context, input_tokens=input_tokens
+            )
+        except UnknownModelPrice:
+            raise UnknownModelPrice(model, self.version) from None
 
     def cost(
         self,
@@ -109,39 +112,6 @@ class Pricing:
             return self._for(model, provider).cost(model, usage, provider=provider, context=context)
         except UnknownModelPrice:
             raise UnknownModelPrice(model, self.version) from None
-
-    def estimate(
-        self,
-        model: str,
-        prompt: Iterable[str],
-        max_output_tokens: int | None,
-        *,
-        choices: int = 1,
-        extra_input_tokens: int = 0,
-        extra_output_tokens: int = 0,
-        provider: str | None = None,
-        context: PriceContext = STANDARD,
-        cache: str | None = "5m",
-        images: bool = False,
-    ) -> Estimate:
-        try:
-            found = self._for(model, provider).estimate(
-                model,
-                prompt,
-                max_output_tokens,
-                choices=choices,
-                extra_input_tokens=extra_input_tokens,
-                extra_output_tokens=extra_output_tokens,
-                provider=provider,
-                context=context,
-                cache=cache,
-                images=images,
-            )
-        except UnknownModelPrice:
-            raise UnknownModelPrice(model, self.version) from None
-        return Estimate(
-            found.amount, found.model, found.input_tokens, found.output_tokens, self.version
-        )
 
 
 _default: Pricing | None = None

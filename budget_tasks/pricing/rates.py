@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .. import _validate as check
 from ..errors import EstimateRefused
-from .usage import Estimate
+from .usage import STANDARD, Estimate, PriceContext
 
 PER_MILLION = 1_000_000
 #: Tokens a chat format may add per message (role, separators) and per request.
@@ -115,3 +115,52 @@ def input_bound(prompt: Iterable[str], extra_input_tokens: int = 0) -> int:
         + extra_input_tokens
         + sum(len(text.encode("utf-8")) + MESSAGE_OVERHEAD_TOKENS for text in texts)
     )
+
+
+class Estimating:
+    """The one way every price source bounds a request, from its ``rates`` (in the
+    long-context tier the request's input bound falls in) and its ``version``."""
+
+    version: str
+
+    def rates(
+        self,
+        model: str,
+        *,
+        provider: str | None = None,
+        context: PriceContext = STANDARD,
+        input_tokens: int = 0,
+    ) -> Rates:
+        raise NotImplementedError
+
+    def estimate(
+        self,
+        model: str,
+        prompt: Iterable[str],
+        max_output_tokens: int | None,
+        *,
+        choices: int = 1,
+        extra_input_tokens: int = 0,
+        extra_output_tokens: int = 0,
+        provider: str | None = None,
+        context: PriceContext = STANDARD,
+        cache: str | None = "5m",
+        images: bool = False,
+    ) -> Estimate:
+        """An upper bound for a request whose billed texts are ``prompt`` (see
+        :func:`bound`). Unknown models raise UnknownModelPrice."""
+        texts = list(prompt)
+        tokens = input_bound(texts, extra_input_tokens)
+        rates = self.rates(model, provider=provider, context=context, input_tokens=tokens)
+        return bound(
+            rates,
+            model,
+            self.version,
+            texts,
+            max_output_tokens,
+            choices=choices,
+            extra_input_tokens=extra_input_tokens,
+            extra_output_tokens=extra_output_tokens,
+            cache=cache,
+            images=images,
+        )

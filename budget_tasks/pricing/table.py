@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from .. import _validate as check
 from ..errors import UnknownModelPrice
-from .rates import PER_MILLION, Rates, bound, input_bound
-from .usage import STANDARD, Estimate, PriceContext, Usage
+from .rates import PER_MILLION, Estimating, Rates
+from .usage import STANDARD, PriceContext, Usage
 
 #: A snapshot's date suffix: ``-2024-08-06`` (OpenAI) or ``-20251001`` (Anthropic).
 _SNAPSHOT = re.compile(r"-(\d{4}-\d{2}-\d{2}|\d{8})$")
@@ -86,8 +86,8 @@ def _variant_names(context: PriceContext) -> list[str]:
     return names
 
 
-@dataclass(frozen=True, slots=True)
-class PriceTable:
+@dataclass(frozen=True)
+class PriceTable(Estimating):
     """A versioned table of prices per model (see the module)."""
 
     version: str
@@ -152,38 +152,6 @@ class PriceTable:
         )
         per_search = usage.web_searches * (r.web_search or 0) * PER_MILLION
         return -(-(total + per_search) // PER_MILLION)
-
-    def estimate(
-        self,
-        model: str,
-        prompt: Iterable[str],
-        max_output_tokens: int | None,
-        *,
-        choices: int = 1,
-        extra_input_tokens: int = 0,
-        extra_output_tokens: int = 0,
-        provider: str | None = None,
-        context: PriceContext = STANDARD,
-        cache: str | None = "5m",
-        images: bool = False,
-    ) -> Estimate:
-        """An upper bound for a request (see :func:`~budget_tasks.pricing.rates.bound`).
-        Unknown models raise UnknownModelPrice."""
-        texts = list(prompt)
-        tokens = input_bound(texts, extra_input_tokens)
-        rates = self.rates(model, provider=provider, context=context, input_tokens=tokens)
-        return bound(
-            rates,
-            model,
-            self.version,
-            texts,
-            max_output_tokens,
-            choices=choices,
-            extra_input_tokens=extra_input_tokens,
-            extra_output_tokens=extra_output_tokens,
-            cache=cache,
-            images=images,
-        )
 
 
 def _or(value: int | None, fallback: int) -> int:

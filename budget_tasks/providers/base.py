@@ -132,6 +132,26 @@ class Rule:
         return 0 if found is None else max(1, found.end() - found.start())
 
 
+def field_of(obj: Any, name: str) -> Any:
+    """A field of an answer, from its JSON (a mapping) or the SDK's object."""
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def count_of(value: Any) -> int:
+    """A token count from an answer: an int, else 0 (a missing or odd value)."""
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def as_json(obj: Any) -> Any:
+    """An SDK object as JSON (its ``model_dump``), or the object if it has none."""
+    dump = getattr(obj, "model_dump", None)
+    return dump(mode="json") if callable(dump) else obj
+
+
 def request_digest(body: Mapping[str, Any]) -> str:
     """The digest of a request body: what a call is (its stored answer replays, and an
     answer found at the provider is adopted, only for the same digest)."""

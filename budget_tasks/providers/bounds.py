@@ -71,13 +71,22 @@ class Parts:
         self.texts: list[str] = []
         self.media = 0
         self.image_tokens = image_tokens
+        self.overhead = 0
 
     @property
     def extra_tokens(self) -> int:
-        return self.media * (self.image_tokens or 0)
+        """Input the texts do not show: each media item's bound, the tools' format."""
+        return self.media * (self.image_tokens or 0) + self.overhead
 
     def add(self, text: str) -> None:
         self.texts.append(text)
+
+    def definitions(self, text: str) -> None:
+        """Tool definitions, schemas and choices, billed as input with the format a
+        provider wraps them in (``TOOLS_OVERHEAD_TOKENS``)."""
+        if text:
+            self.texts.append(text)
+            self.overhead += TOOLS_OVERHEAD_TOKENS
 
     def content(self, content: Any, field: str) -> str:
         """The text of a message's content (a string or a list of parts); media parts
@@ -172,6 +181,11 @@ def function_tools(tools: Any, field: str, custom: tuple[str, ...]) -> str:
         if kind not in custom:
             raise refuse(f"{field}[].type={kind!r}", "a built-in tool bills per use")
     return json_text(tools)
+
+
+def fields_text(params: Mapping[str, Any], names: Iterable[str]) -> str:
+    """The JSON text of the fields of ``names`` that ``params`` sets."""
+    return "".join(json_text(params[n]) for n in names if params.get(n) is not None)
 
 
 def model_of(params: Mapping[str, Any]) -> str:

@@ -20,7 +20,7 @@ from ..errors import StreamIncomplete
 from ..pricing import Prices, Usage
 from .anthropic import usage as anthropic_usage
 from .anthropic.lookups import message_result
-from .base import Reported, request_digest
+from .base import Reported, as_json, request_digest
 from .clients import client_timeout, require_no_retries
 from .openai import usage as openai_usage
 from .openai.lookups import ATTEMPT_METADATA_KEY, REQUEST_METADATA_KEY, chat_result
@@ -42,11 +42,6 @@ class Sent:
     #: the SDK's own response object; for a stream, the list of the SDK's own events
     #: (chunks) in the order they came
     response: Any = None
-
-
-def _dump(obj: Any) -> Any:
-    dump = getattr(obj, "model_dump", None)
-    return dump(mode="json") if callable(dump) else None
 
 
 class AttemptLike(Protocol):
@@ -208,7 +203,7 @@ def openai_chat(
                 )
             result = {"id": completion_id, "content": "".join(parts), "finish_reason": finish}
             sdk_response = chunks
-            reported = openai_usage.chat_stream([_dump(c) for c in chunks], params)
+            reported = openai_usage.chat_stream([as_json(c) for c in chunks], params)
     sent = _priced("openai", params["model"], request_id, reported, result, prices, sdk_response)
     return _done(attempt, sent)
 
@@ -240,7 +235,7 @@ def openai_response(
         "id": response.id,
         "status": response.status,
         "output_text": response.output_text,
-        "response": _dump(response),
+        "response": as_json(response),
     }
     model = params["model"]
     if response.usage is None:
@@ -281,7 +276,7 @@ def anthropic_message(
         else:
             events = list(r.parse())
             result = _read_anthropic_stream(events)
-            reported = anthropic_usage.message_stream([_dump(e) for e in events], params)
+            reported = anthropic_usage.message_stream([as_json(e) for e in events], params)
             message = events
     sent = _priced("anthropic", params["model"], request_id, reported, result, prices, message)
     return _done(attempt, sent)

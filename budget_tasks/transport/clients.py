@@ -82,6 +82,31 @@ def guarded_async_http_client(
     )
 
 
+def _sdk_client(
+    name: str,
+    vendor: str,
+    *,
+    asynchronous: bool,
+    allow_unguarded: bool,
+    allow: tuple[str, ...],
+    image_tokens: int | None,
+    kwargs: dict[str, Any],
+) -> Any:
+    """The SDK's client class ``name`` (of module ``vendor``), retries locked off, on a
+    guarded http client (its timeout the SDK client's)."""
+    _refuse_retries(f"{name}(...)", kwargs)
+    bypass.know(str(kwargs["base_url"]) if kwargs.get("base_url") else None)
+    build = guarded_async_http_client if asynchronous else guarded_http_client
+    http = build(
+        allow_unguarded=allow_unguarded,
+        allow=allow,
+        image_tokens=image_tokens,
+        vendor=vendor,
+        timeout=kwargs.get("timeout", 600.0),
+    )
+    return guarded_class(vendor, name)(**{**kwargs, "max_retries": 0, "http_client": http})
+
+
 def guarded_openai_client(
     *,
     allow_unguarded: bool = False,
@@ -90,17 +115,17 @@ def guarded_openai_client(
     **kwargs: Any,
 ) -> Any:
     """``openai.OpenAI(**kwargs)`` with retries off and the guarded transport; its
-    ``copy``/``with_options`` refuse to turn retries back on or to swap the transport."""
-    _refuse_retries("guarded_openai_client(...)", kwargs)
-    bypass.know(kwargs.get("base_url"))
-    http = guarded_http_client(
+    ``copy``/``with_options`` refuse to turn retries back on or to swap the transport.
+    ``allow`` and ``image_tokens`` as for :func:`guarded_http_client`."""
+    return _sdk_client(
+        "OpenAI",
+        "openai",
+        asynchronous=False,
         allow_unguarded=allow_unguarded,
         allow=allow,
         image_tokens=image_tokens,
-        vendor="openai",
-        timeout=kwargs.get("timeout", 600.0),
+        kwargs=kwargs,
     )
-    return guarded_class("openai", "OpenAI")(**{**kwargs, "max_retries": 0, "http_client": http})
 
 
 def guarded_anthropic_client(
@@ -110,19 +135,15 @@ def guarded_anthropic_client(
     image_tokens: int | None = None,
     **kwargs: Any,
 ) -> Any:
-    """``anthropic.Anthropic(**kwargs)`` with retries off and the guarded transport; its
-    ``copy``/``with_options`` refuse to turn retries back on or to swap the transport."""
-    _refuse_retries("guarded_anthropic_client(...)", kwargs)
-    bypass.know(kwargs.get("base_url"))
-    http = guarded_http_client(
+    """``anthropic.Anthropic(**kwargs)``, guarded as :func:`guarded_openai_client`."""
+    return _sdk_client(
+        "Anthropic",
+        "anthropic",
+        asynchronous=False,
         allow_unguarded=allow_unguarded,
         allow=allow,
         image_tokens=image_tokens,
-        vendor="anthropic",
-        timeout=kwargs.get("timeout", 600.0),
-    )
-    return guarded_class("anthropic", "Anthropic")(
-        **{**kwargs, "max_retries": 0, "http_client": http}
+        kwargs=kwargs,
     )
 
 
@@ -133,20 +154,16 @@ def guarded_async_openai_client(
     image_tokens: int | None = None,
     **kwargs: Any,
 ) -> Any:
-    """``openai.AsyncOpenAI(**kwargs)`` with retries off and the guarded async
-    transport: usable inside ``run`` through ``asyncio.run``, and in async code a task
-    calls."""
-    _refuse_retries("guarded_async_openai_client(...)", kwargs)
-    bypass.know(kwargs.get("base_url"))
-    http = guarded_async_http_client(
+    """``openai.AsyncOpenAI(**kwargs)``, guarded: usable inside ``run`` through
+    ``asyncio.run``, and in async code a task calls."""
+    return _sdk_client(
+        "AsyncOpenAI",
+        "openai",
+        asynchronous=True,
         allow_unguarded=allow_unguarded,
         allow=allow,
         image_tokens=image_tokens,
-        vendor="openai",
-        timeout=kwargs.get("timeout", 600.0),
-    )
-    return guarded_class("openai", "AsyncOpenAI")(
-        **{**kwargs, "max_retries": 0, "http_client": http}
+        kwargs=kwargs,
     )
 
 
@@ -157,19 +174,15 @@ def guarded_async_anthropic_client(
     image_tokens: int | None = None,
     **kwargs: Any,
 ) -> Any:
-    """``anthropic.AsyncAnthropic(**kwargs)`` with retries off and the guarded async
-    transport."""
-    _refuse_retries("guarded_async_anthropic_client(...)", kwargs)
-    bypass.know(kwargs.get("base_url"))
-    http = guarded_async_http_client(
+    """``anthropic.AsyncAnthropic(**kwargs)``, guarded."""
+    return _sdk_client(
+        "AsyncAnthropic",
+        "anthropic",
+        asynchronous=True,
         allow_unguarded=allow_unguarded,
         allow=allow,
         image_tokens=image_tokens,
-        vendor="anthropic",
-        timeout=kwargs.get("timeout", 600.0),
-    )
-    return guarded_class("anthropic", "AsyncAnthropic")(
-        **{**kwargs, "max_retries": 0, "http_client": http}
+        kwargs=kwargs,
     )
 
 

@@ -15,13 +15,12 @@ from typing import Any
 from ...errors import EstimateRefused
 from ...pricing import STANDARD, Estimate, PriceContext, Prices, default_prices
 from ..bounds import (
-    TOOLS_OVERHEAD_TOKENS,
     Parts,
     check_fields,
+    fields_text,
     find_values,
     function_tools,
     has_key,
-    json_text,
     model_of,
 )
 
@@ -75,21 +74,15 @@ def message(
     parts.messages(params.get("messages") or [])
     if params.get("system"):
         parts.add(parts.content(params["system"], "system"))
-    extra = parts.extra_tokens
     tools = function_tools(params.get("tools"), "tools", ("custom",))
-    for name in ("tool_choice", "output_config"):
-        if params.get(name) is not None:
-            tools += json_text(params[name])
-    if tools:
-        parts.add(tools)
-        extra += TOOLS_OVERHEAD_TOKENS
+    parts.definitions(tools + fields_text(params, ("tool_choice", "output_config")))
     speed = params.get("speed")
     context = PriceContext(speed=speed) if speed == "fast" else STANDARD
     return (prices or default_prices()).estimate(
         model_of(params),
         parts.texts,
         params.get("max_tokens"),
-        extra_input_tokens=extra,
+        extra_input_tokens=parts.extra_tokens,
         provider=provider,
         context=context,
         cache=cache_ttl(params),

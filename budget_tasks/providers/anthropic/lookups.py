@@ -7,14 +7,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ...pricing import Prices, Usage
+from ..base import as_json
 from ..clients import require_no_retries
 from ..lookups import Found, Lookup, NotFound, Pending, Unknowable, not_found, status_of
 from . import usage as usage_of
-
-
-def _dump(obj: Any) -> Any:
-    dump = getattr(obj, "model_dump", None)
-    return dump(mode="json") if callable(dump) else obj
 
 
 def message_result(message: Any) -> dict[str, Any]:
@@ -25,7 +21,7 @@ def message_result(message: Any) -> dict[str, Any]:
         "id": message.id,
         "content": text,
         "stop_reason": message.stop_reason,
-        "response": _dump(message),
+        "response": as_json(message),
     }
 
 

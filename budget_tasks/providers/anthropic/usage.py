@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...pricing import STANDARD, PriceContext, Usage
-from ..base import Part, Reported
+from ..base import Part, Reported, count_of, field_of
 
 #: Every leaf of the SDK's usage types, and how it is priced or why it needs no price
 #: of its own (checked against the installed SDK, as for OpenAI).
@@ -34,42 +34,30 @@ USAGE_FIELDS = {
 }
 
 
-def _get(obj: Any, name: str) -> Any:
-    if obj is None:
-        return None
-    if isinstance(obj, Mapping):
-        return obj.get(name)
-    return getattr(obj, name, None)
-
-
-def _int(value: Any) -> int:
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
 def tokens(usage: Any) -> Usage:
     """An Anthropic usage object as one :class:`Usage`: ``input_tokens`` excludes cache
     reads and writes; writes split by TTL where the answer splits them."""
-    split = _get(usage, "cache_creation")
-    one_hour = _int(_get(split, "ephemeral_1h_input_tokens"))
+    split = field_of(usage, "cache_creation")
+    one_hour = count_of(field_of(split, "ephemeral_1h_input_tokens"))
     # the total and its split should agree; where they do not, the dearer reading
     written = max(
-        _int(_get(usage, "cache_creation_input_tokens")),
-        one_hour + _int(_get(split, "ephemeral_5m_input_tokens")),
+        count_of(field_of(usage, "cache_creation_input_tokens")),
+        one_hour + count_of(field_of(split, "ephemeral_5m_input_tokens")),
     )
-    searches = _int(_get(_get(usage, "server_tool_use"), "web_search_requests"))
+    searches = count_of(field_of(field_of(usage, "server_tool_use"), "web_search_requests"))
     return Usage(
-        input_tokens=_int(_get(usage, "input_tokens")),
-        cached_input_tokens=_int(_get(usage, "cache_read_input_tokens")),
+        input_tokens=count_of(field_of(usage, "input_tokens")),
+        cached_input_tokens=count_of(field_of(usage, "cache_read_input_tokens")),
         cache_write_tokens=written - one_hour,
         cache_write_1h_tokens=one_hour,
-        output_tokens=_int(_get(usage, "output_tokens")),
+        output_tokens=count_of(field_of(usage, "output_tokens")),
         web_searches=searches,
     )
 
 
 def context(usage: Any, batch: bool = False) -> PriceContext:
-    tier = _get(usage, "service_tier")
-    speed = _get(usage, "speed")
+    tier = field_of(usage, "service_tier")
+    speed = field_of(usage, "speed")
     batched = batch or tier == "batch"
     if not batched and speed != "fast":
         return STANDARD
@@ -77,17 +65,17 @@ def context(usage: Any, batch: bool = False) -> PriceContext:
 
 
 def _model(answer: Any, body: Mapping[str, Any]) -> str:
-    model = _get(answer, "model")
+    model = field_of(answer, "model")
     return model if isinstance(model, str) and model else str(body.get("model") or "")
 
 
 def message(answer: Any, body: Mapping[str, Any], *, batch: bool = False) -> Reported | None:
     """A message: its usage, at its snapshot model, in the tier its usage names."""
-    usage = _get(answer, "usage")
+    usage = field_of(answer, "usage")
     if not usage:
         return None
     part = Part(_model(answer, body), tokens(usage), context(usage, batch))
-    return Reported((part,), _get(answer, "id"))
+    return Reported((part,), field_of(answer, "id"))
 
 
 def message_stream(events: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> Reported | None:

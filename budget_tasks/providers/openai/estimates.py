@@ -15,12 +15,11 @@ from typing import Any
 from ...errors import EstimateRefused
 from ...pricing import STANDARD, Estimate, PriceContext, Prices, default_prices
 from ..bounds import (
-    TOOLS_OVERHEAD_TOKENS,
     Parts,
     check_fields,
     choices,
+    fields_text,
     function_tools,
-    json_text,
     model_of,
     refuse,
 )
@@ -83,10 +82,6 @@ def tiers(params: Mapping[str, Any], auto: Sequence[str] = AUTO_TIERS) -> list[P
     return [PriceContext(service_tier="priority" if tier in _EXPENSIVE_TIERS else tier)]
 
 
-def _dearest(estimates: list[Estimate]) -> Estimate:
-    return max(estimates, key=lambda e: e.amount)
-
-
 def _check_media_modalities(params: Mapping[str, Any]) -> None:
     if "audio" in (params.get("modalities") or ()):
         raise refuse("modalities", REFUSED["audio"])
@@ -106,14 +101,11 @@ def chat(
     _check_media_modalities(params)
     parts = Parts(image_tokens)
     parts.messages(params.get("messages") or [])
-    extra = parts.extra_tokens
     tools = function_tools(params.get("tools"), "tools", ("function", "custom"))
-    for name in ("functions", "function_call", "tool_choice", "response_format"):
-        if params.get(name) is not None:
-            tools += json_text(params[name])
-    if tools:
-        parts.add(tools)
-        extra += TOOLS_OVERHEAD_TOKENS
+    parts.definitions(
+        tools
+        + fields_text(params, ("functions", "function_call", "tool_choice", "response_format"))
+    )
     limit = params.get("max_completion_tokens", params.get("max_tokens"))
     prediction = params.get("prediction")
     extra_output = 0
@@ -121,23 +113,15 @@ def chat(
         # Predicted tokens the model rejects are billed as output.
         content = prediction.get("content") if isinstance(prediction, Mapping) else prediction
         extra_output = len(parts.content(content, "prediction").encode())
-    model = model_of(params)
-    table = prices or default_prices()
-    return _dearest(
-        [
-            table.estimate(
-                model,
-                parts.texts,
-                limit,
-                choices=choices(params),
-                extra_input_tokens=extra,
-                extra_output_tokens=extra_output,
-                provider=provider,
-                context=context,
-                images=parts.media > 0,
-            )
-            for context in tiers(params, auto_tiers)
-        ]
+    return _at_tiers(
+        params,
+        prices,
+        parts,
+        limit,
+        auto_tiers,
+        provider,
+        choices=choices(params),
+        extra_output_tokens=extra_output,
     )
 
 
@@ -165,29 +149,38 @@ def response(
         )
     if params.get("instructions"):
         parts.add(str(params["instructions"]))
-    extra = parts.extra_tokens
     tools = function_tools(params.get("tools"), "tools", ("function", "custom"))
-    for name in ("tool_choice", "text"):
-        if params.get(name) is not None:
-            tools += json_text(params[name])
-    if tools:
-        parts.add(tools)
-        extra += TOOLS_OVERHEAD_TOKENS
+    parts.definitions(tools + fields_text(params, ("tool_choice", "text")))
+    return _at_tiers(params, prices, parts, params.get("max_output_tokens"), auto_tiers, provider)
+
+
+def _at_tiers(
+    params: Mapping[str, Any],
+    prices: Prices | None,
+    parts: Parts,
+    limit: Any,
+    auto_tiers: Sequence[str],
+    provider: str | None,
+    **more: Any,
+) -> Estimate:
+    """The bound at the dearest tier the request may be billed at."""
     model = model_of(params)
     table = prices or default_prices()
-    return _dearest(
-        [
+    return max(
+        (
             table.estimate(
                 model,
                 parts.texts,
-                params.get("max_output_tokens"),
-                extra_input_tokens=extra,
+                limit,
+                extra_input_tokens=parts.extra_tokens,
                 provider=provider,
                 context=context,
                 images=parts.media > 0,
+                **more,
             )
             for context in tiers(params, auto_tiers)
-        ]
+        ),
+        key=lambda e: e.amount,
     )
 
 

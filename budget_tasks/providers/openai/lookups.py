@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ...pricing import Prices
+from ..base import as_json
 from ..clients import require_no_retries
 from ..lookups import Found, Lookup, NotFound, Pending, Unknowable, not_found, status_of
 from . import usage as usage_of
@@ -20,11 +21,6 @@ ATTEMPT_METADATA_KEY = "budget_tasks_attempt"
 REQUEST_METADATA_KEY = "budget_tasks_request"
 
 
-def _dump(obj: Any) -> Any:
-    dump = getattr(obj, "model_dump", None)
-    return dump(mode="json") if callable(dump) else obj
-
-
 def chat_result(completion: Any) -> dict[str, Any]:
     """What a task keeps of a chat completion: the first choice's text, and the whole
     completion as JSON under ``response`` (every choice, tool calls, refusals)."""
@@ -33,7 +29,7 @@ def chat_result(completion: Any) -> dict[str, Any]:
         "id": completion.id,
         "content": choice.message.content if choice else None,
         "finish_reason": choice.finish_reason if choice else None,
-        "response": _dump(completion),
+        "response": as_json(completion),
     }
 
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...pricing import STANDARD, PriceContext, Usage
-from ..base import Part, Reported
+from ..base import Part, Reported, count_of, field_of
 
 #: Every leaf of the SDK's usage types, and how it is priced or why it needs no price
 #: of its own. tests/integration/test_sdk_specification.py walks the installed SDK's
@@ -56,34 +56,22 @@ USAGE_FIELDS = {
 }
 
 
-def _get(obj: Any, name: str) -> Any:
-    if obj is None:
-        return None
-    if isinstance(obj, Mapping):
-        return obj.get(name)
-    return getattr(obj, name, None)
-
-
-def _int(value: Any) -> int:
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
 def tokens(usage: Any, inputs: str = "prompt", outputs: str = "completion") -> Usage:
     """An OpenAI usage object (chat: ``prompt``/``completion``; Responses and images:
     ``input``/``output``) as one :class:`Usage`: cached reads and cache writes are
     inside the input total, reasoning and audio inside the output total."""
-    total_in = _int(_get(usage, f"{inputs}_tokens"))
-    details = _get(usage, f"{inputs}_tokens_details")
-    cached = min(total_in, _int(_get(details, "cached_tokens")))
-    written = min(total_in - cached, _int(_get(details, "cache_write_tokens")))
+    total_in = count_of(field_of(usage, f"{inputs}_tokens"))
+    details = field_of(usage, f"{inputs}_tokens_details")
+    cached = min(total_in, count_of(field_of(details, "cached_tokens")))
+    written = min(total_in - cached, count_of(field_of(details, "cache_write_tokens")))
     plain = total_in - cached - written
-    audio_in = min(plain, _int(_get(details, "audio_tokens")))
-    image_in = min(plain - audio_in, _int(_get(details, "image_tokens")))
-    output = _int(_get(usage, f"{outputs}_tokens"))
-    out_details = _get(usage, f"{outputs}_tokens_details")
-    reasoning = min(output, _int(_get(out_details, "reasoning_tokens")))
-    audio_out = min(output - reasoning, _int(_get(out_details, "audio_tokens")))
-    image_out = min(output - reasoning - audio_out, _int(_get(out_details, "image_tokens")))
+    audio_in = min(plain, count_of(field_of(details, "audio_tokens")))
+    image_in = min(plain - audio_in, count_of(field_of(details, "image_tokens")))
+    output = count_of(field_of(usage, f"{outputs}_tokens"))
+    out_details = field_of(usage, f"{outputs}_tokens_details")
+    reasoning = min(output, count_of(field_of(out_details, "reasoning_tokens")))
+    audio_out = min(output - reasoning, count_of(field_of(out_details, "audio_tokens")))
+    image_out = min(output - reasoning - audio_out, count_of(field_of(out_details, "image_tokens")))
     return Usage(
         input_tokens=plain,
         cached_input_tokens=cached,
@@ -98,22 +86,22 @@ def tokens(usage: Any, inputs: str = "prompt", outputs: str = "completion") -> U
 
 
 def _context(answer: Any) -> PriceContext:
-    tier = _get(answer, "service_tier")
+    tier = field_of(answer, "service_tier")
     return PriceContext(service_tier=tier) if isinstance(tier, str) and tier else STANDARD
 
 
 def _model(answer: Any, body: Mapping[str, Any]) -> str:
-    model = _get(answer, "model")
+    model = field_of(answer, "model")
     return model if isinstance(model, str) and model else str(body.get("model") or "")
 
 
 def chat(answer: Any, body: Mapping[str, Any]) -> Reported | None:
     """A chat completion (or legacy completion): its usage, snapshot and tier."""
-    usage = _get(answer, "usage")
+    usage = field_of(answer, "usage")
     if not usage:
         return None
     part = Part(_model(answer, body), tokens(usage), _context(answer))
-    return Reported((part,), _get(answer, "id"))
+    return Reported((part,), field_of(answer, "id"))
 
 
 def chat_stream(events: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> Reported | None:
@@ -132,14 +120,14 @@ def chat_stream(events: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) ->
 
 
 def _web_searches(answer: Any) -> int:
-    output = _get(answer, "output") or []
-    return sum(1 for item in output if _get(item, "type") == "web_search_call")
+    output = field_of(answer, "output") or []
+    return sum(1 for item in output if field_of(item, "type") == "web_search_call")
 
 
 def response(answer: Any, body: Mapping[str, Any]) -> Reported | None:
     """A Response: its usage (None while it runs in the background), and the web
     searches its built-in tool made."""
-    usage = _get(answer, "usage")
+    usage = field_of(answer, "usage")
     if not usage:
         return None
     used = tokens(usage, "input", "output")
@@ -147,7 +135,7 @@ def response(answer: Any, body: Mapping[str, Any]) -> Reported | None:
     if searches:
         used = used + Usage(web_searches=searches)
     part = Part(_model(answer, body), used, _context(answer))
-    return Reported((part,), _get(answer, "id"))
+    return Reported((part,), field_of(answer, "id"))
 
 
 def response_stream(
@@ -162,30 +150,30 @@ def response_stream(
 
 
 def embeddings(answer: Any, body: Mapping[str, Any]) -> Reported | None:
-    usage = _get(answer, "usage")
+    usage = field_of(answer, "usage")
     if not usage:
         return None
-    used = Usage(input_tokens=_int(_get(usage, "prompt_tokens")))
+    used = Usage(input_tokens=count_of(field_of(usage, "prompt_tokens")))
     return Reported((Part(_model(answer, body), used),), None)
 
 
 def images(answer: Any, body: Mapping[str, Any]) -> Reported | None:
     """An image generation: its token usage at the requested model, and an SVG
     author's usage at the SVG author's model."""
-    usage = _get(answer, "usage")
+    usage = field_of(answer, "usage")
     if not usage:
         return None
     parts = [Part(str(body.get("model") or ""), tokens(usage, "input", "output"))]
-    svg = _get(answer, "svg_usage")
+    svg = field_of(answer, "svg_usage")
     if svg:
-        output = _int(_get(svg, "output_tokens"))
+        output = count_of(field_of(svg, "output_tokens"))
         parts.append(
             Part(
-                str(_get(svg, "model") or ""),
+                str(field_of(svg, "model") or ""),
                 Usage(
-                    input_tokens=_int(_get(svg, "input_tokens")),
+                    input_tokens=count_of(field_of(svg, "input_tokens")),
                     output_tokens=output,
-                    reasoning_tokens=min(output, _int(_get(svg, "reasoning_tokens"))),
+                    reasoning_tokens=min(output, count_of(field_of(svg, "reasoning_tokens"))),
                 ),
             )
         )
