@@ -12,7 +12,8 @@ What it cannot see, and so does not refuse: a connection opened before ``run`` a
 reused inside it (a pooled keep-alive connection); a name resolved in a thread the run
 did not start, while a guarded call of this process resolves one at the same moment
 (asyncio resolves names in an executor thread); traffic from another process; a
-provider reached through an address no one told it. ``unmetered()`` lets a block
+provider reached through an address no one told it, or through an HTTP proxy
+(``HTTPS_PROXY``: the socket opens to the proxy, not the provider). ``unmetered()`` lets a block
 through on purpose (an unbilled lookup with a plain client, say).
 """
 
@@ -42,7 +43,7 @@ __all__ = [
 
 #: The environment switch: ``off`` installs no hook (nothing is refused).
 SWITCH_ENV = "BUDGET_TASKS_REFUSE_UNMETERED"
-VENDOR_HOSTS = ("api.openai.com", "api.anthropic.com")
+VENDOR_HOSTS = ("api.openai.com", "eu.api.openai.com", "us.api.openai.com", "api.anthropic.com")
 
 _guarded: ContextVar[bool] = ContextVar("budget_tasks_guarded_send", default=False)
 _lock = threading.Lock()
@@ -69,7 +70,7 @@ def know(url: str | None) -> None:
     if not url:
         return
     parts = urlsplit(url if "//" in url else f"https://{url}")
-    host = (parts.hostname or "").lower()
+    host = (parts.hostname or "").lower().rstrip(".")
     if not host:
         return
     port = parts.port or (443 if parts.scheme != "http" else 80)
@@ -145,7 +146,7 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
     if event == "socket.getaddrinfo":
         if _guarded.get() or not args or not isinstance(args[0], str | bytes):
             return
-        host = (args[0].decode() if isinstance(args[0], bytes) else args[0]).lower()
+        host = (args[0].decode() if isinstance(args[0], bytes) else args[0]).lower().rstrip(".")
         port = _port(args[1] if len(args) > 1 else None)
         if host not in _hosts or (port is not None and (host, port) not in _endpoints):
             return

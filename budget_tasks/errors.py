@@ -284,6 +284,20 @@ class SdkRetryRefused(RetriesEnabled):
         )
 
 
+class UsageUnreadable(ProviderError):
+    """An answer's usage that is not a count (a string of letters, a negative or an
+    endless number, a usage that is no object): nothing is charged from it. The call's
+    outcome is unknown and its hold kept, for reconciliation or an operator."""
+
+    def __init__(self, field: str, value: object) -> None:
+        super().__init__(
+            f"the answer's usage {field} is {value!r}, not a count of tokens: its "
+            "outcome is unknown and its hold kept",
+            field=field,
+            value=repr(value)[:80],
+        )
+
+
 class StreamIncomplete(ProviderError):
     """A stream ended before the provider said it was complete: the outcome is unknown."""
 

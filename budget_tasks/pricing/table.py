@@ -75,6 +75,10 @@ class ModelPrice:
         return base
 
 
+#: Variants billed above the base rates: without one, the table cannot price them.
+_DEARER = frozenset({"priority", "scale", "fast"})
+
+
 def _variant_names(context: PriceContext) -> list[str]:
     names = []
     if context.service_tier:
@@ -123,7 +127,15 @@ class PriceTable(Estimating):
         context: PriceContext = STANDARD,
         input_tokens: int = 0,
     ) -> Rates:
-        return self.price(model).rates(context)
+        """The model's rates in ``context``. A dearer tier or mode (priority, fast) the
+        table has no variant for raises UnknownModelPrice: its base rates would charge
+        it too little. (Its rates apply at every context length: give a long-context
+        model's long-context rates if your calls may reach them.)"""
+        price = self.price(model)
+        for dearer in _DEARER & set(_variant_names(context)):
+            if dearer not in price.variants:
+                raise UnknownModelPrice(f"{model} ({dearer})", self.version)
+        return price.rates(context)
 
     def cost(
         self,

@@ -12,12 +12,14 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
+from ..errors import UsageUnreadable
 from ..pricing import STANDARD, Estimate, PriceContext, Prices, Usage, default_prices
 from .lookups import Lookup, Unknowable
 
@@ -30,6 +32,8 @@ class Part:
     model: str
     usage: Usage
     context: PriceContext = STANDARD
+    #: the model the request asked for, where the answer names another
+    asked: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +57,26 @@ class Reported:
         total = 0
         for part in self.parts:
             context = part.context if at is None else _at(part.context, at)
-            total += table.cost(part.model, part.usage, provider=provider, context=context)
+            costs = []
+            for model in _models(part):
+                if table.knows(model, provider) or model == part.model:
+                    costs.append(table.cost(model, part.usage, provider=provider, context=context))
+            total += max(costs)
         return total
+
+
+def _models(part: Part) -> list[str]:
+    """The models a part may be priced at: the one that answered, and, where that is
+    not a snapshot of the one asked for, the one asked for too (the dearer stands: an
+    answer's word alone never prices a call below its request)."""
+    asked = part.asked
+    if not asked or part.model == asked or _SNAPSHOT.fullmatch(part.model.removeprefix(asked)):
+        return [part.model]
+    return [part.model, asked]
+
+
+#: What a snapshot adds to its alias: ``-2024-08-06``, ``-0125`` or ``-20251001``.
+_SNAPSHOT = re.compile(r"-(\d{4}(-\d{2}-\d{2})?|\d{8})")
 
 
 def _at(context: PriceContext, at: datetime) -> PriceContext:
@@ -141,9 +163,33 @@ def field_of(obj: Any, name: str) -> Any:
     return getattr(obj, name, None)
 
 
-def count_of(value: Any) -> int:
-    """A token count from an answer: an int, else 0 (a missing or odd value)."""
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
+def count_of(value: Any, field: str = "count") -> int:
+    """A token count from an answer: 0 where it is missing; an int as it is; a float or
+    digits rounded up. Anything else (a negative number, letters, a bool) raises
+    UsageUnreadable: a count that cannot be read is never read as 0."""
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value >= 0:
+        return math.ceil(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    raise UsageUnreadable(field, value)
+
+
+def usage_object(value: Any, field: str = "usage", *, needs: tuple[str, ...] = ()) -> Any:
+    """An answer's usage, where it is an object (a mapping or the SDK's model) that
+    carries the totals it ``needs`` (a usage without them says nothing it can be
+    charged by)."""
+    if value is None and not needs:
+        return value
+    if not (isinstance(value, Mapping) or hasattr(type(value), "model_fields")):
+        raise UsageUnreadable(field, value)
+    for name in needs:
+        if field_of(value, name) is None:
+            raise UsageUnreadable(f"{field}.{name}", None)
+    return value
 
 
 def as_json(obj: Any) -> Any:

@@ -26,13 +26,18 @@ TOOLS_OVERHEAD_TOKENS = 1_000
 
 #: Content types that are text, and where their text is.
 TEXT_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "summary_text"})
-#: Content types billed by their size (pixels, pages, seconds), not their bytes here.
-MEDIA_TYPES = frozenset(
-    {
-        "image_url", "input_image", "image", "computer_screenshot", "input_audio",
-        "audio", "input_file", "file", "document", "input_video", "video",
-    }
-)  # fmt: skip
+#: Images: billed by their size, bounded by the caller's ``image_tokens``.
+MEDIA_TYPES = frozenset({"image_url", "input_image", "image", "computer_screenshot"})
+#: Media billed by pages or seconds, which nothing in the request bounds.
+UNBOUNDED_MEDIA = {
+    "input_audio": "audio is billed by its length",
+    "audio": "audio is billed by its length",
+    "input_file": "a file is billed by its pages",
+    "file": "a file is billed by its pages",
+    "document": "a document is billed by its pages",
+    "input_video": "video is billed by its length",
+    "video": "video is billed by its length",
+}
 #: Item types that point at content the request does not carry.
 REFERENCE_TYPES = frozenset({"item_reference", "container_reference", "search_result_reference"})
 
@@ -112,6 +117,8 @@ class Parts:
         if kind in MEDIA_TYPES:
             self._media(part, f"{field}[].{kind}")
             return ""
+        if kind in UNBOUNDED_MEDIA:
+            return self._unbounded(part, f"{field}[].{kind}")
         if kind in TEXT_TYPES and isinstance(part.get("text", part.get("refusal")), str):
             others = {k: v for k, v in part.items() if k not in ("type", "text", "refusal")}
             text = str(part.get("text", part.get("refusal", "")))
@@ -133,12 +140,27 @@ class Parts:
             if kind in MEDIA_TYPES:
                 self._media(value, f"{field}[].{kind}")
                 return None
+            if kind in UNBOUNDED_MEDIA:
+                return self._unbounded(value, f"{field}[].{kind}")
             if "file_id" in value and value.get("file_id"):
                 raise refuse(f"{field}[].file_id", "a stored file's content is billed, unseen here")
             return {k: self._strip(v, field) for k, v in value.items()}
         if isinstance(value, list | tuple):
             return [self._strip(v, field) for v in value]
         return value
+
+    def _unbounded(self, part: Mapping[str, Any], field: str) -> str:
+        """A document whose source is plain text is its text; any other audio, video,
+        file or document is refused: billed by its pages or seconds, unseen here."""
+        source = part.get("source")
+        if part.get("type") == "document" and isinstance(source, Mapping):
+            if source.get("type") == "text" and isinstance(source.get("data"), str):
+                return str(source["data"]) + json_text(
+                    {k: v for k, v in part.items() if k != "source"}
+                )
+            if source.get("type") == "content":
+                return self.content(source.get("content"), field)
+        raise refuse(field, UNBOUNDED_MEDIA[str(part.get("type"))])
 
     def _media(self, part: Mapping[str, Any], field: str) -> None:
         if self.image_tokens is None:
@@ -155,6 +177,8 @@ class Parts:
             if not isinstance(message, Mapping):
                 self.texts.append(str(message))
                 continue
+            if message.get("audio"):
+                raise refuse(f"{field}[].audio", "an earlier answer's audio is billed, unseen here")
             kind = message.get("type", "message")
             if kind != "message" or "content" not in message:
                 # a Responses item that is not a message: bounded as a whole
@@ -163,7 +187,7 @@ class Parts:
             text = self.content(message.get("content"), field)
             extras = {
                 k: message[k]
-                for k in ("tool_calls", "function_call", "name", "tool_call_id", "audio")
+                for k in ("tool_calls", "function_call", "name", "tool_call_id")
                 if message.get(k)
             }
             if extras:

@@ -8,6 +8,9 @@ import enum
 #: Statuses after which the provider did not bill: the request was refused up front.
 NOT_BILLED_STATUSES = frozenset({400, 401, 403, 404, 422})
 RATE_LIMITED_STATUS = 429
+#: Refused for now, not billed, to be sent again later as a new attempt: rate limited
+#: (429), and Anthropic's overloaded (529).
+RETRY_LATER_STATUSES = frozenset({RATE_LIMITED_STATUS, 529})
 # Transport errors raised before any byte of the request was written.
 _PRE_SEND = frozenset({"ConnectError", "ConnectTimeout", "ConnectionRefusedError"})
 
@@ -18,7 +21,8 @@ class ErrorOutcome(enum.Enum):
     #: Refused before any work (4xx such as 400/401/403/404/422, or no connection):
     #: release the hold.
     NOT_BILLED = "not_billed"
-    #: 429: not billed; a retry is a new attempt with a new hold, never a silent one.
+    #: 429 (or Anthropic's 529, overloaded): not billed; a retry is a new attempt with a
+    #: new hold, never a silent one.
     RATE_LIMITED = "rate_limited"
     #: Anything else (timeouts, resets after sending, 5xx, a cut stream): keep the hold
     #: until reconciliation says what happened.
@@ -34,7 +38,7 @@ def classify(exc: BaseException) -> ErrorOutcome:
     """Classify an exception raised by an OpenAI or Anthropic SDK call."""
     status = getattr(exc, "status_code", None)
     if getattr(exc, "response", None) is not None and isinstance(status, int):
-        if status == RATE_LIMITED_STATUS:
+        if status in RETRY_LATER_STATUSES:
             return ErrorOutcome.RATE_LIMITED
         if status in NOT_BILLED_STATUSES:
             return ErrorOutcome.NOT_BILLED

@@ -5,10 +5,12 @@ The decision, for a POST (every other method bills nothing):
 
 1. the vendor is the one the client was built for (``guarded_openai_client`` says
    OpenAI), else the one that serves the request's host (``api.openai.com``);
-2. that vendor's rule whose pattern matches the most of the path decides;
+2. of that vendor's rules that match the path, one that may bill (metered or
+   refused) beats a free one; among those, the one that matches the most of the path
+   decides, the most restrictive where two match as much;
 3. a request to a host no vendor claims, from a client built for none (a plain guarded
-   http client, a framework on top of it), is judged by every vendor's rules: the
-   longest match decides, the most restrictive one where two match as much;
+   http client, a framework on top of it), is judged by every vendor's rules, the same
+   way;
 4. a POST that no rule matches is refused: deny by default.
 
 Register an OpenAI-compatible gateway as a vendor of its own (its hosts, its price
@@ -111,14 +113,17 @@ class Registry:
             return Route(Kind.FREE, f"a {method.upper()} bills nothing")
         chosen = self.vendor(vendor) if vendor else self._hosts.get(host.lower())
         candidates = [chosen] if chosen is not None else self.vendors()
-        best: tuple[int, int, Rule, Vendor] | None = None
+        best: tuple[int, int, int, Rule, Vendor] | None = None
         for v in candidates:
             for rule in v.rules:
                 length = rule.match_length(path)
                 if not length:
                     continue
-                rank = (length, -_RESTRICTIVE.index(rule.kind))
-                if best is None or rank > best[:2]:
+                # a rule that may bill beats any free one, whatever their lengths: a free
+                # rule that swallows the rest of a path (the admin API's) must not let a
+                # gateway's /.../chat/completions through unmetered
+                rank = (rule.kind is not Kind.FREE, length, -_RESTRICTIVE.index(rule.kind))
+                if best is None or rank > best[:3]:
                     best = (*rank, rule, v)
         if best is None:
             who = chosen.name if chosen is not None else "no registered vendor"
@@ -128,7 +133,7 @@ class Registry:
                 "(deny by default; register the endpoint's vendor, or allow it by name)",
                 chosen,
             )
-        _, _, rule, v = best
+        rule, v = best[3], best[4]
         return Route(rule.kind, rule.why, v, rule)
 
 

@@ -126,6 +126,22 @@ def text_completion(
     }
 
 
+def text_completion_chunks(completion: dict[str, Any], with_usage: bool) -> list[dict[str, Any]]:
+    """A legacy completion as the chunks of its stream (and the usage chunk if asked)."""
+    base = {k: completion[k] for k in ("id", "object", "created", "model")}
+    chunks = [
+        {
+            **base,
+            "choices": [{"index": 0, "text": w + " ", "finish_reason": None, "logprobs": None}],
+        }
+        for w in completion["choices"][0]["text"].split(" ")
+    ]
+    chunks[-1]["choices"][0]["finish_reason"] = completion["choices"][0]["finish_reason"]
+    if with_usage:
+        chunks.append({**base, "choices": [], "usage": completion["usage"]})
+    return chunks
+
+
 def response_object(
     response_id: str,
     created: float,

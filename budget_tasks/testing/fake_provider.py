@@ -827,11 +827,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._unknown_model(record, body.get("model"))
             return
         prompt = body.get("prompt", "")
-        prompts = (
-            prompt
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str)
-            else [prompt]
-        )
+        many = isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
+        prompts = prompt if many else [prompt]
         input_tokens = 3 + sum(
             len(p) if isinstance(p, list) else text_tokens(str(p)) for p in prompts
         )
@@ -846,7 +843,13 @@ class _Handler(BaseHTTPRequestHandler):
         answer = answers.text_completion(
             self.fake._next_id("cmpl-"), model, usage, each, (body.get("n") or 1) * len(prompts)
         )
-        self._send_json(200, answer, record.request_id)
+        if not body.get("stream"):
+            self._send_json(200, answer, record.request_id)
+            return
+        with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunks = answers.text_completion_chunks(answer, with_usage)
+        events = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks]
+        self._sse(record, [*events, b"data: [DONE]\n\n"], cut_at=2)
 
     def _images(self, record: Served, body: dict[str, Any], query: Any) -> None:
         model = self._answered_by(body.get("model") or "gpt-image-1")

@@ -163,12 +163,16 @@ class StreamState:
         self.finished = True
         begun = self.begun
         if exc is None:
-            stored = guard.stored_answer(begun.m, self.inner, b"".join(self.shown))
-            events = guard.sse_events(b"".join(self.full))
-            sent = guard.sent_of_stream(begun.m, begun.call.request_id, events, stored)
-            if sent is not None:
-                begun.call.record(sent)
-                begun.scoped.exit(None)
-                return
-            exc = StreamIncomplete(begun.m.provider, "closed before its usage arrived")
+            try:
+                stored = guard.stored_answer(begun.m, self.inner, b"".join(self.shown))
+                events = guard.sse_events(b"".join(self.full))
+                sent = guard.sent_of_stream(begun.m, begun.call.request_id, events, stored)
+            except Exception as unreadable:  # an answer its usage cannot be read from
+                exc = unreadable
+            else:
+                if sent is not None:
+                    begun.call.record(sent)
+                    begun.scoped.exit(None)
+                    return
+                exc = StreamIncomplete(begun.m.provider, "closed before its usage arrived")
         begun.scoped.exit(exc)

@@ -133,7 +133,7 @@ def prepare(route: Route, request: httpx2.Request, options: Options) -> Metered:
         )
     streamed = bool(body.get("stream"))
     hidden_usage = False
-    if streamed and endpoint.name.endswith(".chat"):
+    if streamed and endpoint.name.endswith((".chat", ".completions")):
         # the usage arrives only in a last chunk the request asks for; the SDK is not
         # shown that chunk unless the caller asked for it (code that reads
         # chunk.choices[0] of every chunk would break on it)

@@ -171,6 +171,19 @@ def test_a_responses_field_that_may_bill_unseen_is_refused_by_name(
     [
         ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image"),
         ({"messages": [{"role": "user", "content": [{"type": "document"}]}]}, "document"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "document", "source": {"type": "base64", "data": "JVBE"}}
+                        ],
+                    }
+                ]
+            },
+            "billed by its pages",
+        ),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search"),
         ({"mcp_servers": [{"url": "https://x"}]}, "mcp_servers"),
         ({"container": "c1"}, "container"),
@@ -406,7 +419,11 @@ def metered_request(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     if endpoint == "completions":
         params = {
             "model": "gpt-3.5-turbo-instruct",
-            "prompt": draw(st.sampled_from([draw(words), [draw(words), draw(words)]])),
+            "prompt": draw(
+                st.sampled_from(
+                    [draw(words), [draw(words), draw(words)], [[1, 2, 3]] * draw(st.integers(1, 5))]
+                )
+            ),
             "n": draw(st.integers(1, 2)),
         }
         if draw(st.booleans()):
@@ -472,18 +489,18 @@ def _send(fake: FakeProvider, endpoint: str, params: dict[str, Any], key: str) -
 
     headers = {"Idempotency-Key": key, "x-fake-output-tokens": "100000"}  # all it may
     if endpoint == "messages":
-        claude = anthropic_sdk.Anthropic(base_url=fake.url, api_key="x", max_retries=0)
-        claude.messages.create(extra_headers=headers, **params)
+        with anthropic_sdk.Anthropic(base_url=fake.url, api_key="x", max_retries=0) as claude:
+            claude.messages.create(extra_headers=headers, **params)
         return
-    oai = openai_sdk.OpenAI(base_url=fake.openai_base_url, api_key="x", max_retries=0)
-    {
-        "chat": oai.chat.completions.create,
-        "responses": oai.responses.create,
-        "embeddings": oai.embeddings.create,
-        "completions": oai.completions.create,
-        "images": oai.images.generate,
-        "speech": oai.audio.speech.create,
-    }[endpoint](extra_headers=headers, **params)
+    with openai_sdk.OpenAI(base_url=fake.openai_base_url, api_key="x", max_retries=0) as oai:
+        {
+            "chat": oai.chat.completions.create,
+            "responses": oai.responses.create,
+            "embeddings": oai.embeddings.create,
+            "completions": oai.completions.create,
+            "images": oai.images.generate,
+            "speech": oai.audio.speech.create,
+        }[endpoint](extra_headers=headers, **params)
 
 
 @settings(
@@ -502,3 +519,36 @@ def test_every_metered_endpoint_is_billed_within_its_estimate(
     _send(fake, endpoint, params, key)
     billed = fake.billed_for(key)
     assert 0 < billed <= bound.amount, (endpoint, billed, bound)
+
+
+def test_media_billed_by_pages_or_seconds_is_refused_even_with_a_per_image_bound() -> None:
+    """A per-image bound cannot bound a PDF's pages or audio's seconds; a document whose
+    source is plain text is its text."""
+    audio = {"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}
+    with pytest.raises(EstimateRefused, match="audio"):
+        estimates.openai_chat(
+            {**CHAT, "messages": [{"role": "user", "content": [audio]}]}, image_tokens=765
+        )
+    with pytest.raises(EstimateRefused, match="audio"):
+        estimates.openai_chat(
+            {**CHAT, "messages": [{"role": "assistant", "audio": {"id": "audio_1"}}]}
+        )
+    text = "w" * 100_000
+    document = {
+        "type": "document",
+        "source": {"type": "text", "media_type": "text/plain", "data": text},
+    }
+    bound = estimates.anthropic_message(
+        {**CLAUDE, "messages": [{"role": "user", "content": [document]}]}
+    )
+    assert bound.input_tokens > len(text)
+
+
+def test_legacy_completions_bound_every_prompt_given_as_token_ids() -> None:
+    one = estimates.openai_completions(
+        {"model": "gpt-3.5-turbo-instruct", "prompt": [[1, 2]], "max_tokens": 1000}
+    )
+    many = estimates.openai_completions(
+        {"model": "gpt-3.5-turbo-instruct", "prompt": [[1, 2]] * 100, "max_tokens": 1000}
+    )
+    assert (one.output_tokens, many.output_tokens) == (1000, 100_000)

@@ -962,3 +962,100 @@ def test_a_kind_fake_hides_the_compression_bug_the_realistic_one_shows(
         job.delay(2).get()  # compressed, as the real APIs answer: decoded twice
     [lost] = [a for a in Ledger(backend_url).attempts() if a.key.startswith("kind:2:")]
     assert lost.state == "unknown"  # billed, and the answer lost: the old failure
+
+
+# -- streams left early, streams of legacy completions, a stream whose usage is garbled ----
+
+
+def test_an_anthropic_stream_left_before_its_final_counts_keeps_its_hold(
+    app: Celery, fake: FakeProvider, backend_url: str
+) -> None:
+    """Its first event carries the input and one output token; the rest comes at the
+    end. Left early, it is not settled at that one token: the hold stays unknown."""
+    claude = guarded_anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
+
+    def early(self: BudgetTask) -> str:
+        with claude.messages.stream(
+            model="claude-haiku-4-5",
+            max_tokens=4000,
+            messages=[{"role": "user", "content": "Tell me everything."}],
+        ) as events:
+            for text in events.text_stream:
+                return text  # the caller has what it needs and leaves
+        return ""
+
+    task(app, early, "early:1").delay().get()
+    [step] = [a for a in Ledger(backend_url).attempts() if "#" not in a.key]
+    assert step.state == "unknown" and step.actual is None
+    assert Ledger(backend_url).balance("team").held == step.amount
+
+
+def test_a_streamed_legacy_completion_asks_for_its_usage_and_settles_at_the_bill(
+    app: Celery, fake: FakeProvider, backend_url: str
+) -> None:
+    oai = guarded_openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
+
+    def streamed(self: BudgetTask) -> str:
+        return "".join(
+            chunk.choices[0].text
+            for chunk in oai.completions.create(
+                model="gpt-3.5-turbo-instruct", prompt="Once", max_tokens=12, stream=True
+            )
+            if chunk.choices
+        )
+
+    assert task(app, streamed, "legacy-stream:1").delay().get().strip().startswith("fake")
+    settled_at_the_bill(Ledger(backend_url), fake)
+
+
+def test_a_stream_whose_usage_cannot_be_read_ends_unknown_not_sending(
+    app: Celery, fake: FakeProvider, backend_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from budget_tasks.errors import UsageUnreadable
+    from budget_tasks.transport import guard
+
+    def garbled(*args: Any, **kwargs: Any) -> Any:
+        raise UsageUnreadable("usage", "???")
+
+    monkeypatch.setattr(guard, "sent_of_stream", garbled)
+    oai = guarded_openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
+
+    def streamed(self: BudgetTask) -> int:
+        stream = oai.chat.completions.create(
+            model="gpt-4o-mini",
+            max_completion_tokens=8,
+            stream=True,
+            messages=[{"role": "user", "content": "Stream."}],
+        )
+        return sum(1 for _ in stream)
+
+    task(app, streamed, "garbled:1").delay().get()
+    [step] = [a for a in Ledger(backend_url).attempts() if "#" not in a.key]
+    assert step.state == "unknown"  # not left 'sending', its position given back
+
+
+def test_anthropics_overloaded_529_is_not_billed_and_the_retry_is_a_new_attempt(
+    app: Celery, fake: FakeProvider, backend_url: str
+) -> None:
+    import anthropic
+
+    claude = guarded_anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
+
+    def ask(self: BudgetTask) -> str:
+        message = claude.messages.create(
+            model="claude-haiku-4-5", max_tokens=16, messages=[{"role": "user", "content": "hi"}]
+        )
+        return str(message.content[0].text)
+
+    job = task(app, ask, "overloaded:1")
+    fake.plan("status=529", path="/v1/messages")
+    with pytest.raises(anthropic.APIStatusError) as raised:
+        job.delay().get()
+    assert raised.value.status_code == 529
+    ledger = Ledger(backend_url)
+    [first] = [a for a in ledger.attempts() if "#" not in a.key]
+    assert (first.state, first.actual) == ("released", 0)  # overloaded: nothing was billed
+    assert ledger.operation("overloaded:1").status == "retryable"
+    assert job.delay().get().startswith("fake")  # the retry: a new attempt, its own hold
+    keys = sorted(a.key for a in ledger.attempts() if "#" not in a.key)
+    assert keys == ["overloaded:1:anthropic.messages:1", "overloaded:1:anthropic.messages:1~2"]

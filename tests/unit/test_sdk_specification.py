@@ -122,6 +122,24 @@ def test_routes_by_path(vendor: str, path: str, kind: Kind, endpoint: str | None
     assert (route.endpoint.name if route.endpoint else None) == endpoint
 
 
+@pytest.mark.parametrize(
+    ("vendor", "path"),
+    [
+        ("openai", "/api/projects/p/openai/v1/responses"),  # a gateway's project prefix
+        (None, "/v1/projects/p/locations/us/endpoints/openapi/chat/completions"),
+        (None, "/organization/acme/v1/chat/completions"),  # under a free rule's prefix
+        (None, "/v1/vaults/x/v1/messages"),
+    ],
+)
+def test_a_billable_path_under_a_free_rules_prefix_is_still_metered(
+    vendor: str | None, path: str
+) -> None:
+    """A free rule that takes the rest of a path (the admin API's) never lets a billable
+    endpoint through: a rule that may bill beats a free one, whatever their lengths."""
+    host = registry.vendor(vendor).hosts[0] if vendor else "gateway.example.net"
+    assert registry.route("POST", host, path, vendor).kind is Kind.METERED
+
+
 def test_a_host_no_vendor_claims_is_judged_by_every_vendor_and_denies_by_default() -> None:
     route = registry.route("POST", "llm-gateway.internal", "/openai/v1/chat/completions")
     assert route.kind is Kind.METERED and route.vendor is not None
@@ -224,7 +242,10 @@ READERS: dict[str, tuple[Any, dict[str, Any]]] = {
     "MessageDeltaUsage": (
         lambda u: anthropic_usage.message_stream(
             [
-                {"type": "message_start", "message": {"id": "m", "model": "m", "usage": {}}},
+                {
+                    "type": "message_start",
+                    "message": {"id": "m", "model": "m", "usage": {"input_tokens": 10}},
+                },
                 {"type": "message_delta", "usage": u},
             ],
             {},

@@ -9,7 +9,7 @@ from typing import Any
 from ...pricing import Prices, Usage
 from ..base import as_json
 from ..clients import require_no_retries
-from ..lookups import Found, Lookup, NotFound, Pending, Unknowable, not_found, status_of
+from ..lookups import Found, Lookup, NotFound, Pending, Unknowable, status_of
 from . import usage as usage_of
 
 
@@ -60,9 +60,15 @@ def lookup_anthropic_batch(
             return Found(actual, reported.usage, message_result(message))
     except Exception as exc:
         if status_of(exc) == 404:
-            return not_found(f"batch {batch_id} not found", sent_at, settle_after, now)
+            return _gone(batch_id)
         return Pending(f"lookup failed: {type(exc).__name__}: {exc}")
     return NotFound(f"batch {batch_id} has no request {custom_id}")
+
+
+def _gone(batch_id: str) -> Unknowable:
+    # its id came back when it was created: its requests may have billed before it was
+    # deleted; not finding it now proves nothing
+    return Unknowable(f"batch {batch_id} was created and is gone (deleted?)")
 
 
 def lookup_anthropic_batch_total(
@@ -97,7 +103,7 @@ def lookup_anthropic_batch_total(
             succeeded += 1
     except Exception as exc:
         if status_of(exc) == 404:
-            return not_found(f"batch {batch_id} not found", sent_at, settle_after, now)
+            return _gone(batch_id)
         return Pending(f"lookup failed: {type(exc).__name__}: {exc}")
     result = {"id": batch_id, "succeeded": succeeded, "not_billed": failed}
     return Found(total, tokens, result)

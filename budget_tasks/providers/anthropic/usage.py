@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...pricing import STANDARD, PriceContext, Usage
-from ..base import Part, Reported, count_of, field_of
+from ..base import Part, Reported, count_of, field_of, usage_object
 
 #: Every leaf of the SDK's usage types, and how it is priced or why it needs no price
 #: of its own (checked against the installed SDK, as for OpenAI).
@@ -37,21 +37,26 @@ USAGE_FIELDS = {
 def tokens(usage: Any) -> Usage:
     """An Anthropic usage object as one :class:`Usage`: ``input_tokens`` excludes cache
     reads and writes; writes split by TTL where the answer splits them."""
-    split = field_of(usage, "cache_creation")
-    one_hour = count_of(field_of(split, "ephemeral_1h_input_tokens"))
+    usage = usage_object(usage, needs=("input_tokens", "output_tokens"))
+    split = usage_object(field_of(usage, "cache_creation"), "cache_creation")
+    tools = usage_object(field_of(usage, "server_tool_use"), "server_tool_use")
+
+    def count(obj: Any, name: str) -> int:
+        return count_of(field_of(obj, name), name)
+
+    one_hour = count(split, "ephemeral_1h_input_tokens")
     # the total and its split should agree; where they do not, the dearer reading
     written = max(
-        count_of(field_of(usage, "cache_creation_input_tokens")),
-        one_hour + count_of(field_of(split, "ephemeral_5m_input_tokens")),
+        count(usage, "cache_creation_input_tokens"),
+        one_hour + count(split, "ephemeral_5m_input_tokens"),
     )
-    searches = count_of(field_of(field_of(usage, "server_tool_use"), "web_search_requests"))
     return Usage(
-        input_tokens=count_of(field_of(usage, "input_tokens")),
-        cached_input_tokens=count_of(field_of(usage, "cache_read_input_tokens")),
+        input_tokens=count(usage, "input_tokens"),
+        cached_input_tokens=count(usage, "cache_read_input_tokens"),
         cache_write_tokens=written - one_hour,
         cache_write_1h_tokens=one_hour,
-        output_tokens=count_of(field_of(usage, "output_tokens")),
-        web_searches=searches,
+        output_tokens=count(usage, "output_tokens"),
+        web_searches=count(tools, "web_search_requests"),
     )
 
 
@@ -64,6 +69,11 @@ def context(usage: Any, batch: bool = False) -> PriceContext:
     return PriceContext(batch=batched, speed=speed if speed == "fast" else None)
 
 
+def _asked(body: Mapping[str, Any]) -> str | None:
+    model = body.get("model")
+    return model if isinstance(model, str) and model else None
+
+
 def _model(answer: Any, body: Mapping[str, Any]) -> str:
     model = field_of(answer, "model")
     return model if isinstance(model, str) and model else str(body.get("model") or "")
@@ -74,22 +84,28 @@ def message(answer: Any, body: Mapping[str, Any], *, batch: bool = False) -> Rep
     usage = field_of(answer, "usage")
     if not usage:
         return None
-    part = Part(_model(answer, body), tokens(usage), context(usage, batch))
+    part = Part(_model(answer, body), tokens(usage), context(usage, batch), _asked(body))
     return Reported((part,), field_of(answer, "id"))
 
 
 def message_stream(events: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> Reported | None:
     """A streamed message: ``message_start`` carries the input counts, ``message_delta``
-    the final (cumulative) ones."""
+    the final (cumulative) ones. None until the final counts came (a stream left, or
+    ended by an ``error`` event, before them: its output is not known, and the hold
+    stays)."""
     start: dict[str, Any] = {}
     usage: dict[str, Any] = {}
+    final = False
     for event in events:
         if event.get("type") == "message_start":
             start = dict(event.get("message") or {})
             usage.update(start.get("usage") or {})
         elif event.get("type") == "message_delta":
             usage.update({k: v for k, v in (event.get("usage") or {}).items() if v is not None})
-    if not start or not usage:
+            final = True
+        elif event.get("type") == "error":
+            return None
+    if not start or not usage or not final:
         return None
     return message({**start, "usage": usage}, body)
 

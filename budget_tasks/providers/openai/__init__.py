@@ -49,7 +49,7 @@ class OpenAI(Vendor):
         self,
         name: str = "openai",
         *,
-        hosts: Sequence[str] = ("api.openai.com",),
+        hosts: Sequence[str] = ("api.openai.com", "eu.api.openai.com", "us.api.openai.com"),
         price_provider: str | None = "openai",
         project_tier: str | None = None,
     ) -> None:

@@ -259,9 +259,9 @@ def completions(
     for each of ``max(n, best_of)`` completions the provider generates, for each
     prompt."""
     check_fields(params, _COMPLETIONS_PLAIN, frozenset(), COMMON_REFUSED)
-    prompt = params.get("prompt", "<|endoftext|>")
-    texts, tokens = _token_input(prompt, "prompt")
-    prompts = max(1, len(texts) + (1 if tokens else 0)) if isinstance(prompt, list) else 1
+    prompts = _prompts(params.get("prompt", "<|endoftext|>"))
+    texts = [p for p in prompts if isinstance(p, str)]
+    tokens = sum(len(p) for p in prompts if isinstance(p, list))
     if params.get("suffix"):
         texts.append(str(params["suffix"]))
     limit = params.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -270,10 +270,26 @@ def completions(
         model_of(params),
         texts,
         limit,
-        choices=generated * prompts,
+        choices=generated * len(prompts),
         extra_input_tokens=tokens,
         provider=provider,
     )
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A legacy completion's prompts, each completed apart: one text, texts, one prompt
+    as token ids, or prompts as token ids."""
+
+    def ids(value: Any) -> bool:
+        return isinstance(value, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        )
+
+    if isinstance(prompt, str) or ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p) for p in prompt):
+        return list(prompt)
+    raise EstimateRefused("prompt must be text, texts, token ids or lists of them")
 
 
 _IMAGES_PLAIN = frozenset(

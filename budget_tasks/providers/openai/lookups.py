@@ -126,14 +126,19 @@ def lookup_openai_response(
         response = client.responses.retrieve(response_id)
     except Exception as exc:
         if status_of(exc) == 404:
-            return not_found(f"response {response_id} not found", sent_at, settle_after, now)
+            # its id came back with an answer: it was created, and may have billed before
+            # it was deleted (or expired); not finding it now proves nothing
+            return Unknowable(f"response {response_id} was created and is gone (deleted?)")
         return Pending(f"lookup failed: {type(exc).__name__}: {exc}")
     if response.status in ("queued", "in_progress"):
         return Pending(f"response {response_id} is {response.status}")
     result = {"id": response.id, "status": response.status, "output_text": response.output_text}
     priced = _priced(response, usage_of.response, model, prices, sent_at)
     if priced is None:
-        # Ended (failed, cancelled) without any usage: nothing was billed.
-        return NotFound(f"response {response_id} ended {response.status} without usage")
+        if response.status == "failed":
+            # failed before it generated anything: nothing was billed
+            return NotFound(f"response {response_id} failed without usage")
+        # cancelled or incomplete: it may have generated, and billed, part of it
+        return Unknowable(f"response {response_id} ended {response.status} without usage")
     actual, used = priced
     return Found(actual, used, result)

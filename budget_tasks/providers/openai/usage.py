@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...pricing import STANDARD, PriceContext, Usage
-from ..base import Part, Reported, count_of, field_of
+from ..base import Part, Reported, count_of, field_of, usage_object
 
 #: Every leaf of the SDK's usage types, and how it is priced or why it needs no price
 #: of its own. tests/integration/test_sdk_specification.py walks the installed SDK's
@@ -60,18 +60,24 @@ def tokens(usage: Any, inputs: str = "prompt", outputs: str = "completion") -> U
     """An OpenAI usage object (chat: ``prompt``/``completion``; Responses and images:
     ``input``/``output``) as one :class:`Usage`: cached reads and cache writes are
     inside the input total, reasoning and audio inside the output total."""
-    total_in = count_of(field_of(usage, f"{inputs}_tokens"))
-    details = field_of(usage, f"{inputs}_tokens_details")
-    cached = min(total_in, count_of(field_of(details, "cached_tokens")))
-    written = min(total_in - cached, count_of(field_of(details, "cache_write_tokens")))
+    usage = usage_object(usage, needs=(f"{inputs}_tokens", f"{outputs}_tokens"))
+    details = usage_object(field_of(usage, f"{inputs}_tokens_details"))
+    out_details = usage_object(field_of(usage, f"{outputs}_tokens_details"))
+
+    def count(obj: Any, name: str) -> int:
+        return count_of(field_of(obj, name), name)
+
+    cached = count(details, "cached_tokens")
+    written = count(details, "cache_write_tokens")
+    # a total below its parts is read as the parts: the dearer reading
+    total_in = max(count(usage, f"{inputs}_tokens"), cached + written)
     plain = total_in - cached - written
-    audio_in = min(plain, count_of(field_of(details, "audio_tokens")))
-    image_in = min(plain - audio_in, count_of(field_of(details, "image_tokens")))
-    output = count_of(field_of(usage, f"{outputs}_tokens"))
-    out_details = field_of(usage, f"{outputs}_tokens_details")
-    reasoning = min(output, count_of(field_of(out_details, "reasoning_tokens")))
-    audio_out = min(output - reasoning, count_of(field_of(out_details, "audio_tokens")))
-    image_out = min(output - reasoning - audio_out, count_of(field_of(out_details, "image_tokens")))
+    audio_in = min(plain, count(details, "audio_tokens"))
+    image_in = min(plain - audio_in, count(details, "image_tokens"))
+    reasoning = count(out_details, "reasoning_tokens")
+    output = max(count(usage, f"{outputs}_tokens"), reasoning)
+    audio_out = min(output - reasoning, count(out_details, "audio_tokens"))
+    image_out = min(output - reasoning - audio_out, count(out_details, "image_tokens"))
     return Usage(
         input_tokens=plain,
         cached_input_tokens=cached,
@@ -90,6 +96,11 @@ def _context(answer: Any) -> PriceContext:
     return PriceContext(service_tier=tier) if isinstance(tier, str) and tier else STANDARD
 
 
+def _asked(body: Mapping[str, Any]) -> str | None:
+    model = body.get("model")
+    return model if isinstance(model, str) and model else None
+
+
 def _model(answer: Any, body: Mapping[str, Any]) -> str:
     model = field_of(answer, "model")
     return model if isinstance(model, str) and model else str(body.get("model") or "")
@@ -100,7 +111,7 @@ def chat(answer: Any, body: Mapping[str, Any]) -> Reported | None:
     usage = field_of(answer, "usage")
     if not usage:
         return None
-    part = Part(_model(answer, body), tokens(usage), _context(answer))
+    part = Part(_model(answer, body), tokens(usage), _context(answer), _asked(body))
     return Reported((part,), field_of(answer, "id"))
 
 
@@ -134,7 +145,7 @@ def response(answer: Any, body: Mapping[str, Any]) -> Reported | None:
     searches = _web_searches(answer)
     if searches:
         used = used + Usage(web_searches=searches)
-    part = Part(_model(answer, body), used, _context(answer))
+    part = Part(_model(answer, body), used, _context(answer), _asked(body))
     return Reported((part,), field_of(answer, "id"))
 
 
@@ -153,8 +164,9 @@ def embeddings(answer: Any, body: Mapping[str, Any]) -> Reported | None:
     usage = field_of(answer, "usage")
     if not usage:
         return None
-    used = Usage(input_tokens=count_of(field_of(usage, "prompt_tokens")))
-    return Reported((Part(_model(answer, body), used),), None)
+    usage = usage_object(usage, needs=("prompt_tokens",))
+    used = Usage(input_tokens=count_of(field_of(usage, "prompt_tokens"), "prompt_tokens"))
+    return Reported((Part(_model(answer, body), used, asked=_asked(body)),), None)
 
 
 def images(answer: Any, body: Mapping[str, Any]) -> Reported | None:
@@ -164,16 +176,17 @@ def images(answer: Any, body: Mapping[str, Any]) -> Reported | None:
     if not usage:
         return None
     parts = [Part(str(body.get("model") or ""), tokens(usage, "input", "output"))]
-    svg = field_of(answer, "svg_usage")
+    svg = usage_object(field_of(answer, "svg_usage"), "svg_usage")
     if svg:
-        output = count_of(field_of(svg, "output_tokens"))
+        reasoning = count_of(field_of(svg, "reasoning_tokens"), "reasoning_tokens")
+        output = max(count_of(field_of(svg, "output_tokens"), "output_tokens"), reasoning)
         parts.append(
             Part(
                 str(field_of(svg, "model") or ""),
                 Usage(
-                    input_tokens=count_of(field_of(svg, "input_tokens")),
+                    input_tokens=count_of(field_of(svg, "input_tokens"), "input_tokens"),
                     output_tokens=output,
-                    reasoning_tokens=min(output, count_of(field_of(svg, "reasoning_tokens"))),
+                    reasoning_tokens=reasoning,
                 ),
             )
         )
