@@ -59,7 +59,9 @@ class _Brotli:
 
     def __init__(self) -> None:
         assert _brotli is not None
-        self._c: Any = _brotli.Compressor()
+        # quality 4, as front ends compress dynamic answers (11, the default, is for
+        # static files and costs the fake more than the rest of an answer)
+        self._c: Any = _brotli.Compressor(quality=4)
 
     def chunk(self, data: bytes) -> bytes:
         return bytes(self._c.process(data)) + bytes(self._c.flush())
