@@ -96,10 +96,10 @@ class OpenAI(Vendor):
     def _rules(self) -> tuple[Rule, ...]:
         provider = self.price_provider
 
-        def metered(pattern: str, endpoint: Endpoint) -> Rule:
-            return Rule(
-                pattern, Kind.METERED, "billed by the tokens it uses", endpoint, endpoint.name
-            )
+        def metered(
+            pattern: str, endpoint: Endpoint, why: str = "billed by the tokens it uses"
+        ) -> Rule:
+            return Rule(pattern, Kind.METERED, why, endpoint, endpoint.name)
 
         def free(pattern: str, why: str) -> Rule:
             return Rule(pattern, Kind.FREE, why)
@@ -162,6 +162,7 @@ class OpenAI(Vendor):
                     usage_of.speech,
                     answer="bytes",
                 ),
+                "billed by the characters of its input (per-character voices only)",
             ),
             # reviewed: bills nothing
             free(rf"/chat/completions/{_ID}$", "updates a stored completion's metadata"),
