@@ -917,26 +917,31 @@ class OperationManager:
         self, d: Delivery, scope: AttemptScope, exc: BaseException, fate: HoldFate | None = None
     ) -> Any:
         """Write what an error out of ``run`` means, then raise what the task raises."""
-        fate = fate or fate_after_error(scope, exc)
-        kind = error_kind(exc)
+        # A task that retries itself (self.retry, autoretry_for) leaves run with Celery's
+        # Retry, raised while it handled the provider's error: that error says what the
+        # call cost (a 429 was not billed), and the retry is already on its way.
+        retried = isinstance(exc, self.options.retry_types)
+        cause = exc.__context__ if retried and exc.__context__ is not None else exc
+        fate = fate or fate_after_error(scope, cause)
+        kind = error_kind(cause)
         billed = fate.action == "settle" or scope.billed_unstored
         rerun_safe = not billed or self.options.rerun_billed
         status: str | None
         next_reason = None
         later: str | None = None
-        if fate.action == "unknown" or scope.left_open or isinstance(exc, OutcomeUnknown):
+        if fate.action == "unknown" or scope.left_open or isinstance(cause, OutcomeUnknown):
             status = None  # derived: unknown while a hold is open
-        elif isinstance(exc, LedgerUnavailable):
-            status, later = OperationStatus.PENDING, "ledger"
+        elif isinstance(cause, LedgerUnavailable):
+            status, later = OperationStatus.PENDING, None if retried else "ledger"
         elif kind is ErrorKind.RATE_LIMITED and rerun_safe:
             status, next_reason, later = (
                 OperationStatus.RETRYABLE,
                 "rate_limited_retry",
-                "rate_limited",
+                None if retried else "rate_limited",
             )
-        elif isinstance(exc, self.options.retry_types) and rerun_safe:
+        elif retried and rerun_safe:
             status = OperationStatus.PENDING  # the task asked to run again later
-        elif isinstance(exc, BudgetExceeded | BudgetFrozen) and rerun_safe:
+        elif isinstance(cause, BudgetExceeded | BudgetFrozen) and rerun_safe:
             status = OperationStatus.PENDING
             later = "budget" if self.options.retry_when_budget_frees else None
         else:

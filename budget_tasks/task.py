@@ -234,7 +234,23 @@ class BudgetTask(Task):  # type: ignore[misc]
         eager mode just raises."""
         if self.request.called_directly or self.request.is_eager:
             return exc
-        return self.retry(exc=exc, countdown=countdown, max_retries=NO_RETRY_LIMIT)  # type: ignore[no-any-return]
+        # Celery keeps a retry's max_retries on the task object, shared by every later
+        # request in this process, and autoretry_for reads it: the library's own retries
+        # must not lift the user's max_retries for good.
+        # Nor may they count against it: the message comes back with the retry count it
+        # had, so a user's autoretry_for still sends a refused request 1 + max_retries
+        # times.
+        had = "override_max_retries" in self.__dict__
+        before = self.__dict__.get("override_max_retries")
+        self.request.retries -= 1  # Celery's retry adds it back
+        try:
+            return self.retry(exc=exc, countdown=countdown, max_retries=NO_RETRY_LIMIT)  # type: ignore[no-any-return]
+        finally:
+            self.request.retries += 1
+            if had:
+                self.override_max_retries = before
+            else:
+                self.__dict__.pop("override_max_retries", None)
 
     # -- several calls, and side effects -------------------------------------------------
 

@@ -309,6 +309,41 @@ def test_a_429_after_a_billed_call_settles_it_and_is_not_retried(
     assert pg_ledger.audit() == []
 
 
+def test_a_task_that_retries_itself_after_a_429_releases_the_hold_and_runs_again(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    """run leaves with Celery's Retry, raised while it handled the 429: the 429 says the
+    call was not billed, so its hold is released (it was kept as unknown, and the retry
+    met OutcomeUnknown), and the retry is a new attempt."""
+    start_worker()
+    assert client.send_task("tests.retries_itself", args=[1, "status=429"]).get(timeout=60) == 1
+    sent = [s.status for s in requests_for(fake, "self-retry:1", pg_ledger)]
+    assert sent == [429, 200]
+    states = {a.key: (a.state, a.actual) for a in pg_ledger.attempts()}
+    assert states["self-retry:1#1"] == ("released", 0)
+    assert states["self-retry:1#2"][0] == "settled"
+    assert pg_ledger.balance("default").held == 0 and pg_ledger.audit() == []
+
+
+def test_the_librarys_own_retry_never_lifts_the_users_max_retries(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    """A 429 makes BudgetTask retry the message itself, without a limit; Celery keeps
+    that limit on the shared task object, and autoretry_for used to read it for every
+    later error: a request the provider refuses (400) was sent again without end,
+    instead of 1 + max_retries times."""
+    start_worker()
+    fake.plan("status=429", count=1, path="/chat/completions")
+    fake.plan("status=400", count=12, path="/chat/completions")
+    with pytest.raises(Exception, match="400"):
+        client.send_task("tests.autoretry_capped", args=[1]).get(timeout=60)
+    time.sleep(1.0)  # a retry past the cap would come within this
+    sent = [s.status for s in requests_for(fake, "capped:1", pg_ledger)]
+    # the library's own retry after the 429, then the user's: 1 + max_retries=2 sends
+    assert sent == [429, 400, 400, 400]
+    assert pg_ledger.balance("default").held == 0
+
+
 def test_a_step_rate_limited_is_retried_by_the_worker_as_a_new_attempt_of_that_step(
     client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
 ) -> None:

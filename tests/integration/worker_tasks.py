@@ -7,6 +7,8 @@ import os
 import signal
 from typing import Any
 
+import openai
+
 from budget_tasks import BudgetTask
 from budget_tasks.demo.app import app
 from budget_tasks.demo.tasks import BUDGET, client
@@ -220,3 +222,43 @@ def sdk_tour(self: BudgetTask) -> dict[str, Any]:
     )
     out["anthropic"] = [used.stop_reason, used.content[0].type]
     return out
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    budget=BUDGET,
+    name="tests.autoretry_capped",
+    rate_limit_countdown=0.1,
+    autoretry_for=(openai.BadRequestError,),
+    max_retries=2,
+    default_retry_delay=0,
+    idempotency_key=lambda n: f"capped:{n}",
+    estimate_cost=lambda n: ONE_CALL,
+)
+def autoretry_capped(self: BudgetTask, n: int) -> int:
+    """A user's task that lets Celery retry it (autoretry_for, max_retries=2)."""
+    openai_chat(client(), attempt=self.attempt, **fixed_request(n))
+    return n
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    budget=BUDGET,
+    name="tests.retries_itself",
+    max_retries=3,
+    idempotency_key=lambda n, fault=None: f"self-retry:{n}",
+    estimate_cost=lambda n, fault=None: ONE_CALL,
+)
+def retries_itself(self: BudgetTask, n: int, fault: str | None = None) -> int:
+    """A user's task that calls self.retry() after a 429 (the provider refused, billed
+    nothing): its hold is released, not kept as unknown, and the retry runs."""
+    first = fault if fault and self.request.retries == 0 else None
+    try:
+        openai_chat(
+            client(), attempt=self.attempt, **(_fault(first) if first else {}), **fixed_request(n)
+        )
+    except openai.RateLimitError as exc:
+        raise self.retry(exc=exc, countdown=0) from exc
+    return n
