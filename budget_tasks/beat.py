@@ -27,8 +27,9 @@ from celery.utils.dispatch import Signal
 from .config import ledger_of
 from .errors import BudgetTasksError
 from .hooks import hooks
-from .ledger import Attempt, Hold, Ledger
+from .ledger import Attempt, Hold, Ledger, Resolved
 from .ledger.records import NO_TIMEOUT_MS
+from .ledger.states import nothing_sent_under
 from .providers import Found, Lookup, LookupFacts, NotFound, Unknowable, registry, settle_after
 from .providers.clients import DEFAULT_MARGIN
 
@@ -135,7 +136,9 @@ def reconcile_unknown(
 
     - Found settles the provider's charge (never below the usage its run recorded) and
       keeps its answer; an operation that no live run holds, whose latest attempt this
-      is, adopts the answer (a later delivery replays it);
+      is, adopts the answer (a later delivery replays it); one whose found call was a
+      labelled call of its run becomes retryable (enqueued again with ``requeue``: its
+      delivery replays the call and does the rest);
     - NotFound, once past the time the provider could still be working on the call,
       releases the hold (settles it at the recorded usage, if its run recorded any) and
       makes such an operation retryable (enqueued again with ``requeue``);
@@ -173,8 +176,19 @@ def _told_settled(attempt: Attempt, actual: int) -> None:
 def _reconcile_one(
     ledger: Ledger, attempt: Attempt, clients: Clients, margin: timedelta, requeue: Requeue | None
 ) -> str:
-    outcome = look_up(attempt, clients, margin, ledger.now(), ledger.provider_key(attempt.key))
     recorded = attempt.recorded_actual or 0
+    if nothing_sent_under(attempt.operation_key, attempt.label, attempt.amount, recorded):
+        # marked unknown before this rule: no provider could know of it
+        ledger.resolve_attempt(
+            attempt.key,
+            0,
+            note="a main attempt of 0: nothing sent under it",
+            by="reconcile",
+            expected="unknown",
+        )
+        hooks.released(budget=attempt.budget, attempt=attempt.key, amount=0, by="reconcile")
+        return "not_found"
+    outcome = look_up(attempt, clients, margin, ledger.now(), ledger.provider_key(attempt.key))
     if isinstance(outcome, Found):
         actual = max(outcome.actual, recorded)
         done = ledger.resolve_attempt(
@@ -186,6 +200,9 @@ def _reconcile_one(
             expected="unknown",
         )
         _told_settled(attempt, actual)
+        # A labelled call found leaves the rest of its run to do: its operation is
+        # retryable, and its next delivery replays what was found.
+        _requeue_if_retryable(ledger, done, requeue)
         log.info(
             "reconciled %s: found at the provider, charged %d%s",
             attempt.key,
@@ -207,15 +224,7 @@ def _reconcile_one(
             hooks.released(
                 budget=attempt.budget, attempt=attempt.key, amount=attempt.amount, by="reconcile"
             )
-        if (
-            requeue is not None
-            and done.operation is not None
-            and done.operation_changed
-            and done.operation_status == "retryable"
-        ):
-            operation = ledger.operation(done.operation)
-            if operation.task and operation.payload is not None:
-                requeue(operation.task, operation.key, operation.payload)
+        _requeue_if_retryable(ledger, done, requeue)
         log.info("reconciled %s: not found%s", attempt.key, _because(outcome.reason))
         return "not_found"
     name = "pending" if not isinstance(outcome, Unknowable) else "unknowable"
@@ -232,6 +241,21 @@ def _reconcile_one(
         _told_settled(attempt, recorded)
     log.info("reconciled %s: %s%s", attempt.key, name, _because(outcome.reason))
     return name
+
+
+def _requeue_if_retryable(ledger: Ledger, done: Resolved, requeue: Requeue | None) -> None:
+    """Enqueue again an operation this resolution made retryable (no live run holds
+    it; its attempts ended): no message may be left to bring it back."""
+    if (
+        requeue is None
+        or done.operation is None
+        or not done.operation_changed
+        or done.operation_status != "retryable"
+    ):
+        return
+    operation = ledger.operation(done.operation)
+    if operation.task and operation.payload is not None:
+        requeue(operation.task, operation.key, operation.payload)
 
 
 def _because(reason: str) -> str:

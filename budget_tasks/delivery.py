@@ -59,7 +59,7 @@ from .errors import (
 from .hooks import Hooks, hooks
 from .ledger import CallFacts, Ledger
 from .ledger.operations import AttemptRef, Decision, OperationStart, RunEnd, owner_id
-from .ledger.states import HOLDING, OPEN, AttemptState, OperationStatus
+from .ledger.states import HOLDING, OPEN, AttemptState, OperationStatus, nothing_sent_under
 from .providers.outcomes import ErrorOutcome, classify
 
 log = logging.getLogger("budget_tasks.delivery")
@@ -361,6 +361,9 @@ class AttemptScope(Recorded):
         self.fingerprint = fingerprint
         self.manager = manager
         self._labels: dict[str, int] = {}
+        #: label -> the request digest of its last call, where the provider refused it
+        #: unbilled: the same request sent again is that call's next attempt
+        self._refused: dict[str, str] = {}
         #: a labelled call billed and not stored for replay (a new run would resend it)
         self.billed_unstored = False
         #: a labelled call of this run whose outcome is unknown (its hold kept)
@@ -489,9 +492,7 @@ _WRITTEN = {
     "finish_operation": "succeeded",
     "fail_operation": "failed",
     "end_run": "lease given back",
-    "settle": "settled",
-    "release": "released",
-    "mark_unknown": "unknown",
+    "end_call": "a call's outcome",
 }
 
 
@@ -735,13 +736,11 @@ class OperationManager:
         reason = start.next_reason or ("first" if start.attempts == 0 else "redelivery")
         if (
             last is not None
-            and last.state in (AttemptState.SENDING, AttemptState.UNKNOWN)
-            and last.amount == 0
-            and not last.recorded_actual
+            and last.state in OPEN
+            and nothing_sent_under(d.key, last.label, last.amount, last.recorded_actual)
         ):
-            # A main attempt of 0 reserved nothing, and its key is never given out (see
-            # AttemptScope.key): nothing was sent under it. A dead run's is released and
-            # the run goes again; its metered calls replay by position.
+            # A dead run's main attempt of 0 is released and the run goes again; its
+            # metered calls replay by position.
             try:
                 self.ledger.release(
                     last.key, "a dead run's main attempt of 0: nothing sent", expected=last.state
@@ -794,14 +793,13 @@ class OperationManager:
         except LedgerUnavailable as exc:
             # Nothing is sent. The grant may have committed all the same (its answer
             # lost): this process, which knows nothing went out, releases it later.
+            # Given back through the lease, compare-and-set: should the lease have moved
+            # on meanwhile, another run may be sending under this very attempt.
             _owe(
                 self.ledger,
                 d.key,
                 d.owner,
-                [
-                    _Write("release", {"key": key, "reason": "never sent: the ledger went down"}),
-                    _end_write(d, OperationStatus.PENDING, str(exc)),
-                ],
+                [_end_write(d, OperationStatus.PENDING, str(exc), unsent=True)],
             )
             raise RetryLater("ledger", exc) from exc
         return True
@@ -871,6 +869,7 @@ class OperationManager:
         return self._finish(d, scope, result, encoded)
 
     def _finish(self, d: Delivery, scope: AttemptScope, result: Any, encoded: str) -> Any:
+        catch_up(self.ledger)  # what this run's labelled calls still owe goes first
         settlements: list[tuple[str, int, bool]] = []
         left_open: list[tuple[str, str]] = []
         if scope.awaiting_usage and scope.actual is None:
@@ -947,24 +946,22 @@ class OperationManager:
         else:
             status = OperationStatus.FAILED
         error = _describe(exc)
-        writes = _fate_writes(scope, fate)
+        catch_up(self.ledger)  # what this run's labelled calls still owe goes first
+        writes = [_call_write(scope, fate, operation_id=scope.operation_id, owner=d.owner)]
         if status == OperationStatus.FAILED:
-            if writes and writes[0].name == "settle":
-                settle = writes.pop(0).kwargs
-                writes.append(
+            if fate.action == "settle":
+                writes = [
                     _Write(
                         "fail_operation",
                         {
                             "key": d.key,
                             "owner": d.owner,
                             "error": error,
-                            "settlements": [
-                                (settle["key"], settle["actual"], settle["estimate_only"])
-                            ],
-                            "ids": {settle["key"]: scope.ids},
+                            "settlements": [(scope.attempt_key, fate.actual, fate.estimate_only)],
+                            "ids": {scope.attempt_key: scope.ids},
                         },
                     )
-                )
+                ]
             else:
                 writes.append(
                     _Write("fail_operation", {"key": d.key, "owner": d.owner, "error": error})
@@ -1046,7 +1043,14 @@ class OperationManager:
         task's)."""
         check.text(label, "label", max_length=60)
         check.money(amount)
-        seq = scope._labels.get(label, 0) + 1
+        facts = call or CallFacts()
+        seq = scope._labels.get(label, 0)
+        refused = scope._refused.pop(label, None)
+        if not (seq and refused is not None and refused == facts.request):
+            # A request sent again after the provider refused it (a retry in the task's
+            # own code) stays at its position: a redelivery that meets the position
+            # answered replays that answer, instead of sending the request once more.
+            seq += 1
         scope._labels[label] = seq
         base = step_key(scope.operation_key, label, seq)
         if len(base) + check.STEP_SUFFIX_ROOM > check.MAX_KEY_LENGTH:
@@ -1057,7 +1061,6 @@ class OperationManager:
                 "or idempotency key"
             )
         record = _STEP_RECORD.format(label=label, seq=seq)
-        facts = call or CallFacts()
         try:
             found = self._step_attempt(
                 scope,
@@ -1089,40 +1092,38 @@ class OperationManager:
                 scope.billed_unstored = True
             elif fate.action == "unknown":
                 scope.left_open = True
-            for write in _fate_writes(made, fate):
-                try:
-                    write.apply(ledger)
-                except LedgerUnavailable:
-                    # Owed: written at this process's next delivery (the run's end
-                    # gives the lease back through the same list).
-                    _owe(ledger, scope.operation_key, scope.owner, [write])
+            self._write_call(scope, made, fate, wait=False)
             self._tell_step(scope, made, fate)
+            if fate.action == "release" and facts.request is not None:
+                scope._refused[label] = facts.request
             raise
-        if made.awaiting_usage and made.actual is None:
-            ledger.settle_step(
-                key,
-                0,
-                estimate_only=False,
-                operation_id=scope.operation_id,
-                record=record,
-                result=made.result,
-                left_open="answered without usage: settled by reconciliation",
-                ids=made.ids,
+        fate = fate_after_return(made)
+        self._write_call(scope, made, fate, wait=True, record=record, result=made.result)
+        if fate.action == "settle":
+            self._tell_step(scope, made, fate)
+
+    def _write_call(
+        self, scope: AttemptScope, call: Call, fate: HoldFate, *, wait: bool, **stored: Any
+    ) -> None:
+        """Write what a labelled call came to (with its result, where it returned). As
+        for the main call: a call that returned waits out a short outage (``wait``),
+        one that raised does not (its run is ending); past that, this process owes the
+        write and makes it before its run's end, or at its next delivery."""
+        write = _call_write(
+            call, fate, operation_id=scope.operation_id, owner=scope.owner, **stored
+        )
+        try:
+            if wait:
+                _persist(getattr(self.ledger, write.name), **write.kwargs)
+            else:
+                write.apply(self.ledger)
+        except LedgerUnavailable:
+            log.warning(
+                "operation %s: call %s kept back (ledger down)",
+                scope.operation_key,
+                call.attempt_key,
             )
-            return
-        actual = made.actual if made.actual is not None else amount
-        ledger.settle_step(
-            key,
-            actual,
-            estimate_only=made.actual is None,
-            operation_id=scope.operation_id,
-            record=record,
-            result=made.result,
-            ids=made.ids,
-        )
-        self.hooks.settled(
-            budget=scope.budget, attempt=key, amount=amount, actual=actual, by="task"
-        )
+            _owe(self.ledger, scope.operation_key, scope.owner, [write])
 
     def _step_attempt(
         self,
@@ -1183,14 +1184,13 @@ class OperationManager:
             if latest.state == AttemptState.SETTLED and latest.answer is not None:
                 # Reconciliation found its answer: that is what it replays.
                 answer = json.loads(latest.answer)
-                ledger.settle_step(
+                ledger.end_call(
                     latest.key,
-                    0,
-                    estimate_only=False,
                     operation_id=scope.operation_id,
+                    owner=scope.owner,
+                    action="store",
                     record=record,
                     result=answer,
-                    store_only=True,
                 )
                 return Call(
                     latest.key, amount, label, replayed=True, result=answer, reconciled=True
@@ -1257,34 +1257,30 @@ class _Replayed(Exception):
         self.result = result
 
 
-def _fate_writes(call: Recorded, fate: HoldFate) -> list[_Write]:
-    key = call.attempt_key
-    if fate.action == "release":
-        return [_Write("release", {"key": key, "reason": fate.note or "not billed"})]
-    ids = {"request_id": call.request_id, "response_id": call.response_id}
-    if fate.action == "settle":
-        return [
-            _Write(
-                "settle",
-                {
-                    "key": key,
-                    "actual": fate.actual,
-                    "estimate_only": fate.estimate_only,
-                    **ids,
-                },
-            )
-        ]
-    return [
-        _Write(
-            "mark_unknown",
-            {
-                "key": key,
-                "reason": fate.note or "outcome unknown",
-                "recorded_actual": fate.actual or None,
-                **ids,
-            },
-        )
-    ]
+def _call_write(
+    call: Recorded,
+    fate: HoldFate,
+    *,
+    operation_id: int,
+    owner: str,
+    record: str | None = None,
+    result: Any = None,
+) -> _Write:
+    """The one write of what a call came to (the main call or a labelled one), made
+    under ``owner``'s lease: kept through an outage, it still knows which run made it."""
+    kwargs: dict[str, Any] = {
+        "key": call.attempt_key,
+        "operation_id": operation_id,
+        "owner": owner,
+        "action": fate.action,
+        "actual": fate.actual,
+        "estimate_only": fate.estimate_only,
+        "note": fate.note or None,
+        "ids": call.ids,
+    }
+    if record is not None:
+        kwargs.update(record=record, result=result)
+    return _Write("end_call", kwargs)
 
 
 def _end_write(d: Delivery, status: str, error: str, unsent: bool = False) -> _Write:

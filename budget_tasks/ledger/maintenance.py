@@ -21,6 +21,7 @@ from .operations import Operations
 from .records import Attempt, CallFacts, Hold, Operation, Resolved
 from .reports import Reports
 from .schema import operations
+from .states import nothing_sent_under
 
 STALE_STATES = ("sending", "unknown")
 
@@ -90,19 +91,23 @@ class Maintenance(Operations, Reports):
         a worker died and no delivery came back to say so, e.g. its message was lost
         with the broker): an attempt left ``sending`` becomes ``unknown`` (reconciliation
         then asks the provider), one left ``reserved`` was never sent and is released,
-        and the operation is concluded from its attempts. Returns the keys made unknown."""
+        and the operation is concluded from its attempts. A main attempt of 0 is
+        released from either state (see :func:`~.states.nothing_sent_under`). Returns the
+        keys made unknown."""
         check.positive(limit, "limit")
         now = self.now()
         with self._driver.transaction() as cur:
             rows = cur.all(sql.ORPHAN_CANDIDATES, {"limit": limit})
         orphans: list[str] = []
         operations_touched: set[str] = set()
-        for key, state, op_key, owner, expires, status in rows:
+        for key, state, op_key, owner, expires, status, label, amount, recorded in rows:
             expires_at = None if expires is None else self._driver.from_ts(expires)
             if status == "running" and lease_is_live(owner, expires_at, now):
                 continue
             try:
-                if state == "sending":
+                if nothing_sent_under(op_key, label, amount, recorded):
+                    self.release(key, "a main attempt of 0: nothing sent under it", expected=state)
+                elif state == "sending":
                     # A run that outlives its lease is marked too: its settlement still
                     # lands (settle accepts 'unknown'), and nothing is resent either way.
                     if self.mark_unknown(key, "its run is gone (no live lease): worker lost"):

@@ -297,7 +297,8 @@ WHERE a.key = :key"""
 #: Attempts held by runs that may be gone: open (sending) or never granted (reserved),
 #: under an operation, with that operation's lease to check.
 ORPHAN_CANDIDATES = """
-SELECT a.key, a.state, o.key, o.lease_owner, o.lease_expires_at, o.status
+SELECT a.key, a.state, o.key, o.lease_owner, o.lease_expires_at, o.status, a.label,
+       a.amount, a.recorded_actual
 FROM attempts a JOIN operations o ON o.id = a.operation_id
 WHERE a.state IN ('reserved', 'sending')
 ORDER BY a.id

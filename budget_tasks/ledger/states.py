@@ -60,6 +60,17 @@ OPEN = frozenset({AttemptState.SENDING, AttemptState.UNKNOWN})
 FINISHED = frozenset({OperationStatus.SUCCEEDED, OperationStatus.FAILED})
 
 
+def nothing_sent_under(
+    operation: object | None, label: str | None, amount: int, recorded_actual: int | None
+) -> bool:
+    """Whether an attempt is an operation's main attempt of 0, which no call can have
+    used: it reserved nothing, and a run is never given its key (its calls are labelled
+    attempts). Once its run is gone it is released, never left unknown: no lookup could
+    ever find it. (An attempt reserved outside an operation gives its key to whoever
+    reserved it: no such rule holds for it.)"""
+    return operation is not None and label is None and amount == 0 and not recorded_actual
+
+
 def attempt_may(current: str, target: str) -> bool:
     """Whether an attempt in ``current`` may move to ``target`` (the table above)."""
     return AttemptState(target) in ATTEMPT_TRANSITIONS[AttemptState(current)]

@@ -5,11 +5,13 @@ transaction and settled with its stored result in another, replayed by position.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .. import _validate as check
+from ..errors import UnknownAttempt
 from . import statements as sql
 from .driver import Cursor
 from .operations import AttemptRef, Operations, _decode
@@ -17,6 +19,11 @@ from .periods import PeriodClosed
 from .records import CallFacts, Reservation
 
 __all__ = ["StepAdmission", "Steps"]
+
+log = logging.getLogger("budget_tasks.ledger")
+
+#: What :meth:`Steps.end_call` may write for a call.
+_CALL_ACTIONS = frozenset({"settle", "release", "unknown", "store"})
 
 
 def _step_of(cur: Cursor, operation_id: int, step: str) -> tuple[AttemptRef | None, int]:
@@ -136,41 +143,71 @@ class Steps(Operations):
         with self._driver.transaction() as cur:
             cur.run(sql.FORGET_SIDE_EFFECT, {"operation_id": operation_id, "name": name})
 
-    def settle_step(
+    def end_call(
         self,
         key: str,
-        actual: int,
         *,
-        estimate_only: bool,
         operation_id: int,
-        record: str,
-        result: Any,
-        left_open: str | None = None,
-        release: bool = False,
-        store_only: bool = False,
+        owner: str,
+        action: str,
+        actual: int = 0,
+        estimate_only: bool = False,
+        note: str | None = None,
         ids: tuple[str | None, str | None] = (None, None),
+        record: str | None = None,
+        result: Any = None,
     ) -> bool:
-        """Settle a labelled call at ``actual`` (or release it, never granted; or keep its
-        hold open as unknown, ``left_open`` saying why; or touch nothing,
-        ``store_only``) and store its result for replay, in one transaction."""
-        encoded = json.dumps(result)
+        """Write what one call of ``owner``'s run came to, the main call or a labelled
+        one, in one transaction: ``action`` ``settle`` (at ``actual``), ``release``,
+        ``unknown`` (the hold stays, ``note`` says why) or ``store`` (the hold is
+        resolved already); with ``record``, ``result`` is stored under it for replay.
+
+        A write kept through an outage may land after the run's lease moved on. A
+        settlement lands all the same (it is what the provider billed: an attempt
+        resolved meanwhile keeps the larger charge), and so does its result; a release
+        or an unknown lands only while ``owner`` still holds the lease: once another
+        run has taken the operation, that run or reconciliation decides the hold, and
+        False is returned. False too where nothing changed."""
+        check.text(key, "key")
+        check.text(owner, "lease owner")
+        check.money(actual, "actual")
+        if action not in _CALL_ACTIONS:
+            raise ValueError(f"action must be one of {sorted(_CALL_ACTIONS)}, not {action!r}")
+        encoded = None if record is None else json.dumps(result)
         stamp = self._driver.ts(self.now())
         resolution = None
+        changed = False
         with self._driver.transaction() as cur:
-            if left_open is not None:
-                self._mark_unknown_in(cur, key, left_open, None, ids)
-            elif release:
-                resolution = self._release_in(cur, key, "no call made", stamp)
-            elif not store_only:
+            # attempt, then operation: the order every other writer locks them in
+            if not cur.all(sql.LOCK_ATTEMPT, {"key": key}):
+                raise UnknownAttempt(key)
+            row = self._lock_operation(cur, op_id=operation_id)
+            if action in ("release", "unknown") and row.lease_owner != owner:
+                log.warning(
+                    "attempt %s: %s dropped: its run's lease moved on (now %s)",
+                    key,
+                    action,
+                    row.lease_owner or "none",
+                )
+                return False
+            if action == "settle":
                 [resolution] = self._settle_in(
                     cur, [(key, actual, estimate_only)], stamp, {key: ids}
                 )
-            cur.run(
-                sql.STORE_SIDE_EFFECT,
-                {"operation_id": operation_id, "name": record, "result": encoded, "now": stamp},
-            )
+            elif action == "release":
+                resolution = self._release_in(cur, key, note or "not billed", stamp)
+            elif action == "unknown":
+                changed = self._mark_unknown_in(
+                    cur, key, note or "outcome unknown", actual or None, ids
+                )
+            if record is not None:
+                cur.run(
+                    sql.STORE_SIDE_EFFECT,
+                    {"operation_id": operation_id, "name": record, "result": encoded, "now": stamp},
+                )
             if resolution is not None:
                 resolution.apply(cur)
+                changed = resolution.applied
         if resolution is not None and resolution.applied and actual > resolution.amount:
             self._log_overrun(key, resolution.amount, actual)
-        return resolution is None or resolution.applied
+        return changed

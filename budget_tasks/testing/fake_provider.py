@@ -58,6 +58,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -192,6 +193,10 @@ class FakeProvider:
         #: Stored chat completions: "on" (as requested by ``store``), "off" (nothing is
         #: stored, as with zero data retention) or "no-route" (the lookup routes 404).
         self.completion_storage = "on"
+        #: Called with each billed POST's record just before its answer goes out (a
+        #: test's way to make something happen after the provider billed and before
+        #: the caller knows: a ledger outage, a kill).
+        self.before_answer: Callable[[Served], None] | None = None
         self._server = _Server((host, port), _handler_for(self))
         address = self._server.server_address
         self.host: str = str(address[0])
@@ -237,6 +242,7 @@ class FakeProvider:
             self.completion_storage = "on"
             self.encodings = "auto"
             self.realism = self._default_realism
+            self.before_answer = None
             self._served.clear()
             self._faults.clear()
             self._completions.clear()
@@ -380,6 +386,9 @@ class _Handler(BaseHTTPRequestHandler):
         body = fake_wire.encode_whole(name, raw)
         if self._record is not None:
             self._record.encoding = name
+            hook = self.fake.before_answer
+            if hook is not None and status < 400 and self._record.method == "POST":
+                hook(self._record)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         if name != "identity":
@@ -396,6 +405,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._stream = fake_wire.encoder(self._encoding())
         if self._record is not None:
             self._record.encoding = self._stream.name
+            hook = self.fake.before_answer
+            if hook is not None:
+                hook(self._record)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         if self._stream.name != "identity":

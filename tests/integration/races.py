@@ -101,3 +101,48 @@ def deliver_pausing_in_run(
         return _report(lambda: manager.deliver(delivery(key, run)))
     finally:
         ledger.dispose()
+
+
+AGENT_PROMPT = {
+    "model": "gpt-4o-mini",
+    "max_completion_tokens": 24,
+    "store": True,
+    "messages": [{"role": "user", "content": "An agent's step."}],
+}
+
+
+def zero_estimate_agent(base_url: str) -> Any:
+    """The Quick start's shape: estimate 0, the one call through the guarded client
+    (a labelled attempt of its own, stored at the provider)."""
+    from budget_tasks.delivery import running
+    from budget_tasks.transport import guarded_openai_client
+
+    client = guarded_openai_client(base_url=base_url, api_key="x", timeout=5.0)
+
+    def run(scope: AttemptScope) -> Any:
+        with running(scope):
+            completion = client.chat.completions.create(**AGENT_PROMPT)
+        return completion.choices[0].message.content
+
+    return run
+
+
+def agent_delivery(key: str, base_url: str) -> Delivery:
+    return Delivery(
+        key=key,
+        fingerprint="fp",
+        budget="team",
+        estimate=lambda: 0,
+        run=zero_estimate_agent(base_url),
+        payload={"args": [key], "kwargs": {}},
+    )
+
+
+def deliver_agent(url: str, base_url: str, key: str) -> tuple[str, Any]:
+    """One delivery of the zero-estimate agent (the test may kill this process)."""
+    ledger = Ledger(url)
+    manager = OperationManager(ledger, DeliveryOptions(task="agent"))
+    try:
+        return _report(lambda: manager.deliver(agent_delivery(key, base_url)))
+    finally:
+        ledger.dispose()

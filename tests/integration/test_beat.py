@@ -203,6 +203,30 @@ def test_unknowable_stays_held_and_is_flagged(pg_ledger: Ledger, clock: ManualCl
     assert pg_ledger.balance("team").held == 10_000
 
 
+def test_an_operations_main_attempt_of_0_left_unknown_is_released_not_looked_up(
+    pg_ledger: Ledger, clock: ManualClock
+) -> None:
+    """A main attempt of 0 that an earlier version marked unknown: no call was ever
+    sent under it, so no lookup could find it; reconciliation releases it (and leaves
+    an attempt of 0 reserved outside any operation to its lookup: its key was given
+    to whoever reserved it)."""
+    pg_ledger.create_budget("team", 1_000_000)
+    start = pg_ledger.begin_operation(
+        "agent:7", fingerprint="f", owner="gone", lease=timedelta(seconds=1), max_runs=3
+    )
+    for key, operation_id in (("agent:7#1", start.operation_id), ("loose", None)):
+        pg_ledger.reserve("team", key, 0, operation_id=operation_id)
+        pg_ledger.mark_sending(key)
+        pg_ledger.mark_unknown(key, "an earlier version's beat: worker lost")
+    clock.advance(timedelta(seconds=2))
+    counts = reconcile_unknown(pg_ledger, lambda kind: None)
+    assert (counts["not_found"], counts["unknowable"]) == (1, 1)
+    assert pg_ledger.attempt("agent:7#1").state == "released"
+    assert pg_ledger.attempt("loose").state == "unknown"
+    assert pg_ledger.operation("agent:7").status == "retryable"
+    assert pg_ledger.audit() == []
+
+
 def reconcile_in_process(url: str, base_url: str) -> int:
     ledger = Ledger(url)
     client = openai_client(base_url=base_url, api_key="x", timeout=5.0)

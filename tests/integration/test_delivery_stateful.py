@@ -29,6 +29,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar
 
 import openai
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -38,7 +39,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from budget_tasks import Ledger
+from budget_tasks import Ledger, LedgerUnavailable, delivery
 from budget_tasks.beat import flag_stale_holds, reconcile_unknown
 from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager, RetryLater
 from budget_tasks.errors import BudgetTasksError
@@ -98,6 +99,48 @@ class _Dead:
         return call
 
 
+#: The ledger's writes a delivery makes (an outage is drawn to begin at one of them).
+WRITES = frozenset(
+    {
+        "admit",
+        "admit_step",
+        "reserve",
+        "mark_sending",
+        "describe_attempt",
+        "record_call",
+        "end_call",
+        "release",
+        "mark_unknown",
+        "finish_operation",
+        "fail_operation",
+        "end_run",
+    }
+)
+
+
+class _Down:
+    """A ledger seen through an outage that begins at its ``at``-th write and lasts to
+    the end of the delivery: every call from then raises LedgerUnavailable and writes
+    nothing. The process lives on: what it keeps back, its next delivery writes."""
+
+    def __init__(self, ledger: Ledger, at: int) -> None:
+        self._ledger, self._at, self.writes = ledger, at, 0
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._ledger, name)
+        if not callable(target):
+            return target
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if name in WRITES:
+                self.writes += 1
+            if self.writes > self._at:
+                raise LedgerUnavailable(f"the test's outage, from write {self._at + 1}")
+            return target(*args, **kwargs)
+
+        return call
+
+
 def gone_owner() -> str:
     """A lease owner naming a process of this PID namespace that has exited."""
     me = this_process()
@@ -134,7 +177,13 @@ class DeliveryMachine(RuleBasedStateMachine):
             base_url=self.fake.openai_base_url, api_key="x", timeout=TIMEOUT
         )
         self.results: dict[str, Any] = {}
+        #: attempts whose answer reached a run that lived on (none was killed after)
+        self.answered: set[str] = set()
         self.beat_ran_last = False
+        self.ledger_id = delivery._ledger_id(self.ledger)
+        with delivery._owed_lock:  # an earlier example's process, and its tables, are gone
+            for slot in [k for k in delivery._owed if k[0] == self.ledger_id]:
+                del delivery._owed[slot]
 
     def teardown(self) -> None:
         self.ledger.dispose()
@@ -157,6 +206,7 @@ class DeliveryMachine(RuleBasedStateMachine):
                     ledger.killed = True  # the request reached the provider; then death
             if kill == "after_send":
                 raise _Killed("after the send")
+            self.answered.add(attempt.attempt_key)
             return sent.result["content"]
 
         def run(scope: Any) -> Any:
@@ -168,6 +218,8 @@ class DeliveryMachine(RuleBasedStateMachine):
                     if not call.replayed:
                         if label == "one":
                             sent = openai_chat(self.client, attempt=call, **PROMPT)
+                            if kill is None:
+                                self.answered.add(call.attempt_key)
                             call.result = sent.result["content"]
                         else:
                             call.result = send(call)
@@ -213,6 +265,29 @@ class DeliveryMachine(RuleBasedStateMachine):
             pass
         except (RetryLater, BudgetTasksError, openai.APIError):
             pass  # it never got as far as its kill point
+
+    @rule(
+        key=st.sampled_from(sorted(KEYS)),
+        outcome=st.sampled_from(["ok", "429", "timeout"]),
+        at=st.integers(0, 8),
+    )
+    def delivery_through_an_outage(self, key: str, outcome: str, at: int) -> None:
+        """A delivery whose ledger goes away at one of its writes (the admission, a
+        grant, a call's settlement, the run's end) and stays away until the delivery
+        ends; this process keeps back what it could not write. The message comes back
+        once the ledger does (what a worker does with RetryLater)."""
+        self.beat_ran_last = False
+        try:
+            self._delivery(key, outcome, None, _Down(self.ledger, at))
+        except RetryLater:
+            self.deliver(key, "ok")
+        except (BudgetTasksError, openai.APIError):
+            pass
+
+    @rule(outcome=st.sampled_from(["ok", "429"]), at=st.integers(0, 8))
+    def agent_through_an_outage(self, outcome: str, at: int) -> None:
+        """The same for the agent, whose labelled calls settle one by one."""
+        self.delivery_through_an_outage("agent", outcome, at)
 
     # -- beat and operators ------------------------------------------------------------
 
@@ -285,12 +360,28 @@ class DeliveryMachine(RuleBasedStateMachine):
     @invariant()
     def no_hold_is_left_without_a_run_or_a_reconciliation(self) -> None:
         holds = self.ledger.holds()
-        if self.beat_ran_last:
-            # beat adopts what dead runs left: nothing reserved or sending remains
+        owed = any(slot[0] == self.ledger_id for slot in delivery._owed)
+        if self.beat_ran_last and not owed:
+            # beat adopts what dead runs left, and a live process has written what an
+            # outage kept back: nothing reserved or sending remains
             assert {h.state for h in holds} <= {"unknown"}, holds
         for hold in holds:
             assert hold.state in ("reserved", "sending", "unknown")
         assert self.ledger.audit() == []
+
+    @invariant()
+    def an_answer_a_live_run_received_is_settled_at_its_bill(self) -> None:
+        """Whatever an outage kept back, a live process writes: once it has, no call
+        whose answer it received is left open for reconciliation or an operator."""
+        if any(slot[0] == self.ledger_id for slot in delivery._owed):
+            return
+        attempts = {a.key: a for a in self.ledger.attempts(keys=sorted(self.answered))}
+        for key in self.answered:
+            attempt = attempts[key]
+            assert (attempt.state, attempt.actual) == (
+                "settled",
+                self.fake.billed_for(key, self.ledger),
+            ), attempt
 
     @invariant()
     def operations_agree_with_their_attempts(self) -> None:
@@ -313,8 +404,10 @@ class DeliveryMachine(RuleBasedStateMachine):
 
 
 def test_deliveries_beat_and_operators_interleaved(
-    pg_url: str, pg_ledger: Ledger, fake: FakeProvider
+    pg_url: str, pg_ledger: Ledger, fake: FakeProvider, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(delivery, "PERSIST_DELAYS", (0.01,))  # an outage lasts the delivery
+
     class Machine(DeliveryMachine):
         pass
 

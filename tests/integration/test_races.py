@@ -7,6 +7,8 @@ is there: a business key is sent once (or once per explicit resend)."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -209,3 +211,53 @@ def start_owner(ledger: Ledger, key: str) -> str:
     owner = ledger.operation(key).lease_owner
     assert owner is not None
     return owner
+
+
+def test_a_zero_estimate_run_whose_message_was_lost_is_found_requeued_and_replayed(
+    ledger: Ledger, pg_url: str, fake: FakeProvider
+) -> None:
+    """The Quick start's shape (estimate 0, the call through the guarded client): the
+    worker is killed once the provider billed, and the message is lost with it. Beat
+    releases the main attempt of 0 (nothing can have been sent under it), finds the
+    call at the provider, and the operation becomes retryable and is requeued; its
+    delivery replays the found answer. (The main attempt used to become unknown, which
+    no lookup can find: the operation stayed unknown and was never requeued.)"""
+    out = ctx.Queue()
+    child = ctx.Process(
+        target=_target,
+        args=(races.deliver_agent, (pg_url, fake.openai_base_url, "agent:1"), out),
+    )
+    sent_as = ledger.provider_key("agent:1:openai.chat:1")
+
+    def kill(record: Any) -> None:  # this call only: another test's late request is not it
+        if record.idempotency_key == sent_as:
+            os.kill(child.pid or 0, signal.SIGKILL)
+
+    fake.before_answer = kill
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL  # killed with its call billed, unanswered
+    [sent] = [s for s in fake.served_as(ledger) if s.method == "POST"]
+    assert sent.billed > 0 and sent.idempotency_key == "agent:1:openai.chat:1"
+    requeued: list[tuple[str, str, Any]] = []
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
+    counts = reconcile_unknown(
+        ledger,
+        lambda kind: client,
+        margin=timedelta(0),
+        requeue=lambda task, key, payload: requeued.append((task, key, payload)),
+    )
+    assert counts["found"] == 1 and counts["unknowable"] == 0
+    main = ledger.attempt("agent:1#1")
+    assert (main.amount, main.state, main.actual) == (0, "released", 0)
+    call = ledger.attempt("agent:1:openai.chat:1")
+    assert (call.state, call.actual) == ("settled", sent.billed)
+    assert ledger.operation("agent:1").status == "retryable"
+    assert requeued == [("agent", "agent:1", {"args": ["agent:1"], "kwargs": {}})]
+    manager = OperationManager(ledger, DeliveryOptions(task="agent"))
+    answer = manager.deliver(races.agent_delivery("agent:1", fake.openai_base_url))
+    assert isinstance(answer, str) and answer
+    assert len([s for s in fake.served() if s.method == "POST"]) == 1  # replayed, not resent
+    assert ledger.operation("agent:1").status == "succeeded"
+    balance = ledger.balance("team")
+    assert (balance.spent, balance.held) == (sent.billed, 0) and ledger.audit() == []

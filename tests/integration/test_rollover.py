@@ -85,6 +85,28 @@ def test_a_host_whose_clock_is_behind_at_midnight_cannot_spend_what_was_carried(
         ledger.dispose()
 
 
+def test_a_host_that_knew_the_old_day_open_admits_nothing_into_it_once_closed(
+    url: str,
+) -> None:
+    """The slow host reserved in day 1 (it keeps that period's id), then another host
+    opened day 2, which closed day 1 and carried what it left. The slow host, its clock
+    still on day 1, admits its next reservation into day 2: the admission itself
+    refuses a closed period, whatever the host remembers."""
+    slow = host(url, MIDNIGHT - timedelta(seconds=1))
+    slow.reserve("daily", "slow-before", 100)  # day 1, its period now known to the host
+    fast = host(url, MIDNIGHT + timedelta(seconds=1))
+    assert fast.open_period("daily").cap == 2 * ALLOWANCE - 100  # day 1's 900 carried
+    after = slow.reserve("daily", "slow-after", 100)
+    assert after.period_start == MIDNIGHT
+    (d1, _, spent1, held1, carried, closed1), (d2, cap2, _, held2, _, closed2) = periods(url)
+    assert (d1, spent1 + held1, carried, closed1) == (MIDNIGHT - timedelta(days=1), 100, 900, True)
+    assert (d2, cap2, held2, closed2) == (MIDNIGHT, 2 * ALLOWANCE - 100, 100, False)
+    assert admit_all(fast, "fast") == 2 * ALLOWANCE - 200  # never more than was left
+    for ledger in (slow, fast):
+        assert ledger.audit() == []
+        ledger.dispose()
+
+
 def _reserve_at(url: str, at: datetime, tag: str, count: int) -> int:
     """Reserve 50 ``count`` times on a host whose clock says ``at`` (0: open the
     period instead); what was admitted."""

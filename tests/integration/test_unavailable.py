@@ -3,16 +3,30 @@ and it recovers on its own when the database is back."""
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
 
 import pytest
 from celery import Celery
 
-from budget_tasks import BudgetTask, Ledger, LedgerUnavailable, OutcomeUnknown
+from budget_tasks import (
+    BudgetExceeded,
+    BudgetTask,
+    Ledger,
+    LedgerUnavailable,
+    OutcomeUnknown,
+    delivery,
+)
 from budget_tasks.config import close_ledgers
+from budget_tasks.delivery import catch_up
 from budget_tasks.providers.calls import Sent
+from budget_tasks.testing import FakeProvider
 from budget_tasks.testing.harness import FaultProxy
+from budget_tasks.transport import guarded_anthropic_client
 
 from ..services import PG_ADMIN_URL
 
@@ -192,3 +206,210 @@ def test_ledger_lost_after_run_returned_settles_at_the_usage_kept_and_replays(
     finally:
         close_ledgers()
         app.close()
+
+
+# -- what a run owes through an outage --------------------------------------------------
+
+
+def _ask_claude(app: Celery, fake: FakeProvider) -> Any:
+    """A task whose one call goes through the guarded Anthropic client (estimate 0:
+    the call reserves for itself, as a labelled call of the run)."""
+    claude = guarded_anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="acme",
+        name=f"outage{uuid.uuid4().hex[:8]}",
+        idempotency_key=lambda n: f"ask:{n}",
+        estimate_cost=lambda n: 0,
+    )
+    def ask(self: BudgetTask, n: int) -> str:
+        message = claude.messages.create(
+            model="claude-haiku-4-5",
+            max_tokens=64,
+            messages=[{"role": "user", "content": f"Hello {n}"}],
+        )
+        return str(message.content[0].text)
+
+    return ask
+
+
+def _outage_after_billing(
+    fake: FakeProvider, proxy: FaultProxy, sent_as: str, seconds: float | None
+) -> list[str]:
+    """The ledger goes away once the provider has billed the call sent as ``sent_as``,
+    before its answer reaches the transport (for ``seconds``; None: until restored).
+    Returns the list the cut is written to when it happens."""
+    cuts: list[str] = []
+
+    def cut(record: Any) -> None:
+        if record.idempotency_key != sent_as:
+            return  # another test's late request
+        fake.before_answer = None
+        cuts.append(record.idempotency_key)
+        proxy.cut()
+        if seconds is not None:
+            threading.Timer(seconds, proxy.restore).start()
+
+    fake.before_answer = cut
+    return cuts
+
+
+def test_a_labelled_calls_settlement_waits_out_a_short_outage(
+    proxied: tuple[FaultProxy, Ledger], pg_ledger: Ledger, pg_url: str, fake: FakeProvider
+) -> None:
+    """A call through the guarded transport is answered and billed; the ledger is down
+    for 1 s before its settlement: it waits the outage out, as the main call's does,
+    and settles at the bill (it used to be written once: the next delivery raised
+    OutcomeUnknown and the hold, 3x the bill, waited for an operator)."""
+    proxy, _ = proxied
+    pg_ledger.create_budget("acme", 1_000_000)
+    app = _eager_app_through(proxy, pg_url)
+    ask = _ask_claude(app, fake)
+    cuts = _outage_after_billing(
+        fake, proxy, pg_ledger.provider_key("ask:1:anthropic.messages:1"), 1.0
+    )
+    try:
+        text = ask.delay(1).get()
+        assert len(cuts) == 1  # the outage came between the bill and the settlement
+        [sent] = [s for s in fake.served_as(pg_ledger) if s.method == "POST"]
+        attempt = pg_ledger.attempt(str(sent.idempotency_key))
+        assert (attempt.state, attempt.actual) == ("settled", sent.billed)
+        assert 0 < sent.billed < attempt.amount
+        assert pg_ledger.operation("ask:1").status == "succeeded"
+        assert ask.delay(1).get() == text  # replayed
+        assert len([s for s in fake.served() if s.method == "POST"]) == 1
+        balance = pg_ledger.balance("acme")
+        assert (balance.spent, balance.held) == (sent.billed, 0) and pg_ledger.audit() == []
+    finally:
+        close_ledgers()
+        app.close()
+
+
+def test_a_labelled_calls_settlement_past_a_long_outage_is_owed_then_replayed(
+    proxied: tuple[FaultProxy, Ledger],
+    pg_ledger: Ledger,
+    pg_url: str,
+    fake: FakeProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The outage outlasts the wait: the call's settlement and its answer are kept by
+    this process (its lease is its own) and written at its next delivery, which
+    replays the call instead of meeting an unknown outcome."""
+    monkeypatch.setattr(delivery, "PERSIST_DELAYS", (0.05, 0.05))
+    proxy, _ = proxied
+    pg_ledger.create_budget("acme", 1_000_000)
+    app = _eager_app_through(proxy, pg_url)
+    ask = _ask_claude(app, fake)
+    _outage_after_billing(fake, proxy, pg_ledger.provider_key("ask:2:anthropic.messages:1"), None)
+    try:
+        with pytest.raises(LedgerUnavailable):
+            ask.delay(2).get()
+        [sent] = [s for s in fake.served_as(pg_ledger) if s.method == "POST"]
+        assert pg_ledger.attempt(str(sent.idempotency_key)).state == "sending"
+        proxy.restore()
+        text = ask.delay(2).get()  # the owed writes land, then the replay
+        assert text and len([s for s in fake.served() if s.method == "POST"]) == 1
+        attempt = pg_ledger.attempt(str(sent.idempotency_key))
+        assert (attempt.state, attempt.actual) == ("settled", sent.billed)
+        assert pg_ledger.operation("ask:2").status == "succeeded"
+        balance = pg_ledger.balance("acme")
+        assert (balance.spent, balance.held) == (sent.billed, 0) and pg_ledger.audit() == []
+    finally:
+        close_ledgers()
+        app.close()
+
+
+@pytest.mark.parametrize("b_outlives_its_lease", [False, True])
+def test_a_write_owed_through_an_outage_never_drops_the_hold_of_a_run_that_took_over(
+    proxied: tuple[FaultProxy, Ledger],
+    pg_ledger: Ledger,
+    pg_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    b_outlives_its_lease: bool,
+) -> None:
+    """Run A meets the outage as it is granted its send (nothing sent) and keeps back
+    what undoes the grant. Its lease expires; run B, another process's, takes the
+    operation and sends under the very attempt A was to send. A's owed write, applied
+    while B's call is out (B's lease live, or B past its own lease), must not touch
+    B's hold: it used to release it, and then 900 more were admitted on a cap of 1,000
+    with 600 out."""
+    proxy, through_proxy = proxied
+    pg_ledger.create_budget("acme", 1_000)
+    name = f"outage{uuid.uuid4().hex[:8]}"
+    # An earlier run died between reserving its main attempt and sending under it.
+    start = pg_ledger.admit(
+        "job:1",
+        fingerprint="fp",
+        owner="gone",
+        lease=timedelta(milliseconds=1),
+        max_runs=5,
+        task=name,
+        plan=lambda start: None,
+    )
+    pg_ledger.reserve(
+        "acme", "job:1#1", 600, fingerprint="fp", reason="first", operation_id=start.operation_id
+    )
+    time.sleep(0.05)
+    grants: list[str] = []
+    grant = Ledger.mark_sending
+
+    def grant_then_outage(self: Ledger, key: str, **kwargs: Any) -> None:
+        grants.append(key)
+        if len(grants) == 1:
+            proxy.cut()  # run A: the ledger goes away as the send is granted
+        grant(self, key, **kwargs)
+
+    monkeypatch.setattr(Ledger, "mark_sending", grant_then_outage)
+    seen: dict[str, Any] = {}
+
+    def job_of(app: Celery, body: Any) -> Any:
+        return app.task(
+            base=BudgetTask,
+            bind=True,
+            budget="acme",
+            name=name,
+            lease_seconds=0.5,
+            fingerprint=lambda n: "fp",
+            idempotency_key=lambda n: f"job:{n}",
+            estimate_cost=lambda n: 600,
+        )(body)
+
+    def run_a(self: BudgetTask, n: int) -> int:
+        raise AssertionError("run A is never granted its send")
+
+    def run_b(self: BudgetTask, n: int) -> int:
+        seen["key"] = self.attempt.key  # B's call is out under it
+        if b_outlives_its_lease:
+            time.sleep(0.6)
+        # Meanwhile A's process, the ledger back, writes what it kept back.
+        seen["written"] = catch_up(through_proxy)
+        seen["state"] = pg_ledger.attempt("job:1#1").state
+        try:
+            pg_ledger.reserve("acme", "other", 900)
+            seen["other"] = "admitted"
+        except BudgetExceeded:
+            seen["other"] = "refused"
+        return n
+
+    app_a = _eager_app_through(proxy, pg_url)
+    app_b = Celery("other-host", set_as_current=False)
+    app_b.conf.update(task_always_eager=True, task_eager_propagates=True, budget_ledger_url=pg_url)
+    try:
+        with pytest.raises(LedgerUnavailable):
+            job_of(app_a, run_a).delay(1).get()
+        proxy.restore()
+        time.sleep(0.6)  # A's lease expires
+        assert job_of(app_b, run_b).delay(1).get() == 1
+        assert grants == ["job:1#1", "job:1#1"]
+        assert seen == {"key": "job:1#1", "written": 1, "state": "sending", "other": "refused"}
+        attempt = pg_ledger.attempt("job:1#1")
+        assert (attempt.state, attempt.actual) == ("settled", 600)
+        assert pg_ledger.operation("job:1").status == "succeeded"
+        balance = pg_ledger.balance("acme")
+        assert (balance.spent, balance.held) == (600, 0) and pg_ledger.audit() == []
+    finally:
+        close_ledgers()
+        app_a.close()
+        app_b.close()

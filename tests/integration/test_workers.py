@@ -425,6 +425,38 @@ def test_an_sdk_agent_killed_after_three_calls_replays_them_and_sends_the_rest_o
     assert pg_ledger.audit() == []
 
 
+def test_a_request_the_task_resends_after_a_429_stays_at_its_position_through_a_kill(
+    client: Celery,
+    start_worker: Callable[..., Worker],
+    fake: FakeProvider,
+    pg_ledger: Ledger,
+    tmp_path: Path,
+) -> None:
+    """The task's own code sends its request again after a 429: the resend is the next
+    attempt of the same position, not the next position. SIGKILL once answered: the
+    redelivery meets that position answered and replays it. (The resend used to take
+    position 2; the redelivery found position 1 released and sent the request a third
+    time: one question answered and billed twice.)"""
+    start_worker()
+    fake.plan("status=429", count=1, path="/chat/completions")
+    marker = tmp_path / "died-once"
+    value = client.send_task("tests.retrying_agent", args=["surf", str(marker)]).get(timeout=90)
+    assert marker.exists() and value
+    sent = [
+        (s.idempotency_key, s.status)
+        for s in fake.served_as(pg_ledger)
+        if s.method == "POST" and (s.idempotency_key or "").startswith("retrying:surf:")
+    ]
+    assert sent == [("retrying:surf:openai.chat:1", 429), ("retrying:surf:openai.chat:1~2", 200)]
+    states = {a.key: (a.state, a.actual) for a in pg_ledger.attempts() if a.label}
+    billed = fake.billed_for("retrying:surf:openai.chat:1~2", pg_ledger)
+    assert states == {
+        "retrying:surf:openai.chat:1": ("released", 0),
+        "retrying:surf:openai.chat:1~2": ("settled", billed),
+    }
+    assert pg_ledger.balance("default").held == 0 and pg_ledger.audit() == []
+
+
 def test_a_redelivery_that_asks_something_else_at_a_replayed_position_is_a_conflict(
     client: Celery,
     start_worker: Callable[..., Worker],

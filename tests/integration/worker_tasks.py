@@ -143,6 +143,36 @@ def guarded_agent(self: BudgetTask, topic: str, marker: str, change_at: int = 0)
     return answers
 
 
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    budget=BUDGET,
+    name="tests.retrying_agent",
+    idempotency_key=lambda topic, marker: f"retrying:{topic}",
+    fingerprint=lambda topic, marker: topic,
+    estimate_cost=lambda topic, marker: 0,
+)
+def retrying_agent(self: BudgetTask, topic: str, marker: str) -> str:
+    """One question through the guarded client, sent again by the task's own code after
+    a 429 (the SDK's retries are off). The first delivery SIGKILLs itself once it has
+    its answer (``marker`` does not exist yet)."""
+    first = not os.path.exists(marker)
+    for _ in range(3):
+        try:
+            completion = guarded().chat.completions.create(
+                model="gpt-4o-mini",
+                max_completion_tokens=32,
+                messages=[{"role": "user", "content": f"{topic}: one question"}],
+            )
+            break
+        except openai.RateLimitError:
+            continue
+    if first:
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return str(completion.choices[0].message.content)
+
+
 @functools.cache
 def guarded_claude() -> Any:
     from budget_tasks.transport import guarded_anthropic_client
