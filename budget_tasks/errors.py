@@ -329,6 +329,20 @@ class OutcomeUnknown(BudgetTasksError):
         )
 
 
+class ResendRefused(BudgetTasksError):
+    """A call is out under this attempt with no outcome reported (a timeout, a reset
+    after sending): sending again under it could bill twice for one hold. Nothing is
+    sent; the attempt keeps its hold. Let the error end the run: its hold stays as
+    unknown, and a retry is a new attempt."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(
+            f"attempt {key!r} has a call out whose outcome is unknown: nothing more is "
+            "sent under it; let the error end the run (its retry is a new attempt)",
+            key=key,
+        )
+
+
 class OperationInProgress(BudgetTasksError):
     """Another worker holds a live lease on this operation: retry later, no new charge."""
 

@@ -180,10 +180,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         #: attempts whose answer reached a run that lived on (none was killed after)
         self.answered: set[str] = set()
         self.beat_ran_last = False
-        self.ledger_id = delivery._ledger_id(self.ledger)
-        with delivery._owed_lock:  # an earlier example's process, and its tables, are gone
-            for slot in [k for k in delivery._owed if k[0] == self.ledger_id]:
-                del delivery._owed[slot]
+        delivery.forget(self.ledger)  # an earlier example's process, and its tables, are gone
 
     def teardown(self) -> None:
         self.ledger.dispose()
@@ -360,8 +357,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     @invariant()
     def no_hold_is_left_without_a_run_or_a_reconciliation(self) -> None:
         holds = self.ledger.holds()
-        owed = any(slot[0] == self.ledger_id for slot in delivery._owed)
-        if self.beat_ran_last and not owed:
+        if self.beat_ran_last and not delivery.owes(self.ledger):
             # beat adopts what dead runs left, and a live process has written what an
             # outage kept back: nothing reserved or sending remains
             assert {h.state for h in holds} <= {"unknown"}, holds
@@ -373,7 +369,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     def an_answer_a_live_run_received_is_settled_at_its_bill(self) -> None:
         """Whatever an outage kept back, a live process writes: once it has, no call
         whose answer it received is left open for reconciliation or an operator."""
-        if any(slot[0] == self.ledger_id for slot in delivery._owed):
+        if delivery.owes(self.ledger):
             return
         attempts = {a.key: a for a in self.ledger.attempts(keys=sorted(self.answered))}
         for key in self.answered:
@@ -406,7 +402,7 @@ class DeliveryMachine(RuleBasedStateMachine):
 def test_deliveries_beat_and_operators_interleaved(
     pg_url: str, pg_ledger: Ledger, fake: FakeProvider, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(delivery, "PERSIST_DELAYS", (0.01,))  # an outage lasts the delivery
+    monkeypatch.setattr(delivery.owed, "PERSIST_DELAYS", (0.01,))  # an outage lasts the delivery
 
     class Machine(DeliveryMachine):
         pass

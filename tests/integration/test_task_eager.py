@@ -20,6 +20,7 @@ from budget_tasks import (
     NotBilled,
     OperationFailed,
     OutcomeUnknown,
+    ResendRefused,
     SideEffectUncertain,
 )
 from budget_tasks.providers import estimates, openai_chat, openai_client
@@ -371,3 +372,53 @@ def test_an_idempotency_key_leaves_room_for_its_attempt_keys(
     assert [a.key for a in ledger.attempts() if a.key.startswith("k")] == ["k" * 200 + "#1"]
     assert ledger.balance("team").held == 0
     ledger.dispose()
+
+
+def test_a_resend_under_the_main_attempt_after_a_timeout_is_refused_before_sending(
+    backend_url: str, fake: FakeProvider
+) -> None:
+    """User code catches the SDK's timeout (the provider billed) and calls again under
+    the same main attempt: the second call is refused before it is sent, the hold stays
+    as unknown for reconciliation, and the provider is asked once. (It used to be sent:
+    billed twice, and the attempt settled at the second call's usage alone.)"""
+    app = Celery("resend", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True, task_eager_propagates=True, budget_ledger_url=backend_url
+    )
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=0.5)
+    body = request("Retried by hand.")
+    tries: list[str] = []
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="team",
+        name=f"resend{uuid.uuid4().hex[:8]}",
+        idempotency_key=lambda n: f"resend:{n}",
+        estimate_cost=lambda n: estimates.openai_chat(body).amount,
+    )
+    def ask(self: BudgetTask, n: int) -> str:
+        for _ in range(2):
+            try:
+                tries.append("sent")
+                return str(openai_chat(client, attempt=self.attempt, **body).result["content"])
+            except openai.APITimeoutError:
+                continue
+        return "gave up"
+
+    Ledger(backend_url).create_budget("team", 10_000_000)
+    fake.plan("hang=1.5", count=1, path="/chat/completions")
+    try:
+        with pytest.raises(ResendRefused):
+            ask.delay(1).get()
+        assert tries == ["sent", "sent"]  # the second try reached the refusal
+        ledger = Ledger(backend_url)
+        assert len([s for s in fake.served_as(ledger) if s.method == "POST"]) == 1
+        attempt = ledger.attempt("resend:1#1")
+        assert attempt.state == "unknown" and ledger.balance("team").held == attempt.amount
+        assert ledger.operation("resend:1").status == "unknown"
+        with pytest.raises(OutcomeUnknown):  # and no redelivery sends it again
+            ask.delay(1).get()
+        assert len([s for s in fake.served() if s.method == "POST"]) == 1
+    finally:
+        app.close()

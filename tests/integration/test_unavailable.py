@@ -13,16 +13,9 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from budget_tasks import (
-    BudgetExceeded,
-    BudgetTask,
-    Ledger,
-    LedgerUnavailable,
-    OutcomeUnknown,
-    delivery,
-)
+from budget_tasks import BudgetExceeded, BudgetTask, Ledger, LedgerUnavailable, OutcomeUnknown
 from budget_tasks.config import close_ledgers
-from budget_tasks.delivery import catch_up
+from budget_tasks.delivery import catch_up, owed
 from budget_tasks.providers.calls import Sent
 from budget_tasks.testing import FakeProvider
 from budget_tasks.testing.harness import FaultProxy
@@ -297,7 +290,7 @@ def test_a_labelled_calls_settlement_past_a_long_outage_is_owed_then_replayed(
     """The outage outlasts the wait: the call's settlement and its answer are kept by
     this process (its lease is its own) and written at its next delivery, which
     replays the call instead of meeting an unknown outcome."""
-    monkeypatch.setattr(delivery, "PERSIST_DELAYS", (0.05, 0.05))
+    monkeypatch.setattr(owed, "PERSIST_DELAYS", (0.05, 0.05))
     proxy, _ = proxied
     pg_ledger.create_budget("acme", 1_000_000)
     app = _eager_app_through(proxy, pg_url)

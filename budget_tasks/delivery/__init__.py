@@ -1,0 +1,50 @@
+"""One delivery of an operation, as a state machine on the ledger (no Celery here).
+
+- :mod:`.scope`: what the code inside a task sees (its main attempt, its labelled
+  calls, which run is in progress);
+- :mod:`.fates`: what an error means for a hold;
+- :mod:`.owed`: writes kept back through a ledger outage;
+- :mod:`.keys`: attempt keys;
+- :mod:`.flow`: the state machine that drives them (:class:`OperationManager`).
+"""
+
+from .fates import (
+    BEFORE_SEND_ERRORS,
+    ErrorKind,
+    HoldFate,
+    before_send,
+    error_kind,
+    fate_after_error,
+    fate_after_return,
+)
+from .flow import MAX_REREADS, Delivery, DeliveryOptions, OperationManager, RetryLater
+from .keys import main_key, step_key
+from .owed import PERSIST_DELAYS, catch_up, forget, owes
+from .scope import AttemptScope, Call, Recorded, current_scope, running, running_scopes
+
+__all__ = [
+    "BEFORE_SEND_ERRORS",
+    "MAX_REREADS",
+    "PERSIST_DELAYS",
+    "AttemptScope",
+    "Call",
+    "Delivery",
+    "DeliveryOptions",
+    "ErrorKind",
+    "HoldFate",
+    "OperationManager",
+    "Recorded",
+    "RetryLater",
+    "before_send",
+    "catch_up",
+    "current_scope",
+    "error_kind",
+    "fate_after_error",
+    "fate_after_return",
+    "forget",
+    "main_key",
+    "owes",
+    "running",
+    "running_scopes",
+    "step_key",
+]

@@ -1,0 +1,320 @@
+"""What the code inside a task sees: its run's main attempt (``self.attempt``), its
+labelled calls (``spend()``, the guarded transport), and which run is in progress in
+this context and in this process."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
+from typing import Any, Protocol
+
+from .. import _validate as check
+from ..errors import LedgerUnavailable, ResendRefused
+from ..ledger import CallFacts, Ledger
+from .fates import before_send
+
+_running: ContextVar[AttemptScope | None] = ContextVar("budget_tasks_run", default=None)
+#: Every run in progress in this process, by the thread it runs on.
+_active: dict[int, AttemptScope] = {}
+_active_lock = threading.Lock()
+
+
+def current_scope() -> AttemptScope | None:
+    """The attempt scope of the BudgetTask run in this context (its thread, the asyncio
+    tasks it starts, or a context copied from it), if one runs."""
+    return _running.get()
+
+
+def running_scopes() -> list[AttemptScope]:
+    """Every run in progress in this process (prefork: at most one)."""
+    with _active_lock:
+        return list(_active.values())
+
+
+@contextmanager
+def running(scope: AttemptScope) -> Iterator[AttemptScope]:
+    """Make ``scope`` this context's current run (a run inside another's nests)."""
+    token = _running.set(scope)
+    ident = threading.get_ident()
+    with _active_lock:
+        outer = _active.get(ident)
+        _active[ident] = scope
+    try:
+        yield scope
+    finally:
+        _running.reset(token)
+        with _active_lock:
+            if outer is None:
+                _active.pop(ident, None)
+            else:
+                _active[ident] = outer
+
+
+class Calls(Protocol):
+    """What opens a run's labelled calls (the delivery flow, as the run sees it)."""
+
+    ledger: Any
+
+    def step(
+        self,
+        scope: AttemptScope,
+        amount: int,
+        label: str,
+        call: CallFacts | None = None,
+        price_version: str | None = None,
+    ) -> AbstractContextManager[Call]: ...
+
+
+class _Grants(Protocol):
+    def record_call(
+        self,
+        key: str,
+        *,
+        request_id: str | None = ...,
+        response_id: str | None = ...,
+        cost: int | None = ...,
+    ) -> None: ...
+    def describe_attempt(
+        self,
+        key: str,
+        *,
+        lookup: str | None = ...,
+        model: str | None = ...,
+        response_id: str | None = ...,
+        timeout: float | None = ...,
+        request: str | None = ...,
+    ) -> None: ...
+
+
+class Recorded:
+    """One billable attempt as the code inside a task sees it.
+
+    Reading :attr:`key` marks a call as out until it reports. What a call reports (its
+    request and response ids, its usage) is kept here and written with the attempt's
+    settlement, in the same commit; only a call answered without its usage (a background
+    Response) has its ids written at once, since reconciliation reads it by them."""
+
+    def __init__(
+        self, key: str, amount: int, ledger: Any = None, described: CallFacts | None = None
+    ) -> None:
+        self._key = key
+        self.amount = amount
+        self.actual: int | None = None
+        self.request_id: str | None = None
+        self.response_id: str | None = None
+        self._ledger: _Grants | None = ledger
+        #: what the ledger records of the call (written with the admission)
+        self._described = described
+        #: someone asked for the key: a call may have been sent under it
+        self.used = False
+        #: a call on this attempt may be out (the key was read since its last report)
+        self.in_flight = False
+        #: a call answered without its usage (a background response): settled later
+        self.awaiting_usage = False
+
+    @property
+    def key(self) -> str:
+        """The attempt key (the provider's Idempotency-Key). Asking for it marks a call
+        as out until it reports (``record``/``record_usage``); asking again while a call
+        is out with no report (it timed out) is refused (ResendRefused): one attempt is
+        one send."""
+        if self.in_flight:
+            raise ResendRefused(self._key)
+        self.used = True
+        self.in_flight = True
+        return self._key
+
+    @property
+    def attempt_key(self) -> str:
+        """The key, without granting a send (for logs)."""
+        return self._key
+
+    @property
+    def provider_key(self) -> str:
+        """What the provider is sent as this attempt's key (its Idempotency-Key): an
+        opaque digest of the ledger's installation and the attempt key. Asking for it
+        grants the send, as :attr:`key` does."""
+        ledger = self._ledger
+        digest = None
+        if ledger is not None and hasattr(ledger, "provider_key"):
+            try:
+                digest = ledger.provider_key(self._key)
+            except LedgerUnavailable as exc:
+                raise before_send(exc) from None
+        key = self.key
+        return digest or key
+
+    @property
+    def ids(self) -> tuple[str | None, str | None]:
+        """The request and response ids the call reported, for its settlement."""
+        return self.request_id, self.response_id
+
+    def record_usage(self, cost: int) -> None:
+        """The actual cost of the call, in minor units (sums over several reports),
+        settled at once when the attempt settles: a recorded actual is proof of
+        billing, and whatever happens after, the hold is settled at it, never released."""
+        check.money(cost, "cost")
+        self.actual = (self.actual or 0) + cost
+        self.in_flight = False
+
+    def record_request_id(self, request_id: str) -> None:
+        """The provider's request id, written with the attempt's settlement."""
+        self.request_id = check.text(request_id, "request_id")
+
+    def describe(
+        self,
+        lookup: str,
+        model: str,
+        response_id: str | None = None,
+        timeout: float | None = None,
+        request: str | None = None,
+    ) -> None:
+        """Record what the call is, before it is sent, for reconciliation. Where the
+        admission described it so already, nothing is written."""
+        facts = CallFacts(lookup, model, timeout, request)
+        # Where the admission described the call (describe_call), its request digest
+        # alone is not worth a commit of its own: the provider key already keeps another
+        # installation's, or another attempt's, answer from being adopted.
+        described = self._described
+        if (
+            response_id is None
+            and described
+            and described.covers(CallFacts(lookup, model, timeout))
+        ):
+            return
+        if self._ledger is not None:
+            try:
+                self._ledger.describe_attempt(
+                    self._key,
+                    lookup=lookup,
+                    model=model,
+                    response_id=response_id,
+                    timeout=timeout,
+                    request=request,
+                )
+            except LedgerUnavailable as exc:
+                raise before_send(exc) from None
+        self._described = facts
+
+    def record(self, sent: Any) -> None:
+        """Keep a guarded call's request id, response id and priced usage for the
+        settlement. A call answered without usage (a background response) keeps its hold
+        open until reconciliation reads the usage: its ids are written at once."""
+        if sent.request_id:
+            self.request_id = sent.request_id
+        if sent.response_id:
+            self.response_id = sent.response_id
+        if sent.cost is not None:
+            self.actual = (self.actual or 0) + sent.cost
+        else:
+            self.awaiting_usage = True
+        self.in_flight = False
+        if sent.cost is None and self._ledger is not None:
+            self._ledger.record_call(
+                self._key, request_id=sent.request_id, response_id=sent.response_id
+            )
+
+
+class AttemptScope(Recorded):
+    """What ``self.attempt`` gives ``run``: the operation's main attempt."""
+
+    def __init__(
+        self,
+        key: str,
+        amount: int,
+        ledger: Any,
+        *,
+        reason: str,
+        operation_key: str,
+        operation_id: int,
+        budget: str,
+        fingerprint: str,
+        manager: Calls | None = None,
+        owner: str = "",
+        described: CallFacts | None = None,
+    ) -> None:
+        super().__init__(key, amount, ledger, described)
+        self.owner = owner
+        self.reason = reason
+        self.operation_key = operation_key
+        self.operation_id = operation_id
+        self.budget = budget
+        self.fingerprint = fingerprint
+        self.manager = manager
+        self._labels: dict[str, int] = {}
+        #: label -> the request digest of its last call, where the provider refused it
+        #: unbilled: the same request sent again is that call's next attempt
+        self._refused: dict[str, str] = {}
+        #: a labelled call billed and not stored for replay (a new run would resend it)
+        self.billed_unstored = False
+        #: a labelled call of this run whose outcome is unknown (its hold kept)
+        self.left_open = False
+
+    def position(self, label: str, request: str | None) -> int:
+        """The position of this run's next call labelled ``label``: the next one, or
+        the same again for the request the provider refused there just before."""
+        seq = self._labels.get(label, 0)
+        refused = self._refused.pop(label, None)
+        if not (seq and refused is not None and refused == request):
+            # A request sent again after the provider refused it (a retry in the task's
+            # own code) stays at its position: a redelivery that meets the position
+            # answered replays that answer, instead of sending the request once more.
+            seq += 1
+        self._labels[label] = seq
+        return seq
+
+    def refused(self, label: str, request: str | None) -> None:
+        """The provider refused the call just made at ``label`` (unbilled)."""
+        if request is not None:
+            self._refused[label] = request
+
+    @property
+    def key(self) -> str:
+        """The main attempt's key. Refused when ``estimate_cost`` was 0: nothing is
+        reserved for a call under it (use ``spend()`` or the guarded transport)."""
+        if self.amount == 0:
+            raise ValueError(
+                f"operation {self.operation_key!r}: estimate_cost is 0, so nothing was "
+                "reserved for a call under the main attempt; give an estimate, or make "
+                "the calls with self.spend(...) or through the guarded transport"
+            )
+        return super().key
+
+    @property
+    def ledger(self) -> Ledger:
+        assert self.manager is not None
+        ledger: Ledger = self.manager.ledger
+        return ledger
+
+
+class Call(Recorded):
+    """One labelled billable call inside a task (``with self.spend(...) as call``).
+
+    On a redelivery, a call that completed before has ``replayed`` set and its stored
+    ``result`` (``reconciled`` too when the ledger found its answer at the provider):
+    do not call the provider again then."""
+
+    def __init__(
+        self,
+        key: str,
+        amount: int,
+        label: str,
+        ledger: Any = None,
+        *,
+        replayed: bool = False,
+        result: Any = None,
+        reconciled: bool = False,
+        described: CallFacts | None = None,
+    ) -> None:
+        super().__init__(key, amount, ledger, described)
+        self.label = label
+        self.replayed = replayed
+        self.result = result
+        self.reconciled = reconciled
+
+    def record(self, sent: Any, result: Any = None) -> None:
+        """Record the call's ids and cost, and the result to replay on redelivery."""
+        super().record(sent)
+        self.result = sent.result if result is None else result
