@@ -8,8 +8,10 @@ pids; they never share a PID namespace inode on one boot.
 
 A checker believes that a lease's process is gone only when it runs on the same boot
 in the same PID namespace (so the pid means the same process to both) and that pid is
-absent or now belongs to a process that started at another time. Anywhere else, or
-for an owner written without this proof, the lease runs to its expiry.
+absent (the kernel says so: a /proc entry this checker cannot see, under ``hidepid``
+or for another user, proves nothing) or now belongs to a process that started at
+another time. Anywhere else, or for an owner written without this proof, the lease
+runs to its expiry.
 """
 
 from __future__ import annotations
@@ -109,7 +111,19 @@ def process_is_gone(owner: str) -> bool:
         return False
     if (theirs.boot, theirs.pidns) != (mine.boot, mine.pidns):
         return False  # another host, container or boot: its pids mean nothing here
-    return _start_time(theirs.pid) != theirs.start
+    start = _start_time(theirs.pid)
+    if start is not None:
+        return start != theirs.start
+    # Not visible in /proc: no such process, or one this checker may not see (/proc
+    # mounted with hidepid, another user's). Only the kernel's "no such process" is
+    # proof; a process that exists and cannot be told apart runs to its lease's expiry.
+    try:
+        os.kill(theirs.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def lease_is_live(owner: str | None, expires: datetime | None, now: datetime) -> bool:

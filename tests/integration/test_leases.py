@@ -7,9 +7,11 @@ expires; within one namespace a run that is gone is still seen as gone at once."
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +31,7 @@ from budget_tasks import Ledger
 from budget_tasks.ledger.leases import owner_id
 url, key = sys.argv[1:3]
 ledger = Ledger(url)
-start = ledger.begin_operation(
+start = ledger.admit(
     key, fingerprint="f", owner=owner_id(), lease=timedelta(minutes=10), max_runs=5
 )
 assert start.decision.value == "run", start
@@ -47,7 +49,7 @@ from budget_tasks.ledger.leases import owner_id
 url, key = sys.argv[1:3]
 ledger = Ledger(url)
 adopted = ledger.mark_orphans_unknown()
-start = ledger.begin_operation(
+start = ledger.admit(
     key, fingerprint="f", owner=owner_id(), lease=timedelta(minutes=10), max_runs=5
 )
 print(json.dumps({"adopted": adopted, "decision": start.decision.value}), flush=True)
@@ -134,3 +136,63 @@ def test_a_gone_run_is_taken_over_at_once_only_where_that_can_be_proved(
     assert check([], pg_url, "gone-there") == {"adopted": [], "decision": "in_progress"}
     assert real.attempt("gone-there#1").state == "sending"
     real.dispose()
+
+
+HIDDEN_CHECKER = """
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("leases", sys.argv[1])
+leases = sys.modules["leases"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(leases)
+pid, start = sys.argv[2:4]
+me = leases.this_process()
+owner = f"host:{pid}:tok@{me.boot}/{me.pidns}/{start}"
+print(json.dumps({"sees": os.path.exists(f"/proc/{pid}"), "gone": leases.process_is_gone(owner)}))
+"""
+
+
+def test_a_live_owner_that_proc_hides_from_the_checker_is_never_taken_for_gone() -> None:
+    """The checker runs as another user with /proc mounted ``hidepid=2``: the lease
+    owner's /proc entry is hidden from it, though the process runs. Only the kernel's
+    "no such process" proves it gone; a hidden entry used to be taken for a dead run,
+    and its live lease taken over mid-call."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("unshare") is None:
+        missing("a hidepid /proc for another user", "needs root, unshare and setpriv")
+    # The checker loads the leases module alone (stdlib only) from a place any user
+    # may read, whatever the permissions of the checkout.
+    place = Path(tempfile.mkdtemp(prefix="bt-leases-"))
+    place.chmod(0o755)
+    module = place / "leases.py"
+    shutil.copy(ROOT / "budget_tasks" / "ledger" / "leases.py", module)
+    module.chmod(0o644)
+    as_nobody = [
+        "unshare",
+        "--mount",
+        "sh",
+        "-c",
+        "mount -t proc -o hidepid=2 proc /proc && exec setpriv --reuid=65534 --regid=65534 "
+        '--clear-groups "$@"',
+        "sh",
+        sys._base_executable,  # type: ignore[attr-defined]
+        "-c",
+        HIDDEN_CHECKER,
+        str(module),
+    ]
+
+    def seen(pid: int, start: str) -> dict[str, bool]:
+        done = subprocess.run(
+            [*as_nobody, str(pid), start], capture_output=True, text=True, timeout=60
+        )
+        if done.returncode != 0:
+            missing("a hidepid /proc for another user", done.stderr.strip())
+        result: dict[str, bool] = json.loads(done.stdout.strip().splitlines()[-1])
+        return result
+
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        start = Path(f"/proc/{live.pid}/stat").read_text().rsplit(")", 1)[-1].split()[19]
+        assert seen(live.pid, start) == {"sees": False, "gone": False}
+    finally:
+        live.kill()
+        live.wait(10)
+    assert seen(live.pid, start) == {"sees": False, "gone": True}  # now it is gone
+    shutil.rmtree(place)
