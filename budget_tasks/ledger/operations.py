@@ -76,10 +76,6 @@ class AttemptRef:
     recorded_actual: int | None = None
 
 
-#: Kept for callers of the earlier name.
-LastAttempt = AttemptRef
-
-
 @dataclass(frozen=True, slots=True)
 class OperationStart:
     """What a delivery found, and the lease if it took one."""
@@ -278,29 +274,6 @@ class Operations(Holds):
             if a.state == AttemptState.RESERVED
         ]
 
-    def begin_operation(
-        self,
-        key: str,
-        *,
-        fingerprint: str,
-        owner: str,
-        lease: timedelta,
-        max_runs: int,
-        task: str | None = None,
-        payload: Any = None,
-    ) -> OperationStart:
-        """Record a delivery of ``key`` and decide what it may do (see :class:`Decision`).
-
-        The owner of a live lease may call it again (its own re-read after a lost
-        compare-and-set); it keeps the lease and is not counted as another run."""
-        _check_delivery(key, fingerprint, owner, lease, max_runs, task)
-        now = self.now()
-        with self._driver.transaction() as cur:
-            start: OperationStart = self._begin_in(
-                cur, key, fingerprint, owner, lease, max_runs, task, payload, now
-            )
-            return start
-
     def admit(
         self,
         key: str,
@@ -318,8 +291,9 @@ class Operations(Holds):
         call: CallFacts | None = None,
     ) -> OperationStart:
         """One delivery's admission in one transaction: a finished key replays (one
-        statement); otherwise the delivery is recorded and decided as
-        :meth:`begin_operation` does, and when it may run and ``plan`` names its main
+        statement); otherwise the delivery is recorded and decided (see
+        :class:`Decision`; a live lease's own owner may call again and keeps it without
+        counting another run), and when it may run and ``plan`` names its main
         attempt ``(attempt key, reason)``, ``amount`` is reserved on ``budget`` and
         every ancestor, the send granted and the call described (``call``). The result's
         ``reservation`` says whether that happened; ``plan`` returns None where the

@@ -128,9 +128,7 @@ def seed(ledger: Ledger) -> Ledger:
     ledger.reserve("acme", "done", 100)
     ledger.mark_sending("done")
     ledger.settle("done", 80)
-    start = ledger.begin_operation(
-        "op", fingerprint="fp", owner="me", lease=timedelta(minutes=1), max_runs=5
-    )
+    start = ledger.admit("op", fingerprint="fp", owner="me", lease=timedelta(minutes=1), max_runs=5)
     ledger.reserve("acme", "op#1", 10, operation_id=start.operation_id)
     ledger.open_period("child")  # so that no refused call is the one that opens it
     return ledger
@@ -376,15 +374,15 @@ SLOTS: list[Slot] = [
     ),
     # operations (the task's plumbing, public all the same)
     Slot(
-        "begin_operation key",
-        lambda lg, v: lg.begin_operation(
+        "admit key",
+        lambda lg, v: lg.admit(
             v, fingerprint="fp", owner="me", lease=timedelta(minutes=1), max_runs=5
         ),
         bad_text(KEY),
     ),
     Slot(
-        "begin_operation fingerprint",
-        lambda lg, v: lg.begin_operation(
+        "admit fingerprint",
+        lambda lg, v: lg.admit(
             "op", fingerprint=v, owner="me", lease=timedelta(minutes=1), max_runs=5
         ),
         bad_text(KEY)
@@ -393,15 +391,13 @@ SLOTS: list[Slot] = [
         ),
     ),
     Slot(
-        "begin_operation lease",
-        lambda lg, v: lg.begin_operation(
-            "new-op", fingerprint="fp", owner="me", lease=v, max_runs=5
-        ),
+        "admit lease",
+        lambda lg, v: lg.admit("new-op", fingerprint="fp", owner="me", lease=v, max_runs=5),
         bad_timedelta | st.just(timedelta(0)) | st.just(timedelta(seconds=-5)),
     ),
     Slot(
-        "begin_operation max_runs",
-        lambda lg, v: lg.begin_operation(
+        "admit max_runs",
+        lambda lg, v: lg.admit(
             "new-op", fingerprint="fp", owner="me", lease=timedelta(minutes=1), max_runs=v
         ),
         st.one_of(
@@ -409,8 +405,8 @@ SLOTS: list[Slot] = [
         ),
     ),
     Slot(
-        "begin_operation owner",
-        lambda lg, v: lg.begin_operation(
+        "admit owner",
+        lambda lg, v: lg.admit(
             "new-op", fingerprint="fp", owner=v, lease=timedelta(minutes=1), max_runs=5
         ),
         bad_text(KEY),

@@ -152,7 +152,7 @@ def test_not_found_releases_and_requeues_pending_backs_off(
     pg_ledger.create_budget("team", 1_000_000)
     # The provider stores completions (another call's is there): "not found" means something.
     openai_chat(client, key=pg_ledger.provider_key("another-call"), **PROMPT)
-    start = pg_ledger.begin_operation(
+    start = pg_ledger.admit(
         "op-lost",
         fingerprint="f",
         owner="me",
@@ -211,7 +211,7 @@ def test_an_operations_main_attempt_of_0_left_unknown_is_released_not_looked_up(
     an attempt of 0 reserved outside any operation to its lookup: its key was given
     to whoever reserved it)."""
     pg_ledger.create_budget("team", 1_000_000)
-    start = pg_ledger.begin_operation(
+    start = pg_ledger.admit(
         "agent:7", fingerprint="f", owner="gone", lease=timedelta(seconds=1), max_runs=3
     )
     for key, operation_id in (("agent:7#1", start.operation_id), ("loose", None)):
@@ -385,9 +385,7 @@ def test_a_send_left_sending_by_a_run_that_is_gone_is_reconciled(
     }
     for name, owner in owners.items():
         lease = timedelta(minutes=60 if name == "alive" else 5)
-        start = pg_ledger.begin_operation(
-            f"op-{name}", fingerprint="f", owner=owner, lease=lease, max_runs=3
-        )
+        start = pg_ledger.admit(f"op-{name}", fingerprint="f", owner=owner, lease=lease, max_runs=3)
         key = f"op-{name}#1"
         pg_ledger.reserve("team", key, 10_000, operation_id=start.operation_id)
         pg_ledger.describe_attempt(key, lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")

@@ -431,7 +431,7 @@ def test_an_operator_resolve_never_touches_a_live_run(app: Any, fake: FakeProvid
     from budget_tasks.ledger.leases import owner_id
 
     ledger = Ledger(app.url)
-    start = ledger.begin_operation(
+    start = ledger.admit(
         "live", fingerprint="f", owner="gone-run", lease=timedelta(seconds=1), max_runs=5
     )
     ledger.reserve("team", "live#1", 100, operation_id=start.operation_id)
@@ -440,9 +440,7 @@ def test_an_operator_resolve_never_touches_a_live_run(app: Any, fake: FakeProvid
     ledger.end_run("live", owner="gone-run")
     # a new delivery (this live process) resends as attempt 2 and is running it
     me = owner_id()
-    again = ledger.begin_operation(
-        "live", fingerprint="f", owner=me, lease=timedelta(minutes=5), max_runs=5
-    )
+    again = ledger.admit("live", fingerprint="f", owner=me, lease=timedelta(minutes=5), max_runs=5)
     ledger.reserve("team", "live#2", 100, operation_id=again.operation_id, reason="unknown_resend")
     ledger.mark_sending("live#2")
     for target in ("live#1", "live#2"):

@@ -13,7 +13,7 @@ LEASE = timedelta(minutes=10)
 
 
 def begin(ledger: Ledger, owner: str, max_runs: int = 3) -> Decision:
-    start = ledger.begin_operation(
+    start = ledger.admit(
         "job:1", fingerprint="fp", owner=owner, lease=LEASE, max_runs=max_runs, task="t"
     )
     return start.decision
@@ -58,7 +58,7 @@ def test_a_poisoned_operation_releases_the_holds_never_sent(
 ) -> None:
     ledger.create_budget("team", 1_000)
     for n in range(3):  # runs that reserved and died before their send
-        start = ledger.begin_operation(
+        start = ledger.admit(
             "job:1", fingerprint="fp", owner=f"otherhost:{n}:tok", lease=LEASE, max_runs=3
         )
         if n == 0:
@@ -73,7 +73,7 @@ def test_beat_releases_what_a_dead_run_reserved_and_never_sent(
     ledger: Ledger, clock: ManualClock
 ) -> None:
     ledger.create_budget("team", 1_000)
-    start = ledger.begin_operation(
+    start = ledger.admit(
         "job:2", fingerprint="fp", owner="otherhost:1:tok", lease=LEASE, max_runs=3
     )
     ledger.reserve("team", "job:2#1", 400, operation_id=start.operation_id)

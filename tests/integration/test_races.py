@@ -188,7 +188,7 @@ def test_an_answer_found_for_a_resend_is_adopted_while_an_older_attempt_stays_un
     the resend, does not keep it open, so no third attempt is sent."""
     from budget_tasks.ledger.leases import owner_id
 
-    start = ledger.begin_operation(
+    start = ledger.admit(
         "twice", fingerprint="fp", owner=owner_id(), lease=timedelta(minutes=5), max_runs=5
     )
     ledger.reserve("team", "twice#1", races.ESTIMATE, operation_id=start.operation_id)
