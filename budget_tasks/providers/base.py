@@ -175,7 +175,7 @@ def count_of(value: Any, field: str = "count") -> int:
         return math.ceil(value)
     if isinstance(value, str) and value.strip().isdigit():
         return int(value.strip())
-    raise UsageUnreadable(field, value)
+    raise UsageUnreadable(field, repr(value)[:80])
 
 
 def usage_object(value: Any, field: str = "usage", *, needs: tuple[str, ...] = ()) -> Any:
@@ -185,10 +185,10 @@ def usage_object(value: Any, field: str = "usage", *, needs: tuple[str, ...] = (
     if value is None and not needs:
         return value
     if not (isinstance(value, Mapping) or hasattr(type(value), "model_fields")):
-        raise UsageUnreadable(field, value)
+        raise UsageUnreadable(field, repr(value)[:80])
     for name in needs:
         if field_of(value, name) is None:
-            raise UsageUnreadable(f"{field}.{name}", None)
+            raise UsageUnreadable(f"{field}.{name}", "None")
     return value
 
 

@@ -57,8 +57,8 @@ class Route:
 class UnknownVendor(BudgetTasksError, LookupError):
     """A vendor name no registered vendor has."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(f"no vendor named {name!r} is registered", vendor=name)
+    template = "no vendor named {vendor!r} is registered"
+    vendor: str
 
 
 class Registry:

@@ -74,14 +74,18 @@ def decide(request: httpx2.Request, options: Options) -> Route:
     """Metered, free or refused; refused raises (marked) unless allowed by name."""
     route = registry.route(request.method, request.url.host, request.url.path, options.vendor)
     if route.kind is Kind.REFUSED and route.name not in options.allow:
-        raise marked(RefusedEndpoint(request.method, request.url.path, route.why, route.name))
+        raise marked(
+            RefusedEndpoint(
+                reason=route.why, method=request.method, path=request.url.path, name=route.name
+            )
+        )
     return route
 
 
 def check_not_a_retry(request: httpx2.Request) -> None:
     retry = request.headers.get(RETRY_HEADER, "0")
     if retry.strip() not in ("", "0"):
-        raise marked(SdkRetryRefused(request.url.path, retry))
+        raise marked(SdkRetryRefused(path=request.url.path, retry=retry))
 
 
 def unguarded(request: httpx2.Request) -> BudgetTasksError:

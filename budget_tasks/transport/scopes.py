@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 import httpx2
 
 from ..delivery import AttemptScope, Call, current_scope, running_scopes
-from ..errors import BudgetTasksError, UnguardedCall
+from ..errors import UnguardedCall
 from . import guard
 from .positions import Positions, label_path
 
@@ -26,15 +26,11 @@ class ManyRuns(UnguardedCall):
     progress in this process (a ``--pool threads`` worker): it belongs to none of them
     for sure. Refused before sending."""
 
-    def __init__(self, method: str, path: str) -> None:
-        BudgetTasksError.__init__(
-            self,
-            f"{method} {path} comes from a thread with no BudgetTask run of its own while "
-            "several runs are in progress here: nothing was sent. Start the thread with the "
-            "run's context (contextvars.copy_context().run) so the call is the run's",
-            method=method,
-            path=path,
-        )
+    template = (
+        "{method} {path} comes from a thread with no BudgetTask run of its own while "
+        "several runs are in progress here: nothing was sent. Start the thread with the "
+        "run's context (contextvars.copy_context().run) so the call is the run's"
+    )
 
 
 def scope_for(request: httpx2.Request) -> AttemptScope | None:
