@@ -44,7 +44,7 @@ from ..errors import (
     StepNotReplayable,
 )
 from ..hooks import Hooks, hooks
-from ..ledger import CallFacts
+from ..ledger import CallEnd, CallFacts
 from ..ledger.operations import AttemptRef, Decision, OperationStart, RunEnd, owner_id
 from ..ledger.states import HOLDING, OPEN, AttemptState, OperationStatus, nothing_sent_under
 from .fates import (
@@ -57,7 +57,7 @@ from .fates import (
     fate_after_return,
 )
 from .keys import main_key, step_key
-from .owed import Write, call_write, catch_up, end_write, owe, persist
+from .owed import Write, call_end, call_write, catch_up, end_write, owe, persist
 from .scope import AttemptScope, Call, Recorded
 
 log = logging.getLogger("budget_tasks.delivery")
@@ -415,15 +415,7 @@ class OperationManager:
 
     def _finish(self, d: Delivery, scope: AttemptScope, result: Any, encoded: str) -> Any:
         catch_up(self.ledger)  # what this run's labelled calls still owe goes first
-        settlements: list[tuple[str, int, bool]] = []
-        left_open: list[tuple[str, str]] = []
-        if scope.awaiting_usage and scope.actual is None:
-            left_open.append(
-                (scope.attempt_key, "answered without usage: settled by reconciliation")
-            )
-        else:
-            actual = scope.actual if scope.actual is not None else scope.amount
-            settlements.append((scope.attempt_key, actual, scope.actual is None))
+        fate = fate_after_return(scope)
         # The provider was called: the outcome must land, so a short outage is waited
         # out. If it lasts, this process keeps it and writes it at its next delivery (the
         # lease is its own meanwhile); should this process die first, the attempt stays
@@ -431,21 +423,15 @@ class OperationManager:
         kwargs = {
             "result": None,
             "encoded": encoded,
-            "settlements": settlements,
-            "left_open": left_open,
+            "call": call_end(scope, fate),
             "owner": d.owner,
-            "attempt": scope.attempt_key,
-            "ids": {scope.attempt_key: scope.ids},
         }
         try:
             end = persist(self.ledger.finish_operation, d.key, **kwargs)
         except LedgerUnavailable as exc:
             owe(self.ledger, d.key, d.owner, [Write("finish_operation", {"key": d.key, **kwargs})])
             raise RetryLater("ledger", exc) from exc
-        for key, actual, _ in settlements:
-            self.hooks.settled(
-                budget=d.budget, attempt=key, amount=scope.amount, actual=actual, by="task"
-            )
+        self._tell(d, scope, fate)
         if not end.applied:
             if end.status == OperationStatus.SUCCEEDED:
                 log.warning("operation %s was finished meanwhile: its stored result stands", d.key)
@@ -509,17 +495,9 @@ class OperationManager:
         """The main call's outcome and the run's end, as the writes that make them (a
         failed run settles its billed main call in the same commit as it fails)."""
         lease = {"key": d.key, "owner": d.owner, "error": error}
-        if after.status == OperationStatus.FAILED and fate.action == "settle":
-            settlement = (scope.attempt_key, fate.actual, fate.estimate_only)
-            return [
-                Write(
-                    "fail_operation",
-                    {**lease, "settlements": [settlement], "ids": {scope.attempt_key: scope.ids}},
-                )
-            ]
-        outcome = call_write(scope, fate, operation_id=scope.operation_id, owner=d.owner)
         if after.status == OperationStatus.FAILED:
-            return [outcome, Write("fail_operation", lease)]
+            return [Write("fail_operation", {**lease, "call": call_end(scope, fate)})]
+        outcome = call_write(scope, fate, operation_id=scope.operation_id, owner=d.owner)
         ending = {**lease, "status": after.status, "next_reason": after.next_reason}
         return [outcome, Write("end_run", ending)]
 
@@ -710,10 +688,9 @@ class OperationManager:
         """Reconciliation found this call's answer: that is what it replays."""
         answer = json.loads(latest.answer or "null")
         self.ledger.end_call(
-            latest.key,
+            CallEnd(latest.key, "store"),
             operation_id=scope.operation_id,
             owner=scope.owner,
-            action="store",
             record=where.record,
             result=answer,
         )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BudgetTasksError, LedgerUnavailable
-from ..ledger import Ledger
+from ..ledger import CallEnd, Ledger
 from .fates import HoldFate
 from .scope import Recorded
 
@@ -117,6 +117,13 @@ def forget(ledger: Any) -> None:
             del _owed[slot]
 
 
+def call_end(call: Recorded, fate: HoldFate) -> CallEnd:
+    """What ``call`` came to, as the ledger writes it."""
+    return CallEnd(
+        call.attempt_key, fate.action, fate.actual, fate.estimate_only, fate.note or None, call.ids
+    )
+
+
 def call_write(
     call: Recorded,
     fate: HoldFate,
@@ -129,14 +136,9 @@ def call_write(
     """The one write of what a call came to (the main call or a labelled one), made
     under ``owner``'s lease: kept through an outage, it still knows which run made it."""
     kwargs: dict[str, Any] = {
-        "key": call.attempt_key,
+        "call": call_end(call, fate),
         "operation_id": operation_id,
         "owner": owner,
-        "action": fate.action,
-        "actual": fate.actual,
-        "estimate_only": fate.estimate_only,
-        "note": fate.note or None,
-        "ids": call.ids,
     }
     if record is not None:
         kwargs.update(record=record, result=result)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     Row,
@@ -51,6 +51,38 @@ from .states import attempt_may
 log = logging.getLogger("budget_tasks.ledger")
 
 Clock = Callable[[], datetime]
+#: (id, name, period) of a budget and each ancestor, the budget first
+Chain = tuple[tuple[int, str, str], ...]
+#: each budget's admitting period (id, start), and the (budget, period) pairs to hold in
+Found = tuple[dict[int, tuple[int, datetime]], list[tuple[int, int]]]
+T = TypeVar("T")
+
+
+def attempt_row(
+    chain: Chain,
+    key: str,
+    amount: int,
+    reason: str,
+    *,
+    fingerprint: str | None,
+    price_version: str | None,
+    operation_id: int | None = None,
+    label: str | None = None,
+    step: str | None = None,
+) -> dict[str, Any]:
+    """The attempt row an admission inserts: a main call's (no label), a labelled
+    call's, or a direct reservation's."""
+    return {
+        "key": key,
+        "budget_id": chain[0][0],
+        "fingerprint": fingerprint,
+        "reason": reason,
+        "amount": amount,
+        "price_version": price_version,
+        "operation_id": operation_id,
+        "label": label,
+        "step": step,
+    }
 
 
 #: How often the ledger measures this host's clock against the database's.
@@ -163,7 +195,7 @@ class LedgerBase:
         assert self._offset is not None
         return local + self._offset
 
-    def _chain(self, name: str) -> tuple[tuple[int, str, str], ...]:
+    def _chain(self, name: str) -> Chain:
         """(id, name, period) of the budget and each ancestor, the budget first."""
         chain = self._chains.get(name)
         if chain is not None:
@@ -228,9 +260,7 @@ class LedgerBase:
         assert row is not None
         return int(row[0]), start
 
-    def _holds(
-        self, chain: tuple[tuple[int, str, str], ...], now: datetime
-    ) -> tuple[dict[int, tuple[int, datetime]], list[tuple[int, int]]]:
+    def _holds(self, chain: Chain, now: datetime) -> Found:
         """Each budget's admitting period at ``now``, and the (budget, period) pairs to
         hold in, in budget-id order (the order every writer locks them in)."""
         periods = {
@@ -239,11 +269,31 @@ class LedgerBase:
         }
         return periods, sorted((budget_id, found[0]) for budget_id, found in periods.items())
 
+    def _admitting(
+        self, chain: Chain | None, body: Callable[[Cursor, Found | None, datetime], T]
+    ) -> T:
+        """``body`` in one transaction, given the chain's admitting periods, found before
+        it began (opening a period is a transaction of its own). Once more if a period
+        turns out closed: this host's clock is behind a period another host opened, and
+        admission goes to that later period. Every admission (a direct reservation, a
+        delivery's main call, a labelled call) goes through here."""
+        for again in (False, True):
+            now = self.now()
+            found = None if chain is None else self._holds(chain, now)
+            try:
+                with self._driver.transaction() as cur:
+                    return body(cur, found, now)
+            except PeriodClosed:
+                if again or chain is None:
+                    raise
+                self._forget_periods(budget_id for budget_id, _, _ in chain)
+        raise AssertionError("unreachable")
+
     def _reserve_in(
         self,
         cur: Cursor,
-        chain: tuple[tuple[int, str, str], ...],
-        found: tuple[dict[int, tuple[int, datetime]], list[tuple[int, int]]],
+        chain: Chain,
+        found: Found,
         row: dict[str, Any],
         now: datetime,
         call: CallFacts | None = None,
@@ -276,20 +326,7 @@ class LedgerBase:
             return self._existing(cur, key, chain[0][1], amount, row["fingerprint"])
         for _, period_id in holds:
             _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
-        # The budget rows are the contended ones: lock them last, just before COMMIT.
-        for budget_id, period_id in holds:
-            if cur.one(sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}):
-                continue
-            available, frozen, closed = cur.one(sql.REFUSAL, {"period_id": period_id}) or (
-                0,
-                True,
-                None,
-            )
-            if closed is not None:
-                raise PeriodClosed(period_id)
-            if frozen:
-                raise BudgetFrozen(names[budget_id])
-            raise BudgetExceeded(names[budget_id], amount, int(available))
+        self._admit_in(cur, holds, amount, names)
         start = periods[chain[0][0]][1]
         return Reservation(
             key,
@@ -301,6 +338,24 @@ class LedgerBase:
             row["fingerprint"],
             True,
         )
+
+    @staticmethod
+    def _admit_in(
+        cur: Cursor, holds: list[tuple[int, int]], amount: int, names: dict[int, str]
+    ) -> None:
+        """Admit ``amount`` in each (budget, period) of ``holds``, each checked and
+        written by one conditional UPDATE; a refusal raises (the caller rolls back)."""
+        # The budget rows are the contended ones: lock them last, just before COMMIT.
+        for budget_id, period_id in holds:
+            if cur.one(sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}):
+                continue
+            refusal = cur.one(sql.REFUSAL, {"period_id": period_id})
+            available, frozen, closed = refusal or (0, True, None)
+            if closed is not None:
+                raise PeriodClosed(period_id)
+            if frozen:
+                raise BudgetFrozen(names[budget_id])
+            raise BudgetExceeded(names[budget_id], amount, int(available))
 
     def _existing(
         self,
@@ -407,11 +462,10 @@ class LedgerBase:
         ids: tuple[str | None, str | None] = (None, None),
     ) -> _Resolution:
         """Journal and resolve the attempt (compare-and-set on the state read under its
-        row lock); the caller applies the counters last.
-
-        ``if_resolved="top_up"``: an attempt resolved meanwhile (by reconciliation, an
-        operator) keeps its charge, raised to ``actual`` by an adjustment entry if that
-        is more; a run's proof of billing is never lost to an earlier resolution."""
+        row lock); the caller applies the counters last. ``if_resolved="top_up"``: an
+        attempt resolved meanwhile (by reconciliation, an operator) keeps its charge,
+        raised to ``actual`` by an adjustment entry if that is more; a run's proof of
+        billing is never lost to an earlier resolution."""
         rows = cur.all(sql.LOCK_ATTEMPT, {"key": key})
         if not rows:
             raise UnknownAttempt(key)
@@ -420,16 +474,13 @@ class LedgerBase:
         if current in ("settled", "released"):
             if charged == actual:
                 return _Resolution(False, amount, actual, [], key)
-            if if_resolved == "top_up":
-                if actual > charged:
-                    delta = actual - charged
-                    why = f"a run reported {actual} after the attempt was {current} at {charged}"
-                    for period_id in periods:
-                        _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id})
-                        _journal(cur, attempt_id, period_id, "adjustment", 0, delta, why, stamp)
-                    log.warning("attempt %s: %s; +%d as an adjustment", key, why, delta)
-                return _Resolution(False, amount, charged, [], key)
-            raise SettlementConflict(key, charged, actual)
+            if if_resolved != "top_up":
+                raise SettlementConflict(key, charged, actual)
+            if actual > charged:
+                why = f"a run reported {actual} after the attempt was {current} at {charged}"
+                _top_up(cur, attempt_id, periods, actual - charged, why, stamp)
+                log.warning("attempt %s: %s; +%d as an adjustment", key, why, actual - charged)
+            return _Resolution(False, amount, charged, [], key)
         if expected is not None and current != expected:
             raise InvalidTransition(key, current, f"{state} it as {expected} (it changed)")
         if not attempt_may(current, state):
@@ -438,15 +489,13 @@ class LedgerBase:
             raise UsageRecorded(key, recorded_usage, actual)
         for period_id in periods:
             _journal(cur, attempt_id, period_id, kind, -amount, actual, note, stamp)
+        resolved = {"state": state, "actual": actual, "note": note, "answer": answer}
         done = cur.run(
             sql.RESOLVE_ATTEMPT,
             {
-                "state": state,
-                "actual": actual,
+                **resolved,
                 "now": stamp,
-                "note": note,
                 "estimate_only": estimate_only,
-                "answer": answer,
                 "attempt_id": attempt_id,
                 "expected": current,
                 "request_id": ids[0],
@@ -455,6 +504,15 @@ class LedgerBase:
         )
         assert done == 1  # the row is locked (SQLite: the whole database is)
         return _Resolution(True, int(amount), actual, periods, key)
+
+
+def _top_up(
+    cur: Cursor, attempt_id: int, periods: list[int], delta: int, why: str, stamp: Any
+) -> None:
+    """Raise a resolved attempt's charge by ``delta``, as an adjustment in each period."""
+    for period_id in periods:
+        _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id})
+        _journal(cur, attempt_id, period_id, "adjustment", 0, delta, why, stamp)
 
 
 def _ids(request_id: str | None, response_id: str | None) -> tuple[str | None, str | None]:

@@ -3,7 +3,7 @@ provider corrections as adjustments."""
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
 
 from .. import _validate as check
 from ..errors import (
@@ -12,10 +12,8 @@ from ..errors import (
     UnknownOperation,
 )
 from . import statements as sql
-from .base import LedgerBase, _apply, _ids, _journal
-from .periods import (
-    PeriodClosed,
-)
+from .base import Found, LedgerBase, _apply, _ids, _journal, attempt_row
+from .driver import Cursor
 from .records import (
     CallFacts,
     Reservation,
@@ -23,6 +21,27 @@ from .records import (
 from .schema import (
     ATTEMPT_REASONS,
 )
+
+
+def _check_reservation(
+    budget: str,
+    key: str,
+    amount: int,
+    fingerprint: str | None,
+    price_version: str | None,
+    label: str | None,
+    step: str | None,
+    reason: str,
+) -> None:
+    check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+    check.text(key, "key")
+    check.money(amount)
+    check.optional_text(fingerprint, "fingerprint")
+    check.optional_text(price_version, "price_version", max_length=64)
+    check.optional_text(label, "label", max_length=100)
+    check.optional_text(step, "step")
+    if reason not in ATTEMPT_REASONS:
+        raise ValueError(f"reason must be one of {ATTEMPT_REASONS}, not {reason!r}")
 
 
 class Holds(LedgerBase):
@@ -55,53 +74,33 @@ class Holds(LedgerBase):
         nothing: ``CallFacts()``), the send is granted in the same transaction: the
         attempt is ``sending`` and no ``mark_sending`` follows.
         """
-        check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
-        check.text(key, "key")
-        check.money(amount)
-        check.optional_text(fingerprint, "fingerprint")
-        check.optional_text(price_version, "price_version", max_length=64)
-        check.optional_text(label, "label", max_length=100)
-        check.optional_text(step, "step")
+        _check_reservation(budget, key, amount, fingerprint, price_version, label, step, reason)
         if operation_id is not None:
             check.row_id(operation_id, "operation_id")
-        if reason not in ATTEMPT_REASONS:
-            raise ValueError(f"reason must be one of {ATTEMPT_REASONS}, not {reason!r}")
         chain = self._chain(budget)
-        row = {
-            "key": key,
-            "budget_id": chain[0][0],
-            "fingerprint": fingerprint,
-            "reason": reason,
-            "amount": amount,
-            "price_version": price_version,
-            "operation_id": operation_id,
-            "label": label,
-            "step": step,
-        }
-        try:
-            return self._reserve(chain, row, grant)
-        except PeriodClosed:
-            # This host's clock is behind a period that another host opened (closing
-            # this one): admission goes to that later period.
-            self._forget_periods(budget_id for budget_id, _, _ in chain)
-            return self._reserve(chain, row, grant)
+        row = attempt_row(
+            chain,
+            key,
+            amount,
+            reason,
+            fingerprint=fingerprint,
+            price_version=price_version,
+            operation_id=operation_id,
+            label=label,
+            step=step,
+        )
 
-    def _reserve(
-        self,
-        chain: tuple[tuple[int, str, str], ...],
-        row: dict[str, Any],
-        grant: CallFacts | None,
-    ) -> Reservation:
-        now = self.now()
-        holds = self._holds(chain, now)
+        def admission(cur: Cursor, found: Found | None, now: datetime) -> Reservation:
+            assert found is not None  # a chain has its periods
+            return self._reserve_in(cur, chain, found, row, now, grant)
+
         try:
-            with self._driver.transaction() as cur:
-                return self._reserve_in(cur, chain, holds, row, now, grant)
+            return self._admitting(chain, admission)
         except self._driver.integrity as exc:
-            if row["operation_id"] is None:
+            if operation_id is None:
                 raise
             # the one reference the caller gives: an operation that does not exist
-            raise UnknownOperation(f"id {row['operation_id']}") from exc
+            raise UnknownOperation(f"id {operation_id}") from exc
 
     def mark_sending(
         self, key: str, *, provider: str | None = None, request_id: str | None = None

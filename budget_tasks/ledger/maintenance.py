@@ -8,7 +8,7 @@ processes running the same job at once never act on the same row twice.
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
@@ -16,14 +16,23 @@ from sqlalchemy import select
 from .. import _validate as check
 from ..errors import InvalidTransition, UnknownAttempt, UnknownOperation, UsageRecorded
 from . import statements as sql
+from .driver import Cursor
 from .leases import lease_is_live
-from .operations import Operations
+from .operations import Operations, RunEnd
 from .records import Attempt, CallFacts, Hold, Operation, Resolved
 from .reports import Reports
 from .schema import operations
 from .states import nothing_sent_under
 
 STALE_STATES = ("sending", "unknown")
+
+
+def _check_resolution(key: str, actual: int, note: str, by: str) -> None:
+    check.text(key, "key")
+    check.money(actual, "actual")
+    check.text(note, "note", max_length=10_000)
+    if by not in ("reconcile", "operator"):
+        raise ValueError(f"by must be reconcile or operator, not {by!r}")
 
 
 class Maintenance(Operations, Reports):
@@ -141,11 +150,7 @@ class Maintenance(Operations, Reports):
         the latest of its call, the operation is unfinished and no live run leases it;
         when its attempts leave it open it becomes retryable, or, for an operator's
         charge without an answer, failed (the answer is lost)."""
-        check.text(key, "key")
-        check.money(actual, "actual")
-        check.text(note, "note", max_length=10_000)
-        if by not in ("reconcile", "operator"):
-            raise ValueError(f"by must be reconcile or operator, not {by!r}")
+        _check_resolution(key, actual, note, by)
         encoded = None if answer is None else json.dumps(answer)
         now = self.now()
         stamp = self._driver.ts(now)
@@ -165,15 +170,8 @@ class Maintenance(Operations, Reports):
             end = None
             if operation_id is not None and latest:
                 lost = state == "settled" and answer is None
-                error = recorded
-                if lost:
-                    error = (
-                        f"attempt {key} was charged {actual} and its answer is lost ({recorded}): "
-                        "the work is not sent again; enqueue it under a new key if it must be done"
-                    )
-                row = self._lock_operation(cur, op_id=operation_id)
-                end = self._conclude_in(
-                    cur, row, now, stamp, "failed" if lost else "retryable", error, None
+                end = self._conclude_resolved_in(
+                    cur, operation_id, key, actual, recorded, lost, now
                 )
             resolution.apply(cur)
         if resolution.applied and actual > resolution.amount:
@@ -188,6 +186,29 @@ class Maintenance(Operations, Reports):
             operation_status=None if end is None else end.status,
             operation_changed=end is not None and end.applied,
         )
+
+    def _conclude_resolved_in(
+        self,
+        cur: Cursor,
+        operation_id: int,
+        key: str,
+        actual: int,
+        recorded: str,
+        lost: bool,
+        now: datetime,
+    ) -> RunEnd:
+        """Conclude the operation of an attempt resolved from outside its run: retryable
+        where its attempts leave it open, failed where the charge's answer is lost."""
+        error = recorded
+        if lost:
+            error = (
+                f"attempt {key} was charged {actual} and its answer is lost ({recorded}): "
+                "the work is not sent again; enqueue it under a new key if it must be done"
+            )
+        row = self._lock_operation(cur, op_id=operation_id)
+        fallback = "failed" if lost else "retryable"
+        end: RunEnd = self._conclude_in(cur, row, now, self._driver.ts(now), fallback, error, None)
+        return end
 
     def claim_unknown(
         self,

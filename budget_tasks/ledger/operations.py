@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -31,16 +32,19 @@ from ..errors import (
     BudgetFrozen,
     IdempotencyConflict,
     InvalidTransition,
+    UnknownAttempt,
     UnknownBudget,
     UnknownOperation,
 )
 from . import statements as sql
+from .base import Chain, Found, _Resolution, attempt_row
 from .driver import Cursor
 from .holds import Holds
 from .leases import lease_is_live, owner_id
-from .periods import PeriodClosed
-from .records import CallFacts, Reservation
+from .records import CallEnd, CallFacts, Reservation
 from .states import FINISHED, OPEN, AttemptState, OperationStatus, operation_may
+
+log = logging.getLogger("budget_tasks.ledger")
 
 __all__ = [
     "AttemptRef",
@@ -135,15 +139,26 @@ def _payload(payload: Any) -> str | None:
     return None if payload is None else json.dumps(payload, default=repr)
 
 
-def _check_delivery(
-    key: str, fingerprint: str, owner: str, lease: timedelta, max_runs: int, task: str | None
-) -> None:
-    check.text(key, "idempotency key")
-    check.text(fingerprint, "fingerprint")
-    check.text(owner, "lease owner")
-    check.duration(lease, "lease")
-    check.positive(max_runs, "max_runs")
-    check.optional_text(task, "task name")
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """A delivery as it asks to be admitted."""
+
+    key: str
+    fingerprint: str
+    owner: str
+    lease: timedelta
+    max_runs: int
+    task: str | None
+    payload: Any
+
+
+def _check_delivery(ask: _Ask) -> None:
+    check.text(ask.key, "idempotency key")
+    check.text(ask.fingerprint, "fingerprint")
+    check.text(ask.owner, "lease owner")
+    check.duration(ask.lease, "lease")
+    check.positive(ask.max_runs, "max_runs")
+    check.optional_text(ask.task, "task name")
 
 
 class _Refused(Exception):
@@ -237,31 +252,44 @@ class Operations(Holds):
             )
         )
 
-    def _settle_in(
-        self,
-        cur: Cursor,
-        settlements: Sequence[tuple[str, int, bool]],
-        stamp: Any,
-        ids: Mapping[str, tuple[str | None, str | None]] | None = None,
-    ) -> list[Any]:
-        """Settle ``(attempt key, actual, estimate_only)`` each, as a run that got its
-        answers does: an attempt resolved meanwhile keeps the larger charge. The caller
-        applies the counters."""
-        return [
-            self._resolve_in(
+    def _end_call_in(
+        self, cur: Cursor, call: CallEnd, stamp: Any, *, lease_mine: bool
+    ) -> tuple[_Resolution | None, bool] | None:
+        """Write what ``call`` came to, in the caller's transaction (its attempt, then
+        its operation, locked first: the order every writer locks them in). The one
+        path for every call's outcome, the main call's and each labelled call's.
+
+        A settlement always lands (what the provider billed: an attempt resolved
+        meanwhile keeps the larger charge). A release or an unknown lands only under
+        the run's own lease (``lease_mine``): once another run has taken the operation,
+        that run or reconciliation decides the hold, and None is returned. Otherwise
+        the resolution (whose counters the caller applies last) and whether a state
+        changed without one (an unknown)."""
+        if call.action in ("release", "unknown") and not lease_mine:
+            log.warning("attempt %s: %s dropped: its run's lease moved on", call.key, call.action)
+            return None
+        if call.action == "settle":
+            # as a run that got its answer settles: a resolution meanwhile keeps the
+            # larger charge
+            resolution = self._resolve_in(
                 cur,
-                key,
-                actual,
+                call.key,
+                call.actual,
                 "settled",
                 "charge",
                 None,
                 stamp,
-                estimate_only=estimate_only,
+                estimate_only=call.estimate_only,
                 if_resolved="top_up",
-                ids=(ids or {}).get(key, (None, None)),
+                ids=call.ids,
             )
-            for key, actual, estimate_only in settlements
-        ]
+            return resolution, False
+        if call.action == "release":
+            return self._release_in(cur, call.key, call.note or "not billed", stamp), False
+        if call.action == "unknown":
+            note = call.note or "outcome unknown"
+            return None, self._mark_unknown_in(cur, call.key, note, call.actual or None, call.ids)
+        return None, False  # store: the hold was resolved already
 
     def _release_reserved(
         self, cur: Cursor, attempts: Iterable[AttemptRef], stamp: Any
@@ -302,69 +330,61 @@ class Operations(Holds):
         A refusal (BudgetExceeded, BudgetFrozen) rolls the whole transaction back; the
         operation is then recorded pending with the refusal, in one more statement
         that is the delivery's only commit, and the refusal raised."""
-        _check_delivery(key, fingerprint, owner, lease, max_runs, task)
-        chain = None
-        if amount is not None:
-            check.money(amount)
-            name = check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
-            check.optional_text(price_version, "price_version", max_length=64)
+        ask = _Ask(key, fingerprint, owner, lease, max_runs, task, payload)
+        _check_delivery(ask)
+        chain = None if amount is None else self._admission_chain(budget, amount, price_version)
+
+        def admission(cur: Cursor, found: Found | None, now: datetime) -> OperationStart:
+            start = self._begin_or_replay_in(cur, ask, now)
+            planned = None
+            if start.decision is Decision.RUN and chain is not None and plan is not None:
+                planned = plan(start)
+            if planned is None or chain is None or found is None:
+                return start
+            row = attempt_row(
+                chain,
+                planned[0],
+                amount or 0,
+                planned[1],
+                fingerprint=fingerprint,
+                price_version=price_version,
+                operation_id=start.operation_id,
+            )
             try:
-                chain = self._chain(name)
-            except UnknownBudget:
-                chain = None  # the delivery is decided alone; the reservation says so
-        for again in (False, True):
-            now = self.now()
-            holds = None if chain is None else self._holds(chain, now)
-            try:
-                with self._driver.transaction() as cur:
-                    stamp = self._driver.ts(now)
-                    found = cur.one(
-                        sql.REPLAY, {"key": key, "fingerprint": fingerprint, "now": stamp}
-                    )
-                    if found is not None:
-                        op_id, result, runs = found
-                        return OperationStart(
-                            Decision.REPLAY, op_id, key, result=_decode(result), runs=runs
-                        )
-                    start: OperationStart = self._begin_in(
-                        cur, key, fingerprint, owner, lease, max_runs, task, payload, now
-                    )
-                    planned = None
-                    if start.decision is Decision.RUN and chain is not None and plan is not None:
-                        planned = plan(start)
-                    if planned is None or chain is None or holds is None:
-                        return start
-                    attempt_key, reason = planned
-                    row = {
-                        "key": attempt_key,
-                        "budget_id": chain[0][0],
-                        "fingerprint": fingerprint,
-                        "reason": reason,
-                        "amount": amount,
-                        "price_version": price_version,
-                        "operation_id": start.operation_id,
-                        "label": None,
-                        "step": None,
-                    }
-                    try:
-                        reservation = self._reserve_in(
-                            cur, chain, holds, row, now, call or CallFacts()
-                        )
-                    except (BudgetExceeded, BudgetFrozen) as exc:
-                        raise _Refused(exc) from exc
-                    if not reservation.created:
-                        return start
-                    return replace(start, reservation=reservation)
-            except _Refused as refused:
-                self._record_refusal(key, fingerprint, task, payload, str(refused.exc))
-                raise refused.exc from None
-            except PeriodClosed:
-                if again:
-                    raise
-                # This host's clock is behind a period another host opened: admission
-                # goes to that later period.
-                self._forget_periods(budget_id for budget_id, _, _ in chain or ())
-        raise AssertionError("unreachable")
+                reservation = self._reserve_in(cur, chain, found, row, now, call or CallFacts())
+            except (BudgetExceeded, BudgetFrozen) as exc:
+                raise _Refused(exc) from exc
+            return replace(start, reservation=reservation) if reservation.created else start
+
+        try:
+            return self._admitting(chain, admission)
+        except _Refused as refused:
+            self._record_refusal(key, fingerprint, task, payload, str(refused.exc))
+            raise refused.exc from None
+
+    def _admission_chain(
+        self, budget: str | None, amount: int, price_version: str | None
+    ) -> Chain | None:
+        """The budget chain a delivery's main call is admitted on; None for a budget
+        that does not exist (the delivery is decided alone; its reservation says so)."""
+        check.money(amount)
+        name = check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+        check.optional_text(price_version, "price_version", max_length=64)
+        try:
+            return self._chain(name)
+        except UnknownBudget:
+            return None
+
+    def _begin_or_replay_in(self, cur: Cursor, ask: _Ask, now: datetime) -> OperationStart:
+        """A finished key replays in one statement; any other delivery is recorded and
+        decided."""
+        stamp = self._driver.ts(now)
+        params = {"key": ask.key, "fingerprint": ask.fingerprint, "now": stamp}
+        replayed = cur.one(sql.REPLAY, params)
+        if replayed is None:
+            return self._begin_in(cur, ask, now)
+        op_id, result, runs = replayed
+        return OperationStart(Decision.REPLAY, op_id, ask.key, result=_decode(result), runs=runs)
 
     def _record_refusal(
         self,
@@ -387,90 +407,106 @@ class Operations(Holds):
                 },
             )
 
-    def _begin_in(
-        self,
-        cur: Cursor,
-        key: str,
-        fingerprint: str,
-        owner: str,
-        lease: timedelta,
-        max_runs: int,
-        task: str | None,
-        payload: Any,
-        now: datetime,
-    ) -> OperationStart:
+    def _begin_in(self, cur: Cursor, ask: _Ask, now: datetime) -> OperationStart:
+        """Record the delivery ``ask`` and decide it (see :class:`Decision`)."""
         stamp = self._driver.ts(now)
-        expires_new = now + lease
+        expires = now + ask.lease
         created = cur.one(
             sql.INSERT_RUNNING_OPERATION,
             {
-                "key": key,
-                "fingerprint": fingerprint,
-                "task": task,
-                "payload": _payload(payload),
-                "owner": owner,
-                "expires": self._driver.ts(expires_new),
+                "key": ask.key,
+                "fingerprint": ask.fingerprint,
+                "task": ask.task,
+                "payload": _payload(ask.payload),
+                "owner": ask.owner,
+                "expires": self._driver.ts(expires),
                 "now": stamp,
             },
         )
         if created is not None:  # the first delivery: the lease is ours, nothing to read
             return OperationStart(
-                Decision.RUN, created[0], key, runs=1, lease_expires_at=expires_new
+                Decision.RUN, created[0], ask.key, runs=1, lease_expires_at=expires
             )
-        row = self._lock_operation(cur, key=key)
-        if row.fingerprint != fingerprint:
-            raise IdempotencyConflict(key, "fingerprint", row.fingerprint, fingerprint)
-
-        def delivered(decision: Decision, **facts: Any) -> OperationStart:
-            replay = 1 if decision is Decision.REPLAY else 0
+        row = self._lock_operation(cur, key=ask.key)
+        if row.fingerprint != ask.fingerprint:
+            raise IdempotencyConflict(ask.key, "fingerprint", row.fingerprint, ask.fingerprint)
+        told = self._finished_or_busy(row, ask, now)
+        attempts = [] if told is not None else self._attempts_of(cur, row.id)
+        if told is None:
+            told = self._adopted_or_poisoned_in(cur, row, ask, now, attempts)
+        if told is not None:
+            replay = 1 if told.decision is Decision.REPLAY else 0
             cur.run(sql.COUNT_DELIVERY, {"replay": replay, "now": stamp, "operation_id": row.id})
-            return OperationStart(decision, row.id, key, runs=row.runs, **facts)
+            return told
+        return self._take_run_in(cur, row, ask, now, attempts)
 
+    @staticmethod
+    def _finished_or_busy(row: _Row, ask: _Ask, now: datetime) -> OperationStart | None:
+        """A finished operation replays or fails; another run's live lease says wait."""
         if row.status == OperationStatus.SUCCEEDED:
             # A result purged after its retention replays as None.
-            return delivered(Decision.REPLAY, result=_decode(row.result))
+            return OperationStart(
+                Decision.REPLAY, row.id, ask.key, runs=row.runs, result=_decode(row.result)
+            )
         if row.status == OperationStatus.FAILED:
-            return delivered(Decision.FAILED, error=row.error)
-        mine = row.lease_owner == owner and row.status == OperationStatus.RUNNING
+            return OperationStart(Decision.FAILED, row.id, ask.key, runs=row.runs, error=row.error)
+        mine = row.lease_owner == ask.owner and row.status == OperationStatus.RUNNING
         if not mine and lease_is_live(row.lease_owner, row.lease_expires_at, now):
-            return delivered(Decision.IN_PROGRESS, lease_expires_at=row.lease_expires_at)
-        attempts = self._attempts_of(cur, row.id)
+            return OperationStart(
+                Decision.IN_PROGRESS,
+                row.id,
+                ask.key,
+                runs=row.runs,
+                lease_expires_at=row.lease_expires_at,
+            )
+        return None
+
+    def _adopted_or_poisoned_in(
+        self, cur: Cursor, row: _Row, ask: _Ask, now: datetime, attempts: list[AttemptRef]
+    ) -> OperationStart | None:
+        """An answer reconciliation found is adopted; too many dead runs stop the
+        message. None: the delivery runs."""
+        stamp = self._driver.ts(now)
+        mine = row.lease_owner == ask.owner and row.status == OperationStatus.RUNNING
         concluded = self._conclusion(attempts)
         if concluded is not None and concluded[0] == OperationStatus.SUCCEEDED:
             # A reconciliation found the answer while no run could take it: adopt it.
             self._set(cur, row, concluded[0], stamp, result=concluded[1], run_ended=mine)
-            return delivered(Decision.REPLAY, result=_decode(concluded[1]))
-        if not mine and row.runs >= max_runs:
-            error = f"poison message: {row.runs} runs of {key!r} never finished"
+            return OperationStart(
+                Decision.REPLAY, row.id, ask.key, runs=row.runs, result=_decode(concluded[1])
+            )
+        if not mine and row.runs >= ask.max_runs:
+            error = f"poison message: {row.runs} runs of {ask.key!r} never finished"
             resolutions = self._release_reserved(cur, attempts, stamp)
             self._set(cur, row, OperationStatus.FAILED, stamp, error=error, run_ended=False)
             for resolution in resolutions:
                 resolution.apply(cur)
-            return delivered(Decision.POISONED, error=error)
-        main = [a for a in attempts if a.label is None]
+            return OperationStart(Decision.POISONED, row.id, ask.key, runs=row.runs, error=error)
+        return None
+
+    def _take_run_in(
+        self, cur: Cursor, row: _Row, ask: _Ask, now: datetime, attempts: list[AttemptRef]
+    ) -> OperationStart:
+        """The lease for this delivery's run: renewed for its own owner, else taken (one
+        more run)."""
+        mine = row.lease_owner == ask.owner and row.status == OperationStatus.RUNNING
+        expires = now + ask.lease
+        params = {
+            "expires": self._driver.ts(expires),
+            "now": self._driver.ts(now),
+            "operation_id": row.id,
+        }
         if mine:
-            cur.run(
-                sql.RENEW_LEASE,
-                {"expires": self._driver.ts(expires_new), "now": stamp, "operation_id": row.id},
-            )
-            runs = row.runs
+            cur.run(sql.RENEW_LEASE, params)
         else:
-            cur.run(
-                sql.TAKE_LEASE,
-                {
-                    "owner": owner,
-                    "expires": self._driver.ts(expires_new),
-                    "now": stamp,
-                    "operation_id": row.id,
-                },
-            )
-            runs = row.runs + 1
+            cur.run(sql.TAKE_LEASE, {**params, "owner": ask.owner})
+        main = [a for a in attempts if a.label is None]
         return OperationStart(
             Decision.RUN,
             row.id,
-            key,
-            runs=runs,
-            lease_expires_at=expires_new,
+            ask.key,
+            runs=row.runs if mine else row.runs + 1,
+            lease_expires_at=expires,
             last_attempt=main[0] if main else None,
             attempts=len(main),
             next_reason=row.next_reason,
@@ -649,41 +685,56 @@ class Operations(Holds):
         key: str,
         *,
         result: Any,
-        settlements: Sequence[tuple[str, int, bool]] = (),
+        call: CallEnd | None = None,
         owner: str | None = None,
-        attempt: str | None = None,
-        left_open: Sequence[tuple[str, str]] = (),
         encoded: str | None = None,
-        ids: Mapping[str, tuple[str | None, str | None]] | None = None,
     ) -> RunEnd:
-        """Settle ``(attempt key, actual, estimate_only)`` for each attempt, keep the
-        holds of ``left_open`` ``(attempt key, why)`` open as unknown (a call whose usage
-        is only known later), and store the operation's result, in one transaction: a
-        later delivery replays it.
+        """End a run that returned, in one transaction: write what its main ``call``
+        came to (as :meth:`~budget_tasks.Ledger.end_call` does) and store the
+        operation's result, which later deliveries replay.
 
         With ``owner``, the result is stored while that owner still holds the lease; if
         it does not, it is stored only if no live run holds the operation, it is
-        unfinished and ``attempt`` is still its latest main-call attempt. A settlement
-        always lands: an attempt resolved meanwhile keeps the larger of the two charges
-        (the difference as an adjustment). ``ids`` maps an attempt key to the request
-        and response ids its call reported, written with its settlement."""
+        unfinished and ``call`` is still its latest main-call attempt."""
         check.text(key, "idempotency key")
         if encoded is None:
             encoded = json.dumps(result)
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
-            resolutions = self._settle_in(cur, settlements, stamp, ids)
-            for akey, why in left_open:
-                self._mark_unknown_in(cur, akey, why, None, (ids or {}).get(akey, (None, None)))
-            row = self._lock_operation(cur, key=key)
+            row, ended = self._call_and_operation_in(cur, key, call, owner, stamp)
+            attempt = None if call is None else call.key
             end: RunEnd = self._store_result_in(cur, row, now, stamp, owner, attempt, encoded)
-            for resolution in resolutions:
-                resolution.apply(cur)
-        for resolution in resolutions:
-            if resolution.applied and resolution.actual > resolution.amount:
-                self._log_overrun(resolution.key, resolution.amount, resolution.actual)
+            self._apply_call(cur, call, ended)
         return end
+
+    def _call_and_operation_in(
+        self, cur: Cursor, key: str, call: CallEnd | None, owner: str | None, stamp: Any
+    ) -> tuple[_Row, tuple[_Resolution | None, bool] | None]:
+        """Lock ``call``'s attempt, then operation ``key``, and write what the call came
+        to under ``owner``'s lease."""
+        if call is not None and not cur.all(sql.LOCK_ATTEMPT, {"key": call.key}):
+            raise UnknownAttempt(call.key)
+        row = self._lock_operation(cur, key=key)
+        if call is None:
+            return row, None
+        mine = owner is None or row.lease_owner == owner
+        return row, self._end_call_in(cur, call, stamp, lease_mine=mine)
+
+    def _apply_call(
+        self, cur: Cursor, call: CallEnd | None, ended: tuple[_Resolution | None, bool] | None
+    ) -> bool:
+        """Apply a call's resolution to the counters (last: the budget rows are the
+        contended ones); whether anything changed."""
+        if call is None or ended is None:
+            return False
+        resolution, changed = ended
+        if resolution is None:
+            return changed
+        resolution.apply(cur)
+        if resolution.applied and resolution.actual > resolution.amount:
+            self._log_overrun(call.key, resolution.amount, resolution.actual)
+        return resolution.applied
 
     def _store_result_in(
         self,
@@ -719,22 +770,16 @@ class Operations(Holds):
         return RunEnd(OperationStatus.SUCCEEDED, json.loads(encoded), None, applied=applied)
 
     def fail_operation(
-        self,
-        key: str,
-        *,
-        owner: str,
-        error: str,
-        settlements: Sequence[tuple[str, int, bool]] = (),
-        ids: Mapping[str, tuple[str | None, str | None]] | None = None,
+        self, key: str, *, owner: str, error: str, call: CallEnd | None = None
     ) -> RunEnd:
-        """End ``owner``'s run as failed for good, settling what its calls billed, in one
-        transaction (see :meth:`end_run` for a lease no longer ``owner``'s)."""
+        """End ``owner``'s run as failed for good, writing what its main ``call`` came
+        to (as :meth:`~budget_tasks.Ledger.end_call` does), in one transaction (see
+        :meth:`end_run` for a lease no longer ``owner``'s)."""
         check.text(key, "idempotency key")
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
-            resolutions = self._settle_in(cur, settlements, stamp, ids)
-            row = self._lock_operation(cur, key=key)
+            row, ended = self._call_and_operation_in(cur, key, call, owner, stamp)
             end: RunEnd = self._end_in(
                 cur,
                 row,
@@ -746,6 +791,5 @@ class Operations(Holds):
                 next_reason=None,
                 fallback=OperationStatus.PENDING,
             )
-            for resolution in resolutions:
-                resolution.apply(cur)
+            self._apply_call(cur, call, ended)
         return end

@@ -30,6 +30,32 @@ class BudgetInfo:
 NO_TIMEOUT_MS = 0
 
 
+#: What a run may write for one of its calls (see :class:`CallEnd`).
+CALL_ACTIONS = frozenset({"settle", "release", "unknown", "store"})
+
+
+@dataclass(frozen=True, slots=True)
+class CallEnd:
+    """What one call of a run came to, the main call or a labelled one: ``action``
+    ``settle`` (at ``actual``; ``estimate_only`` when no usage was recorded),
+    ``release`` (nothing was billed), ``unknown`` (the hold stays; ``note`` says why)
+    or ``store`` (the hold is resolved already). ``ids`` are the request and response
+    ids its answer carried, written with it."""
+
+    key: str
+    action: str
+    actual: int = 0
+    estimate_only: bool = False
+    note: str | None = None
+    ids: tuple[str | None, str | None] = (None, None)
+
+    def __post_init__(self) -> None:
+        check.text(self.key, "key")
+        check.money(self.actual, "actual")
+        if self.action not in CALL_ACTIONS:
+            raise ValueError(f"action must be one of {sorted(CALL_ACTIONS)}, not {self.action!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class CallFacts:
     """What a call is, known before it is sent: the lookup that finds it again, the

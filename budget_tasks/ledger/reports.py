@@ -46,6 +46,60 @@ from .schema import (
 )
 
 
+def _report_query(
+    starts: Mapping[Period, datetime | None], before: Mapping[Period, datetime | None]
+) -> Any:
+    """Each budget with its period at ``starts`` (by its kind of period), the one
+    before it (``before``) while still open, and the age of its oldest open hold."""
+    b = budgets.c
+    cur, prev = budget_periods.alias("cur"), budget_periods.alias("prev")
+
+    def by_kind(values: Mapping[Period, datetime | None]) -> Any:
+        whens = {kind: literal(at, UTCDateTime()) for kind, at in values.items() if at}
+        return case(whens, value=b.period, else_=None)
+
+    oldest = (
+        select(attempts.c.budget_id, func.min(attempts.c.created_at).label("oldest"))
+        .where(attempts.c.state.in_(HOLDING_STATES))
+        .group_by(attempts.c.budget_id)
+        .subquery()
+    )
+    return (
+        select(
+            b.name,
+            b.cap,
+            b.renewal,
+            b.rollover_ceiling,
+            b.frozen,
+            b.period,
+            cur.c.id.label("cur_id"),
+            cur.c.cap.label("cur_cap"),
+            cur.c.spent.label("cur_spent"),
+            cur.c.held.label("cur_held"),
+            cur.c.overrun.label("cur_overrun"),
+            prev.c.cap.label("prev_cap"),
+            prev.c.spent.label("prev_spent"),
+            prev.c.held.label("prev_held"),
+            oldest.c.oldest,
+        )
+        .select_from(
+            budgets.outerjoin(
+                cur, and_(cur.c.budget_id == b.id, cur.c.period_start == by_kind(starts))
+            )
+            .outerjoin(
+                prev,
+                and_(
+                    prev.c.budget_id == b.id,
+                    prev.c.period_start == by_kind(before),
+                    prev.c.closed_at.is_(None),
+                ),
+            )
+            .outerjoin(oldest, oldest.c.budget_id == b.id)
+        )
+        .order_by(b.name)
+    )
+
+
 class Reports(LedgerBase):
     """The reading methods of :class:`~budget_tasks.Ledger`."""
 
@@ -167,55 +221,8 @@ class Reports(LedgerBase):
         now = self.now()
         starts = {kind: period_start(kind, now) for kind in PERIODS}
         before = {kind: previous_period_start(kind, start) for kind, start in starts.items()}
-        b = budgets.c
-        cur, prev = budget_periods.alias("cur"), budget_periods.alias("prev")
-
-        def by_kind(values: Mapping[Period, datetime | None]) -> Any:
-            whens = {kind: literal(at, UTCDateTime()) for kind, at in values.items() if at}
-            return case(whens, value=b.period, else_=None)
-
-        oldest = (
-            select(attempts.c.budget_id, func.min(attempts.c.created_at).label("oldest"))
-            .where(attempts.c.state.in_(HOLDING_STATES))
-            .group_by(attempts.c.budget_id)
-            .subquery()
-        )
-        query = (
-            select(
-                b.name,
-                b.cap,
-                b.renewal,
-                b.rollover_ceiling,
-                b.frozen,
-                b.period,
-                cur.c.id.label("cur_id"),
-                cur.c.cap.label("cur_cap"),
-                cur.c.spent.label("cur_spent"),
-                cur.c.held.label("cur_held"),
-                cur.c.overrun.label("cur_overrun"),
-                prev.c.cap.label("prev_cap"),
-                prev.c.spent.label("prev_spent"),
-                prev.c.held.label("prev_held"),
-                oldest.c.oldest,
-            )
-            .select_from(
-                budgets.outerjoin(
-                    cur, and_(cur.c.budget_id == b.id, cur.c.period_start == by_kind(starts))
-                )
-                .outerjoin(
-                    prev,
-                    and_(
-                        prev.c.budget_id == b.id,
-                        prev.c.period_start == by_kind(before),
-                        prev.c.closed_at.is_(None),
-                    ),
-                )
-                .outerjoin(oldest, oldest.c.budget_id == b.id)
-            )
-            .order_by(b.name)
-        )
         with self._driver.transaction() as tx:
-            rows = tx.execute(query).all()
+            rows = tx.execute(_report_query(starts, before)).all()
         out = []
         for r in rows:
             overrun = 0

@@ -8,22 +8,20 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from .. import _validate as check
 from ..errors import UnknownAttempt
 from . import statements as sql
+from .base import Found, attempt_row
 from .driver import Cursor
 from .operations import AttemptRef, Operations, _decode
-from .periods import PeriodClosed
-from .records import CallFacts, Reservation
+from .records import CallEnd, CallFacts, Reservation
 
 __all__ = ["StepAdmission", "Steps"]
 
 log = logging.getLogger("budget_tasks.ledger")
-
-#: What :meth:`Steps.end_call` may write for a call.
-_CALL_ACTIONS = frozenset({"settle", "release", "unknown", "store"})
 
 
 def _step_of(cur: Cursor, operation_id: int, step: str) -> tuple[AttemptRef | None, int]:
@@ -76,38 +74,31 @@ class Steps(Operations):
         check.text(record, "side effect name")
         check.money(amount)
         chain = self._chain(budget)
-        for again in (False, True):
-            now = self.now()
-            holds = None if chain is None else self._holds(chain, now)
-            try:
-                with self._driver.transaction() as cur:
-                    stored = cur.one(
-                        sql.SIDE_EFFECT, {"operation_id": operation_id, "name": record}
-                    )
-                    if stored is not None and stored[0] == "done":
-                        return StepAdmission(stored=(stored[0], _decode(stored[1])))
-                    latest, count = _step_of(cur, operation_id, step)
-                    planned = plan(latest, count)
-                    if planned is None:
-                        return StepAdmission(latest=latest, count=count)
-                    row = {
-                        "key": planned[0],
-                        "budget_id": chain[0][0],
-                        "fingerprint": fingerprint,
-                        "reason": planned[1],
-                        "amount": amount,
-                        "price_version": price_version,
-                        "operation_id": operation_id,
-                        "label": label,
-                        "step": step,
-                    }
-                    reservation = self._reserve_in(cur, chain, holds, row, now, call or CallFacts())
-                    return StepAdmission(latest=latest, count=count, reservation=reservation)
-            except PeriodClosed:
-                if again:
-                    raise
-                self._forget_periods(budget_id for budget_id, _, _ in chain)
-        raise AssertionError("unreachable")
+
+        def admission(cur: Cursor, found: Found | None, now: datetime) -> StepAdmission:
+            assert found is not None  # a chain has its periods
+            stored = cur.one(sql.SIDE_EFFECT, {"operation_id": operation_id, "name": record})
+            if stored is not None and stored[0] == "done":
+                return StepAdmission(stored=(stored[0], _decode(stored[1])))
+            latest, count = _step_of(cur, operation_id, step)
+            planned = plan(latest, count)
+            if planned is None:
+                return StepAdmission(latest=latest, count=count)
+            row = attempt_row(
+                chain,
+                planned[0],
+                amount,
+                planned[1],
+                fingerprint=fingerprint,
+                price_version=price_version,
+                operation_id=operation_id,
+                label=label,
+                step=step,
+            )
+            reservation = self._reserve_in(cur, chain, found, row, now, call or CallFacts())
+            return StepAdmission(latest=latest, count=count, reservation=reservation)
+
+        return self._admitting(chain, admission)
 
     def side_effect(self, operation_id: int, name: str) -> tuple[str, Any] | None:
         """``(state, result)`` of a side effect, or None if it never started."""
@@ -145,22 +136,16 @@ class Steps(Operations):
 
     def end_call(
         self,
-        key: str,
+        call: CallEnd,
         *,
         operation_id: int,
         owner: str,
-        action: str,
-        actual: int = 0,
-        estimate_only: bool = False,
-        note: str | None = None,
-        ids: tuple[str | None, str | None] = (None, None),
         record: str | None = None,
         result: Any = None,
     ) -> bool:
-        """Write what one call of ``owner``'s run came to, the main call or a labelled
-        one, in one transaction: ``action`` ``settle`` (at ``actual``), ``release``,
-        ``unknown`` (the hold stays, ``note`` says why) or ``store`` (the hold is
-        resolved already); with ``record``, ``result`` is stored under it for replay.
+        """Write what one ``call`` of ``owner``'s run came to, the main call or a
+        labelled one, in one transaction; with ``record``, ``result`` is stored under
+        it for replay.
 
         A write kept through an outage may land after the run's lease moved on. A
         settlement lands all the same (it is what the provider billed: an attempt
@@ -168,46 +153,19 @@ class Steps(Operations):
         or an unknown lands only while ``owner`` still holds the lease: once another
         run has taken the operation, that run or reconciliation decides the hold, and
         False is returned. False too where nothing changed."""
-        check.text(key, "key")
         check.text(owner, "lease owner")
-        check.money(actual, "actual")
-        if action not in _CALL_ACTIONS:
-            raise ValueError(f"action must be one of {sorted(_CALL_ACTIONS)}, not {action!r}")
         encoded = None if record is None else json.dumps(result)
         stamp = self._driver.ts(self.now())
-        resolution = None
-        changed = False
         with self._driver.transaction() as cur:
-            # attempt, then operation: the order every other writer locks them in
-            if not cur.all(sql.LOCK_ATTEMPT, {"key": key}):
-                raise UnknownAttempt(key)
+            if not cur.all(sql.LOCK_ATTEMPT, {"key": call.key}):
+                raise UnknownAttempt(call.key)
             row = self._lock_operation(cur, op_id=operation_id)
-            if action in ("release", "unknown") and row.lease_owner != owner:
-                log.warning(
-                    "attempt %s: %s dropped: its run's lease moved on (now %s)",
-                    key,
-                    action,
-                    row.lease_owner or "none",
-                )
+            ended = self._end_call_in(cur, call, stamp, lease_mine=row.lease_owner == owner)
+            if ended is None:
                 return False
-            if action == "settle":
-                [resolution] = self._settle_in(
-                    cur, [(key, actual, estimate_only)], stamp, {key: ids}
-                )
-            elif action == "release":
-                resolution = self._release_in(cur, key, note or "not billed", stamp)
-            elif action == "unknown":
-                changed = self._mark_unknown_in(
-                    cur, key, note or "outcome unknown", actual or None, ids
-                )
             if record is not None:
                 cur.run(
                     sql.STORE_SIDE_EFFECT,
                     {"operation_id": operation_id, "name": record, "result": encoded, "now": stamp},
                 )
-            if resolution is not None:
-                resolution.apply(cur)
-                changed = resolution.applied
-        if resolution is not None and resolution.applied and actual > resolution.amount:
-            self._log_overrun(key, resolution.amount, actual)
-        return changed
+            return self._apply_call(cur, call, ended)
