@@ -1,7 +1,11 @@
 """The whole state machine under hypothesis: deliveries (duplicates and killed runs
 included), provider outcomes (ok, 429, 5xx, a timeout after billing, a reset after
-billing), beat's jobs and operators' resolutions, interleaved at random, against
-PostgreSQL, the official openai SDK and the fake provider.
+billing), ledger outages beginning at any write, runs whose lease expires while their
+call is out (another delivery or beat takes the operation, then the answer arrives),
+a task with a main estimate of 0 whose call goes through the guarded client and is
+retried by the run itself after a 429, beat's jobs and operators' resolutions,
+interleaved at random, against PostgreSQL, the official openai SDK and the fake
+provider.
 
 After every step the ledger is checked against the fake provider's own record:
 
@@ -38,14 +42,17 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from sqlalchemy import text
 
 from budget_tasks import Ledger, LedgerUnavailable, delivery
 from budget_tasks.beat import flag_stale_holds, reconcile_unknown
 from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager, RetryLater
+from budget_tasks.delivery.scope import running
 from budget_tasks.errors import BudgetTasksError
 from budget_tasks.ledger.leases import owner_id, this_process
 from budget_tasks.providers import estimates, openai_chat, openai_client
 from budget_tasks.testing import FakeProvider
+from budget_tasks.transport import guarded_openai_client
 
 from ..conftest import empty_ledger_tables
 
@@ -57,14 +64,19 @@ PROMPT = {
 }
 ESTIMATE = estimates.openai_chat(PROMPT).amount
 #: business keys, and whether their task resends an unknown outcome; "agent" makes two
-#: labelled calls (spend), and its faults and kills hit the second
+#: labelled calls (spend), and its faults and kills hit the second; "quick" has a main
+#: estimate of 0 and makes its one call through the guarded client, retrying it once
+#: itself after a 429 (the Quick start's shape)
 KEYS = {
     "hold-a": "hold",
     "hold-b": "hold",
     "resend-a": "resend",
     "resend-b": "resend",
     "agent": "hold",
+    "quick": "hold",
 }
+#: the main estimate of each key's task: the agent's and quick's calls reserve their own
+ESTIMATES = {key: 0 if key in ("agent", "quick") else ESTIMATE for key in KEYS}
 OUTCOMES = {
     "ok": None,
     "429": "status=429",
@@ -141,6 +153,15 @@ class _Down:
         return call
 
 
+def position(attempt_key: Any) -> str:
+    """The call position an attempt key is at: ``op#`` for the main call, the first
+    attempt's key for a labelled call."""
+    key = str(attempt_key)
+    if "#" in key:
+        return key[: key.index("#") + 1]
+    return key.split("~")[0]
+
+
 def gone_owner() -> str:
     """A lease owner naming a process of this PID namespace that has exited."""
     me = this_process()
@@ -176,6 +197,9 @@ class DeliveryMachine(RuleBasedStateMachine):
         self.client = openai_client(
             base_url=self.fake.openai_base_url, api_key="x", timeout=TIMEOUT
         )
+        self.guarded = guarded_openai_client(
+            base_url=self.fake.openai_base_url, api_key="x", timeout=TIMEOUT
+        )
         self.results: dict[str, Any] = {}
         #: attempts whose answer reached a run that lived on (none was killed after)
         self.answered: set[str] = set()
@@ -188,8 +212,20 @@ class DeliveryMachine(RuleBasedStateMachine):
 
     # -- the deliveries --------------------------------------------------------------
 
-    def _delivery(self, key: str, outcome: str, kill: str | None, ledger: Any) -> Any:
+    def _delivery(
+        self,
+        key: str,
+        outcome: str,
+        kill: str | None,
+        ledger: Any,
+        *,
+        lease_lost: str | None = None,
+    ) -> Any:
+        """One delivery of ``key``; ``kill`` names the point its process dies at.
+        ``lease_lost`` (``delivery`` or ``beat``): while its call is out, its lease
+        expires and another delivery, or beat, takes the operation; the run lives on."""
         fault = OUTCOMES[outcome]
+        served_before = len(self.fake.served())
 
         def send(attempt: Any) -> Any:
             if kill == "before_send":
@@ -203,10 +239,33 @@ class DeliveryMachine(RuleBasedStateMachine):
                     ledger.killed = True  # the request reached the provider; then death
             if kill == "after_send":
                 raise _Killed("after the send")
+            if lease_lost is not None:
+                self._take_over(key, lease_lost)
             self.answered.add(attempt.attempt_key)
             return sent.result["content"]
 
+        def quick(scope: Any) -> Any:
+            """Through the guarded client, as the Quick start: a 429 is retried once by
+            the run itself, at the same position."""
+            if kill == "before_send":
+                ledger.killed = True
+                raise _Killed("before the send")
+            if kill == "after_send":
+                self.fake.before_answer = lambda served: setattr(ledger, "killed", True)
+            headers = {"x-fake-fault": fault} if fault else {}
+            try:
+                try:
+                    answer = self.guarded.chat.completions.create(**PROMPT, extra_headers=headers)
+                except openai.RateLimitError:
+                    answer = self.guarded.chat.completions.create(**PROMPT)
+            finally:
+                self.fake.before_answer = None
+            return answer.choices[0].message.content
+
         def run(scope: Any) -> Any:
+            if key == "quick":
+                with running(scope):  # what BudgetTask.run is called in
+                    return quick(scope)
             if key != "agent":
                 return send(scope)
             notes = []
@@ -228,11 +287,39 @@ class DeliveryMachine(RuleBasedStateMachine):
             key=key,
             fingerprint=key,
             budget="team",
-            estimate=lambda: 0 if key == "agent" else ESTIMATE,  # the agent: steps reserve
+            estimate=lambda: ESTIMATES[key],
             run=run,
             owner=gone_owner() if kill else owner_id(),
         )
-        return manager.deliver(delivery)
+        result = manager.deliver(delivery)
+        if key == "quick" and kill is None:
+            # it returned: every answer the provider billed it reached this live run
+            for served in self.fake.served_as(self.ledger)[served_before:]:
+                if served.billed and served.method == "POST":
+                    self.answered.add(str(served.idempotency_key))
+        return result
+
+    def _take_over(self, key: str, by: str) -> None:
+        """The run's lease expires while its call is out (a stalled worker) and another
+        delivery of the key, or beat, finds the operation."""
+        with self.ledger.engine.begin() as conn:
+            conn.execute(
+                text(
+                    "UPDATE operations SET lease_expires_at = now() - interval '1 minute'"
+                    " WHERE key = :key"
+                ),
+                {"key": key},
+            )
+        if by == "beat":
+            self.beat()
+            return
+        try:
+            result = self._delivery(key, "ok", None, self.ledger)
+        except (RetryLater, BudgetTasksError, openai.APIError) as exc:
+            self.results.setdefault(f"errors:{key}", []).append(type(exc).__name__)
+            return
+        previous = self.results.setdefault(key, result)
+        assert result == previous, "a finished operation replays what it stored"
 
     @rule(key=st.sampled_from(sorted(KEYS)), outcome=st.sampled_from(sorted(OUTCOMES)))
     def deliver(self, key: str, outcome: str) -> None:
@@ -281,6 +368,23 @@ class DeliveryMachine(RuleBasedStateMachine):
         except (BudgetTasksError, openai.APIError):
             pass
 
+    @rule(
+        key=st.sampled_from(sorted(set(KEYS) - {"quick"})),
+        by=st.sampled_from(["delivery", "beat"]),
+    )
+    def lease_lost_while_the_call_is_out(self, key: str, by: str) -> None:
+        """A run stalls with its call out until its lease expires; another delivery, or
+        beat, takes the operation; then the answer arrives and the run goes on."""
+        self.beat_ran_last = False
+        try:
+            result = self._delivery(key, "ok", None, self.ledger, lease_lost=by)
+        except (RetryLater, BudgetTasksError, openai.APIError) as exc:
+            self.results.setdefault(f"errors:{key}", []).append(type(exc).__name__)
+            return
+        previous = self.results.setdefault(key, result)
+        assert result == previous, "a finished operation replays what it stored"
+        self.beat_ran_last = False
+
     @rule(outcome=st.sampled_from(["ok", "429"]), at=st.integers(0, 8))
     def agent_through_an_outage(self, outcome: str, at: int) -> None:
         """The same for the agent, whose labelled calls settle one by one."""
@@ -319,17 +423,14 @@ class DeliveryMachine(RuleBasedStateMachine):
         sends = Counter(s.idempotency_key for s in served)
         assert max(sends.values(), default=0) <= 1, "an attempt key was sent twice"
         attempts = self.ledger.attempts()
-        # each call position: a task's main call, and each labelled call of the agent
-        positions = [f"{key}#" for key in KEYS] + ["agent:one:1", "agent:two:1"]
-        for key in positions:
-            billed = [s for s in served if s.billed and s.idempotency_key.startswith(key)]
-            resends = [
-                a for a in attempts if a.key.startswith(key) and a.reason == "unknown_resend"
-            ]
-            assert len(billed) <= 1 + len(resends), (
-                key,
-                [s.idempotency_key for s in billed],
-                [(a.key, a.reason, a.state) for a in attempts if a.key.startswith(key)],
+        # each call position: a task's main call (``op#``), each labelled call
+        # (``op:label:n``, its later attempts ``~m``)
+        billed = Counter(position(s.idempotency_key) for s in served if s.billed)
+        resends = Counter(position(a.key) for a in attempts if a.reason == "unknown_resend")
+        for where, count in billed.items():
+            assert count <= 1 + resends[where], (
+                where,
+                [(a.key, a.reason, a.state) for a in attempts if position(a.key) == where],
             )
 
     @invariant()
