@@ -40,13 +40,14 @@ from .clients import (
 )
 from .guard import RETRY_HEADER
 from .positions import call_label
-from .scopes import ManyRuns
+from .scopes import LabelsLost, ManyRuns
 from .sync import GuardedTransport
 
 __all__ = [
     "RETRY_HEADER",
     "AsyncGuardedTransport",
     "GuardedTransport",
+    "LabelsLost",
     "ManyRuns",
     "ParallelCallsUnlabelled",
     "call_label",

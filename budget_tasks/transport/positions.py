@@ -10,19 +10,31 @@ refused; within one thread's event loop, a call at a path where another asyncio 
 has a call out is refused (sequential tasks, ``asyncio.wait_for`` included, are fine).
 Both are refused before anything is reserved or sent (:class:`ParallelCallsUnlabelled`),
 with how to label the branches.
+
+Labels live in the run's context. A thread started without it (a plain
+``ThreadPoolExecutor``) still finds the run, but not the labels open around it: while a
+``call_label`` block is open in the run, a call from such a thread is refused
+(:class:`~budget_tasks.transport.LabelsLost`), since its position would silently drop
+the outer labels and two phases of work reusing one pool would meet at one path. Submit
+the work with the run's context (``pool.submit(contextvars.copy_context().run, fn)``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+from ..delivery import AttemptScope, current_scope
 from ..errors import ParallelCallsUnlabelled
 
 _labels: ContextVar[tuple[str, ...]] = ContextVar("budget_tasks_call_labels", default=())
+#: how many call_label blocks are open in each run's context
+_open: weakref.WeakKeyDictionary[AttemptScope, int] = weakref.WeakKeyDictionary()
+_open_lock = threading.Lock()
 
 
 @contextmanager
@@ -33,11 +45,25 @@ def call_label(name: str) -> Iterator[None]:
     position whatever order the branches run in."""
     if not isinstance(name, str) or not name or "/" in name:
         raise ValueError("a call label is a non-empty string without '/'")
+    scope = current_scope()
     token = _labels.set((*_labels.get(), name))
+    if scope is not None:
+        with _open_lock:
+            _open[scope] = _open.get(scope, 0) + 1
     try:
         yield
     finally:
         _labels.reset(token)
+        if scope is not None:
+            with _open_lock:
+                _open[scope] -= 1
+
+
+def labels_open(scope: AttemptScope) -> bool:
+    """Whether code in ``scope``'s run context is inside a :func:`call_label` block: a
+    thread started without that context would not see its labels."""
+    with _open_lock:
+        return _open.get(scope, 0) > 0
 
 
 def label_path() -> str:

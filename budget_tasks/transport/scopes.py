@@ -13,9 +13,9 @@ from contextlib import AbstractContextManager
 import httpx2
 
 from ..delivery import AttemptScope, Call, current_scope, running_scopes
-from ..errors import UnguardedCall
+from ..errors import ParallelCallsUnlabelled, UnguardedCall
 from . import guard
-from .positions import Positions, label_path
+from .positions import Positions, label_path, labels_open
 
 _positions: weakref.WeakKeyDictionary[AttemptScope, Positions] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -33,6 +33,20 @@ class ManyRuns(UnguardedCall):
     )
 
 
+class LabelsLost(ParallelCallsUnlabelled):
+    """A billable request from a thread started without the run's context while the run
+    is inside a ``call_label`` block: the thread does not see those labels, so its
+    call's position would drop them. Refused before sending."""
+
+    template = (
+        "a call at {path!r} comes from a thread started without the run's context while "
+        "the run is inside call_label blocks: their labels do not reach that thread, so "
+        "its position would drop them (and two phases sharing a pool would meet at one "
+        "position). Nothing was sent. Start the work with the run's context: "
+        "pool.submit(contextvars.copy_context().run, fn, *args)"
+    )
+
+
 def scope_for(request: httpx2.Request) -> AttemptScope | None:
     """The run this request is made in, or None when no run is in progress."""
     scope = current_scope()
@@ -41,6 +55,8 @@ def scope_for(request: httpx2.Request) -> AttemptScope | None:
     runs = running_scopes()
     if len(runs) > 1:
         raise guard.marked(ManyRuns(request.method, request.url.path))
+    if runs and labels_open(runs[0]):
+        raise guard.marked(LabelsLost(label_path() or "(no label)"))
     return runs[0] if runs else None
 
 

@@ -805,6 +805,68 @@ def test_threads_fanning_out_inside_run_need_a_label_per_branch(
     assert len(posts(fake)) == sent_unlabelled + 4
 
 
+def test_labels_open_around_a_pool_reach_its_threads_only_with_the_runs_context(
+    app: Celery, fake: FakeProvider, backend_url: str
+) -> None:
+    """Nested labels across a ThreadPoolExecutor. Threads started without the run's
+    context find the run but not the labels open around the pool: their calls are
+    refused before anything is reserved (before, the outer label was dropped, and two
+    phases reusing the pool with the same inner labels met at one path, raced by
+    whichever thread ran them). With the context copied into each submission, every
+    call sits at <phase>/<topic>, both phases reuse one pool, and a redelivery replays
+    every answer at its own position."""
+    import contextvars
+    import random
+    import time
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    from budget_tasks.transport import LabelsLost, call_label
+
+    oai = guarded_openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
+    topics = ["tides", "moon", "wind"]
+
+    def ask(phase: str, topic: str) -> str:
+        time.sleep(random.uniform(0, 0.03))  # the threads race
+        request = {
+            "model": "gpt-4o-mini",
+            "max_completion_tokens": 16,
+            "messages": [{"role": "user", "content": f"{phase} {topic}"}],
+        }
+        with call_label(topic):
+            return str(oai.chat.completions.create(**request).choices[0].message.content)
+
+    def phases(self: BudgetTask, copy_context: bool) -> list[str]:
+        out: list[str] = []
+        with ThreadPoolExecutor(3) as pool:  # one pool for both phases
+            for phase in ("draft", "review"):
+                with call_label(phase):
+                    if copy_context:
+                        futures = [
+                            pool.submit(contextvars.copy_context().run, ask, phase, t)
+                            for t in topics
+                        ]
+                    else:
+                        futures = [pool.submit(ask, phase, t) for t in topics]
+                    wait(futures)  # every branch ends inside its phase's label
+                    out += [f.result() for f in futures]
+        return out
+
+    with pytest.raises(LabelsLost, match="copy_context"):
+        task(app, phases, "pool:plain").delay(False).get()
+    ledger = Ledger(backend_url)
+    assert posts(fake) == []
+    assert [a.key for a in ledger.attempts() if a.key.startswith("pool:plain:")] == []
+    job = task(app, phases, "pool:context")
+    first = job.delay(True).get()
+    keys = sorted(a.key for a in ledger.attempts() if a.key.startswith("pool:context:"))
+    assert keys == sorted(
+        f"pool:context:{phase}/{t}/openai.chat:1" for phase in ("draft", "review") for t in topics
+    )
+    assert len(posts(fake)) == 6
+    assert job.delay(True).get() == first  # replayed, each at its own position
+    assert len(posts(fake)) == 6
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_plain_sdk_client_inside_run_is_refused_before_it_connects(
     app: Celery, fake: FakeProvider, backend_url: str, kind: str
