@@ -488,3 +488,44 @@ def test_settlements_by_reconciliation_feed_the_overrun_and_ratio_metrics(
     assert pg_ledger.attempt("low").actual == fake.billed_for("low", pg_ledger) > 1
     assert sample("budget_tasks_overruns_total") == overruns + 1
     assert sample("budget_tasks_actual_to_estimate_ratio_count") == ratios + 1
+
+
+def test_a_run_that_outlives_its_lease_while_beat_finds_its_call_returns_what_was_stored(
+    pg_ledger: Ledger, fake: FakeProvider, clock: ManualClock
+) -> None:
+    """A worker stalls with its main call out past its lease; beat adopts the call,
+    finds it at the provider, settles it at the bill and, as no live run holds the
+    operation, the operation adopts the provider's answer as its result. Then the
+    stalled run wakes with the answer and returns its own result. Its settlement lands
+    once (no second charge), its result does not replace the stored one, and it
+    returns the stored answer: every delivery of the key returns the same value (the
+    adopted answer, not the run's own shape; see docs/failures.md)."""
+    from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager
+
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
+    pg_ledger.create_budget("team", 1_000_000)
+    manager = OperationManager(pg_ledger, DeliveryOptions(task="t", lease_seconds=60))
+
+    def stalled(scope: Any) -> Any:
+        sent = openai_chat(client, attempt=scope, **PROMPT)
+        clock.advance(timedelta(minutes=10))  # the lease expired while the call was out
+        counts = reconcile_unknown(pg_ledger, lambda kind: client, margin=timedelta(0))
+        assert counts["found"] == 1
+        assert pg_ledger.operation("stall").status == "succeeded"  # adopted meanwhile
+        return sent.result["content"].upper()  # the run's own result
+
+    def run_again(scope: Any) -> Any:
+        raise AssertionError("a finished operation is replayed, not run")
+
+    deliver = {"key": "stall", "fingerprint": "f", "budget": "team"}
+    estimate = estimates.openai_chat(PROMPT).amount
+    returned = manager.deliver(Delivery(**deliver, estimate=lambda: estimate, run=stalled))
+    stored = pg_ledger.operation("stall").result
+    assert isinstance(stored, dict) and returned == stored  # the stored answer, not .upper()
+    assert stored["content"] == stored["content"].lower()
+    assert manager.deliver(Delivery(**deliver, estimate=lambda: estimate, run=run_again)) == stored
+    attempt = pg_ledger.attempt("stall#1")
+    assert (attempt.state, attempt.actual) == ("settled", fake.billed_for("stall#1", pg_ledger))
+    assert len([s for s in fake.served() if s.method == "POST"]) == 1
+    assert pg_ledger.balance("team").spent == attempt.actual  # charged once
+    assert pg_ledger.audit() == []
