@@ -74,7 +74,12 @@ def _app_setting(ctx: click.Context, name: str) -> Any:
 
 
 def _ledger_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """--ledger-url, else env, else the app's ``budget_ledger_url`` (None: none of them)."""
+    """--ledger-url (after the command, else before it), else env, else the app's
+    ``budget_ledger_url`` (None: none of them)."""
+    if value is None:
+        value = ctx.find_root().meta.get(_GROUP_LEDGER_URL)
+    if value is None:
+        value = os.environ.get(LEDGER_URL_ENV) or None
     if value is None:
         value = _app_setting(ctx, LEDGER_URL_SETTING) or None
     return None if value is None else str(value)
@@ -92,19 +97,64 @@ def _required_ledger_url(ctx: click.Context, param: click.Parameter, value: str 
     return url
 
 
+#: where the group's own --ledger-url (given before the command) is kept
+_GROUP_LEDGER_URL = "budget_tasks.ledger_url"
+_LEDGER_URL_HELP = (
+    f"Ledger database URL (else env {LEDGER_URL_ENV}, else -A's {LEDGER_URL_SETTING})."
+)
+
 ledger_url_option = click.option(
-    "--ledger-url",
-    envvar=LEDGER_URL_ENV,
-    callback=_required_ledger_url,
-    help=f"Ledger database URL (else env {LEDGER_URL_ENV}, else -A's {LEDGER_URL_SETTING}).",
+    "--ledger-url", callback=_required_ledger_url, help=_LEDGER_URL_HELP
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 
 
 def _ledger(url: str) -> Any:
+    """The ledger at ``url``; a SQLite file that is not there is an error, not created
+    (only ``db upgrade`` makes one)."""
+    from sqlalchemy.engine import make_url
+
     from .ledger import Ledger
 
+    try:
+        parsed = make_url(url)
+    except Exception:  # ArgumentError, a port that is not a number: the ledger says so
+        parsed = None
+    if parsed is not None and parsed.get_backend_name() == "sqlite":
+        path = parsed.database or ""
+        named = path not in ("", ":memory:") and not path.startswith("file:")
+        if named and not os.path.exists(path):
+            raise CommandError(
+                f"no ledger database at {path}: create it with "
+                f"`budget-tasks db upgrade --ledger-url {url}`"
+            )
     return Ledger(url)
+
+
+def _frozen_by(budgets: Sequence[Any]) -> dict[str, str | None]:
+    """For each budget, the budget whose freeze stops its admissions: itself, else its
+    nearest frozen ancestor (a frozen parent admits nothing below it); None if none."""
+    by_name = {b.name: b for b in budgets}
+    out: dict[str, str | None] = {}
+    for b in budgets:
+        current, seen = b, set()
+        while current is not None and current.name not in seen and not current.frozen:
+            seen.add(current.name)
+            current = by_name.get(current.parent) if current.parent else None
+        out[b.name] = current.name if current is not None and current.frozen else None
+    return out
+
+
+def _frozen_text(name: str, frozen_by: str | None) -> str:
+    if frozen_by is None:
+        return "no"
+    return "yes" if frozen_by == name else f"by {frozen_by}"
+
+
+def _frozen_suffix(name: str, frozen_by: str | None) -> str:
+    if frozen_by is None:
+        return ""
+    return " (frozen)" if frozen_by == name else f" (frozen by {frozen_by})"
 
 
 def _plain(value: Any) -> Any:
@@ -175,9 +225,11 @@ def _emit(as_json: bool, data: Any, render: Callable[[], str]) -> None:
     help=f"Your Celery app (as celery -A: module or module:attr): its {LEDGER_URL_SETTING} "
     f"and {STALE_AFTER_SETTING} are the defaults.",
 )
+@click.option("--ledger-url", "group_ledger_url", default=None, help=_LEDGER_URL_HELP)
 @click.pass_context
-def main(ctx: click.Context, app_spec: str | None) -> None:
+def main(ctx: click.Context, app_spec: str | None, group_ledger_url: str | None) -> None:
     """Spend-safe Celery tasks for LLM work: operate the budget ledger."""
+    ctx.meta[_GROUP_LEDGER_URL] = group_ledger_url
     ctx.obj = _load_app(app_spec) if app_spec is not None else None
 
 
@@ -216,18 +268,39 @@ def db_upgrade(ledger_url: str, revision: str) -> None:
 
 @main.group()
 def budget() -> None:
-    """Create, list, show, freeze and unfreeze budgets."""
+    """Create, list, show, freeze and unfreeze budgets, and set their caps."""
 
 
 @budget.command("create")
 @ledger_url_option
 @click.argument("name")
 @click.option("--cap", type=int, required=True, help="Minor units (micro-USD) per period.")
-@click.option("--period", type=click.Choice(["none", "day", "week", "month"]), default="none")
-@click.option("--parent", default=None)
-@click.option("--tenant", default=None)
-@click.option("--renewal", type=click.Choice(["reset", "rollover"]), default="reset")
-@click.option("--rollover-ceiling", type=int, default=None)
+@click.option(
+    "--period",
+    type=click.Choice(["none", "day", "week", "month"]),
+    default="none",
+    show_default=True,
+    help="How often the cap renews (UTC calendar periods); none: one cap for all time.",
+)
+@click.option(
+    "--parent",
+    default=None,
+    help="A budget this one spends from: every admission here also counts there.",
+)
+@click.option("--tenant", default=None, help="Whose budget it is (a label for reports).")
+@click.option(
+    "--renewal",
+    type=click.Choice(["reset", "rollover"]),
+    default="reset",
+    show_default=True,
+    help="A new period starts at the cap (reset), or carries what was left (rollover).",
+)
+@click.option(
+    "--rollover-ceiling",
+    type=int,
+    default=None,
+    help="The most a rolled-over period may open with (minor units); default: no ceiling.",
+)
 @json_option
 def budget_create(
     ledger_url: str,
@@ -258,11 +331,13 @@ def budget_create(
 @ledger_url_option
 @json_option
 def budget_list(ledger_url: str, as_json: bool) -> None:
-    """All budgets and their configuration."""
+    """All budgets and their configuration (frozen: yes, or by the ancestor whose
+    freeze stops it)."""
     budgets = _ledger(ledger_url).budgets()
+    frozen_by = _frozen_by(budgets)
     _emit(
         as_json,
-        budgets,
+        [{**_plain(b), "frozen_by": frozen_by[b.name]} for b in budgets],
         lambda: _table(
             ["budget", "cap", "period", "renewal", "parent", "tenant", "frozen"],
             [
@@ -273,7 +348,7 @@ def budget_list(ledger_url: str, as_json: bool) -> None:
                     b.renewal,
                     b.parent,
                     b.tenant,
-                    "yes" if b.frozen else "no",
+                    _frozen_text(b.name, frozen_by[b.name]),
                 ]
                 for b in budgets
             ],
@@ -289,7 +364,8 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
     """One budget: configuration, current balance and open holds."""
     ledger = _ledger(ledger_url)
     info, bal, holds = ledger.budget(name), ledger.balance(name), ledger.holds(budget=name)
-    data = {"budget": info, "balance": bal, "holds": holds}
+    frozen_by = _frozen_by(ledger.budgets())[name]
+    data = {"budget": {**_plain(info), "frozen_by": frozen_by}, "balance": bal, "holds": holds}
     _emit(
         as_json,
         data,
@@ -303,6 +379,7 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
                 )
                 + (f", parent {info.parent}" if info.parent else "")
                 + (", FROZEN" if info.frozen else "")
+                + (f", FROZEN by {frozen_by}" if frozen_by not in (None, name) else "")
                 + ")",
                 (
                     "all time"
@@ -410,11 +487,13 @@ def _stale_age(ctx: click.Context, param: click.Parameter, value: float | None) 
     help=f"Seconds after which such a hold counts as stale (else env {STALE_AFTER_ENV}, "
     f"else -A's {STALE_AFTER_SETTING}, else {DEFAULT_STALE_AFTER_S:.0f}).",
 )
-@click.option("--budget", "budget_name", default=None)
+@click.option("--budget", "budget_name", default=None, help="Only this budget's holds.")
 @json_option
 def holds(ledger_url: str, stale: bool, age: float, budget_name: str | None, as_json: bool) -> None:
     """Money still held, oldest first, with its age."""
     ledger = _ledger(ledger_url)
+    if budget_name is not None:
+        ledger.budget(budget_name)  # an unknown budget is an error, not an empty table
     if not stale:
         found = ledger.holds(budget=budget_name)
     else:
@@ -601,6 +680,8 @@ def price(
 @json_option
 def status(ledger_url: str, as_json: bool) -> None:
     """Every budget's current period: cap, spent, held, available, oldest hold."""
+    ledger = _ledger(ledger_url)
+    frozen_by = _frozen_by(ledger.budgets())
     rows = [
         {
             "budget": r.budget,
@@ -610,9 +691,10 @@ def status(ledger_url: str, as_json: bool) -> None:
             "available": r.available,
             "oldest_hold": r.oldest_hold,
             "frozen": r.frozen,
+            "frozen_by": frozen_by.get(r.budget),
             "overrun": r.overrun,
         }
-        for r in _ledger(ledger_url).report()
+        for r in ledger.report()
     ]
     _emit(
         as_json,
@@ -621,7 +703,7 @@ def status(ledger_url: str, as_json: bool) -> None:
             ["budget", "cap", "spent", "held", "available", "oldest hold"],
             [
                 [
-                    r["budget"] + (" (frozen)" if r["frozen"] else ""),
+                    r["budget"] + _frozen_suffix(r["budget"], r["frozen_by"]),
                     r["cap"],
                     r["spent"],
                     r["held"],
@@ -693,10 +775,22 @@ def _echo_logs(logger: str, prefix: str) -> None:
 def run() -> None:
     """Entry point that turns bad input into one clear line and exit code 2."""
     try:
-        main(standalone_mode=True)
+        code = main(standalone_mode=False)
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "budget-tasks"
+        message = (exc.format_message().strip().splitlines() or ["bad usage"])[0]
+        click.echo(f"error: {message} (see {where} --help)", err=True)
+        sys.exit(2)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(1)
     except (BudgetTasksError, ValueError, TypeError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -242,6 +242,7 @@ def test_a_malformed_ledger_url_is_one_line_and_exit_2(
 def schemaless_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A database that exists and has no ledger tables."""
     if request.param == "sqlite":
+        (tmp_path / "empty.db").touch()  # an empty file is an empty SQLite database
         yield f"sqlite:///{tmp_path}/empty.db"
         return
     request.getfixturevalue("pg_url")  # PostgreSQL is there (or the test skips)
@@ -377,3 +378,98 @@ def test_providers_lists_what_bills_and_price_shows_a_models_rates() -> None:
     unknown = runner.invoke(main, ["price", "no-such-model", "--vendor", "openai"])
     assert unknown.exit_code == 2 and "no price" in unknown.output
     assert runner.invoke(main, ["providers", "--vendor", "nosuch"]).exit_code == 2
+
+
+def test_holds_of_an_unknown_budget_is_an_error_not_an_empty_table(
+    pg_url: str, pg_ledger: Ledger
+) -> None:
+    ok(pg_url, "budget", "create", "acme", "--cap", "100")
+    done = cli(pg_url, "holds", "--budget", "nosuch")
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: unknown budget 'nosuch'"
+    assert done.stdout == ""
+    assert "attempt" in ok(pg_url, "holds", "--budget", "acme")  # a known one: its table
+
+
+def test_the_ledger_url_may_come_before_the_command_and_wins_over_the_environment(
+    pg_url: str, pg_ledger: Ledger, tmp_path: Path
+) -> None:
+    ok(pg_url, "budget", "create", "acme", "--cap", "100")
+    elsewhere = f"sqlite:///{tmp_path}/other.db"
+    ok(elsewhere, "db", "upgrade")  # the environment names another, empty, ledger
+    before = ok(elsewhere, "--ledger-url", pg_url, "budget", "list")
+    after = ok(elsewhere, "budget", "list", "--ledger-url", pg_url)
+    assert "acme" in before and before == after
+    assert "acme" not in ok(elsewhere, "budget", "list")
+
+
+def test_usage_errors_are_one_line_and_exit_2(pg_url: str) -> None:
+    for args, says in [
+        (("budget", "create", "acme"), "Missing option '--cap'"),
+        (("budget", "create"), "Missing argument 'NAME'"),
+        (("holds", "--nosuch"), "No such option '--nosuch'"),
+        (("nosuch",), "No such command 'nosuch'"),
+    ]:
+        done = cli(pg_url, *args)
+        assert done.returncode == 2, args
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], (
+            args,
+            done.stderr,
+        )
+        assert lines[0].endswith("--help)")
+    assert cli(pg_url, "--help").returncode == 0
+
+
+def test_reading_a_sqlite_ledger_that_is_not_there_does_not_create_it(tmp_path: Path) -> None:
+    fresh = tmp_path / "fresh.db"
+    for args in (("status",), ("holds",), ("budget", "list"), ("audit",)):
+        done = cli(f"sqlite:///{fresh}", *args)
+        assert done.returncode == 2, args
+        assert "no ledger database at" in done.stderr and "db upgrade" in done.stderr
+        assert not fresh.exists(), args
+    ok(f"sqlite:///{fresh}", "db", "upgrade")  # the one command that makes it
+    assert fresh.exists()
+    assert ok(f"sqlite:///{fresh}", "status").startswith("budget")
+
+
+def test_a_frozen_parent_shows_on_its_children(pg_url: str, pg_ledger: Ledger) -> None:
+    ok(pg_url, "budget", "create", "org", "--cap", "1000")
+    ok(pg_url, "budget", "create", "team", "--cap", "500", "--parent", "org")
+    ok(pg_url, "budget", "create", "squad", "--cap", "100", "--parent", "team")
+    ok(pg_url, "budget", "freeze", "org")
+    listed = {b["name"]: b for b in as_json(pg_url, "budget", "list")}
+    assert {name: b["frozen_by"] for name, b in listed.items()} == {
+        "org": "org",
+        "team": "org",
+        "squad": "org",
+    }
+    assert listed["squad"]["frozen"] is False  # its own flag is unchanged
+    table = ok(pg_url, "budget", "list")
+    assert [line.split()[-1] for line in table.splitlines()[2:]] == ["yes", "org", "org"]
+    assert "FROZEN by org" in ok(pg_url, "budget", "show", "squad")
+    assert "squad (frozen by org)" in ok(pg_url, "status")
+    ok(pg_url, "budget", "unfreeze", "org")
+    ok(pg_url, "budget", "freeze", "team")
+    listed = {b["name"]: b["frozen_by"] for b in as_json(pg_url, "budget", "list")}
+    assert listed == {"org": None, "team": "team", "squad": "team"}
+
+
+def test_every_option_of_budget_create_says_what_it_does_and_budget_help_names_set_cap() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "budget_tasks.cli", "budget", "create", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for option in ("--period", "--parent", "--tenant", "--renewal", "--rollover-ceiling"):
+        line = next(line for line in done.stdout.splitlines() if line.strip().startswith(option))
+        described = done.stdout.split(option, 1)[1].split("\n  --", 1)[0]
+        assert len(described.split()) > 3, (option, line)
+    group = subprocess.run(
+        [sys.executable, "-m", "budget_tasks.cli", "budget", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "set their caps" in group.stdout and "set-cap" in group.stdout
