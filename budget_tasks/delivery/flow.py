@@ -92,6 +92,10 @@ class _RunEnd:
     later: str | None = None
 
 
+#: tasks already warned that their main estimate paid for nothing (once per process)
+_WARNED_UNUSED: set[str] = set()
+
+
 class RetryLater(Exception):
     """Not an error: the delivery asks its driver to bring the message back later
     (``why``: ledger, in_progress, rate_limited, budget). ``cause`` is what to raise
@@ -416,6 +420,7 @@ class OperationManager:
     def _finish(self, d: Delivery, scope: AttemptScope, result: Any, encoded: str) -> Any:
         catch_up(self.ledger)  # what this run's labelled calls still owe goes first
         fate = fate_after_return(scope)
+        self._warn_if_estimate_unused(scope, fate)
         # The provider was called: the outcome must land, so a short outage is waited
         # out. If it lasts, this process keeps it and writes it at its next delivery (the
         # lease is its own meanwhile); should this process die first, the attempt stays
@@ -440,6 +445,24 @@ class OperationManager:
                 "operation %s: this run's charge landed, its result not (now %s)", d.key, end.status
             )
         return result
+
+    def _warn_if_estimate_unused(self, scope: AttemptScope, fate: HoldFate) -> None:
+        """Once per task: a main estimate charged in full with no call under the main
+        attempt, while the run's calls were metered on their own (guarded client,
+        spend()): each of those paid its own hold, so the estimate paid for nothing."""
+        task = self.options.task
+        if not (fate.estimate_only and scope.amount > 0 and scope.made_calls):
+            return
+        if scope.used or task in _WARNED_UNUSED:
+            return
+        _WARNED_UNUSED.add(task)
+        log.warning(
+            "task %s: its main estimate (%d) was charged in full with no call under the "
+            "main attempt, while its calls were metered on their own (the guarded client, "
+            "spend()); give it estimate_cost=0 if every call it makes is metered so",
+            task,
+            scope.amount,
+        )
 
     def _after_error(
         self, d: Delivery, scope: AttemptScope, exc: BaseException, fate: HoldFate | None = None

@@ -251,10 +251,13 @@ class AttemptScope(Recorded):
         self.billed_unstored = False
         #: a labelled call of this run whose outcome is unknown (its hold kept)
         self.left_open = False
+        #: the run made a labelled call (spend(), the guarded transport)
+        self.made_calls = False
 
     def position(self, label: str, request: str | None) -> int:
         """The position of this run's next call labelled ``label``: the next one, or
         the same again for the request the provider refused there just before."""
+        self.made_calls = True
         seq = self._labels.get(label, 0)
         refused = self._refused.pop(label, None)
         if not (seq and refused is not None and refused == request):

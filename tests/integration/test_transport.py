@@ -624,3 +624,45 @@ def test_a_stream_cut_mid_way_keeps_its_hold_as_unknown(
     with pytest.raises(OutcomeUnknown):
         cut.delay().get()
     assert len(posts(fake)) == 1
+
+
+def test_a_main_estimate_that_paid_for_nothing_is_warned_of_once_per_task(
+    app: Any, fake: FakeProvider, backend_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A task with a main estimate whose calls all go through the guarded client: the
+    estimate is charged in full (nothing is known about a call under it), and the
+    worker says so, once per task, not once per delivery."""
+    client = app.openai
+
+    def make(name: str) -> Any:
+        @app.task(
+            base=BudgetTask,
+            bind=True,
+            name=f"{name}-{uuid.uuid4().hex[:6]}",
+            budget="team",
+            idempotency_key=lambda topic: f"{name}:{topic}",
+            estimate_cost=lambda topic: 5_000,
+        )
+        def job(self: BudgetTask, topic: str) -> str:
+            answer = client.chat.completions.create(
+                model="gpt-4o-mini",
+                max_completion_tokens=8,
+                messages=[{"role": "user", "content": topic}],
+            )
+            return str(answer.choices[0].message.content)
+
+        return job
+
+    doubled, other = make("doubled"), make("other")
+    with caplog.at_level("WARNING", logger="budget_tasks.delivery"):
+        for topic in ("a", "b", "c"):
+            doubled.delay(topic).get()
+        other.delay("a").get()
+    warned = [r.getMessage() for r in caplog.records if "charged in full" in r.getMessage()]
+    assert len(warned) == 2, warned  # one per task, not per delivery
+    assert all("estimate_cost=0" in w and "(5000)" in w for w in warned)
+    ledger = Ledger(backend_url)
+    mains = [a for a in ledger.attempts() if a.key.endswith("#1")]
+    assert sorted((a.key, a.state, a.actual) for a in mains) == [
+        (f"{k}#1", "settled", 5_000) for k in ("doubled:a", "doubled:b", "doubled:c", "other:a")
+    ]
