@@ -381,6 +381,20 @@ class ParallelCallsUnlabelled(BudgetTasksError):
     path: str
 
 
+class MissingApiKey(BudgetTasksError):
+    """A guarded SDK client was built without an API key (none given, none in the
+    environment), which lets a task module import where no key is needed (the CLI, a
+    test suite with the fake provider). A billable request from it is refused before it
+    is reserved or sent."""
+
+    template = (
+        "no {vendor} API key: the guarded client was built without one and {env} is not "
+        "set; nothing was sent (set {env}, or give api_key=)"
+    )
+    vendor: str
+    env: str
+
+
 class UnmeteredConnection(BudgetTasksError):
     """A connection to a provider endpoint opened inside a BudgetTask's ``run`` by a
     client that is not guarded: refused before any byte was sent."""

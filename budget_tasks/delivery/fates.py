@@ -13,6 +13,7 @@ from ..errors import (
     BudgetFrozen,
     CallConflict,
     IdempotencyConflict,
+    MissingApiKey,
     NotBilled,
     OutcomeUnknown,
     ParallelCallsUnlabelled,
@@ -61,6 +62,7 @@ BEFORE_SEND_ERRORS: tuple[type[BaseException], ...] = (
     UnguardedCall,
     UnmeteredConnection,
     ParallelCallsUnlabelled,
+    MissingApiKey,
 )
 
 

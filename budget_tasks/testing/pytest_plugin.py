@@ -91,13 +91,22 @@ def budget_ledger(request: pytest.FixtureRequest, budget_ledger_url: str) -> Ite
 
 @pytest.fixture
 def fake_llm(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeProvider]:
-    """The fake provider, and the environment the official SDKs read pointed at it."""
+    """The fake provider, and the environment the official SDKs read pointed at it;
+    guarded clients a task module built at import (before this fixture) are pointed at
+    it too, where they were not given a base URL or a key of their own."""
+    from ..transport.clients import repoint
+
     with FakeProvider() as fake:
+        keys = {"openai": "sk-fake", "anthropic": "sk-ant-fake"}
         monkeypatch.setenv("OPENAI_BASE_URL", fake.openai_base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-fake")
+        monkeypatch.setenv("OPENAI_API_KEY", keys["openai"])
         monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
-        monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-fake")
-        yield fake
+        monkeypatch.setenv("ANTHROPIC_API_KEY", keys["anthropic"])
+        restore = repoint({"openai": fake.openai_base_url, "anthropic": fake.url}, keys)
+        try:
+            yield fake
+        finally:
+            restore()
 
 
 @pytest.fixture

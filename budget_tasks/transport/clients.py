@@ -4,6 +4,11 @@ SDKs' clients built on it with their retries locked off."""
 from __future__ import annotations
 
 import importlib
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx2
@@ -14,6 +19,47 @@ from ..providers.clients import _refuse_retries
 from ..providers.registry import registry
 from .async_ import AsyncGuardedTransport
 from .sync import GuardedTransport
+
+#: The API key a guarded SDK client is built with when none was given or set: a task
+#: module imports without secrets; a billable request carrying it is refused
+#: (:class:`~budget_tasks.errors.MissingApiKey`).
+MISSING_API_KEY = "budget-tasks-no-api-key"
+#: The environment variable each vendor's SDK reads its key from.
+KEY_ENV = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
+
+
+@dataclass(frozen=True)
+class _Built:
+    vendor: str
+    base_url_given: bool
+    key_given: bool
+
+
+#: the guarded SDK clients this process built, for the test fixtures to re-point
+_built: weakref.WeakKeyDictionary[Any, _Built] = weakref.WeakKeyDictionary()
+_built_lock = threading.Lock()
+
+
+def repoint(base_urls: dict[str, str], keys: dict[str, str]) -> Callable[[], None]:
+    """Point every guarded SDK client built so far (a task module's, built at import)
+    at ``base_urls[vendor]`` with ``keys[vendor]``, where it was not given a base URL
+    or a key of its own; returns what puts them back (``fake_llm`` uses it)."""
+    with _built_lock:
+        clients = list(_built.items())
+    undo: list[tuple[Any, Any, Any]] = []
+    for client, built in clients:
+        undo.append((client, client.base_url, client.api_key))
+        if not built.base_url_given and built.vendor in base_urls:
+            client.base_url = base_urls[built.vendor]
+        if not built.key_given and built.vendor in keys:
+            client.api_key = keys[built.vendor]
+
+    def restore() -> None:
+        for client, base_url, api_key in reversed(undo):
+            client.base_url, client.api_key = base_url, api_key
+
+    return restore
+
 
 #: The refused endpoints ``allow_batches=True`` lets through (reserve for them yourself).
 BATCH_ENDPOINTS = ("openai.batches",)
@@ -104,7 +150,18 @@ def _sdk_client(
         vendor=vendor,
         timeout=kwargs.get("timeout", 600.0),
     )
-    return guarded_class(vendor, name)(**{**kwargs, "max_retries": 0, "http_client": http})
+    key_given = kwargs.get("api_key") is not None or bool(os.environ.get(KEY_ENV[vendor]))
+    token = vendor == "anthropic" and (
+        kwargs.get("auth_token") is not None or bool(os.environ.get("ANTHROPIC_AUTH_TOKEN"))
+    )
+    if not (key_given or token):
+        # OpenAI's SDK refuses to build without a key; Anthropic's fails at the request:
+        # a placeholder lets the module import, and the transport refuses to send it
+        kwargs = {**kwargs, "api_key": MISSING_API_KEY}
+    client = guarded_class(vendor, name)(**{**kwargs, "max_retries": 0, "http_client": http})
+    with _built_lock:
+        _built[client] = _Built(vendor, kwargs.get("base_url") is not None, key_given or token)
+    return client
 
 
 def guarded_openai_client(

@@ -85,6 +85,7 @@ def begin(route: Route, request: httpx2.Request, options: guard.Options) -> Begu
     None: no run, and the client allows calls outside one. The request's body must
     have been read."""
     guard.check_not_a_retry(request)
+    guard.check_key(request, options.vendor)
     scoped = find(request, options)
     if scoped is None:
         return None

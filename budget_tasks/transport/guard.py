@@ -29,6 +29,7 @@ from ..errors import (
     BudgetTasksError,
     CallConflict,
     EstimateRefused,
+    MissingApiKey,
     RefusedEndpoint,
     SdkRetryRefused,
     StepNotReplayable,
@@ -86,6 +87,16 @@ def check_not_a_retry(request: httpx2.Request) -> None:
     retry = request.headers.get(RETRY_HEADER, "0")
     if retry.strip() not in ("", "0"):
         raise marked(SdkRetryRefused(path=request.url.path, retry=retry))
+
+
+def check_key(request: httpx2.Request, vendor: str | None) -> None:
+    """Refuse a request from a guarded SDK client built without an API key."""
+    from .clients import KEY_ENV, MISSING_API_KEY
+
+    sent = request.headers.get("authorization", "") + request.headers.get("x-api-key", "")
+    if MISSING_API_KEY in sent:
+        name = vendor or "provider"
+        raise marked(MissingApiKey(name, KEY_ENV.get(name, "the API key variable")))
 
 
 def unguarded(request: httpx2.Request) -> BudgetTasksError:

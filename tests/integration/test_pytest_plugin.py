@@ -4,6 +4,7 @@ own, loaded through the package's entry point (no conftest, no -p)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -65,3 +66,90 @@ def test_the_example_passes_on_postgresql_and_drops_its_databases(
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout
     assert throwaway() == before
+
+
+JOBS = """
+from celery import Celery
+
+from budget_tasks import BudgetTask
+from budget_tasks.transport import guarded_openai_client
+
+app = Celery("jobs")
+client = guarded_openai_client(timeout=30.0)  # built at import, as a module does
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    budget="acme",
+    idempotency_key=lambda topic: f"ask:{topic}",
+    estimate_cost=lambda topic: 0,
+)
+def ask(self, topic):
+    answer = client.chat.completions.create(
+        model="gpt-4o-mini",
+        max_completion_tokens=16,
+        messages=[{"role": "user", "content": topic}],
+    )
+    return answer.choices[0].message.content
+"""
+
+TEST_JOBS = """
+import pytest
+
+from jobs import app, ask
+
+
+@pytest.mark.budgets(acme=1_000_000)
+def test_ask_reaches_the_fake(budget_ledger, fake_llm, budget_eager):
+    budget_eager(app)
+    assert ask.delay("tides").get() == ask.delay("tides").get()
+    assert len([s for s in fake_llm.served() if s.method == "POST"]) == 1
+    assert budget_ledger.balance("acme").spent == fake_llm.state()["billed_total"] > 0
+
+
+@pytest.mark.budgets(acme=1_000_000)
+def test_without_the_fake_nothing_is_sent(budget_ledger, budget_eager):
+    from budget_tasks import MissingApiKey
+
+    budget_eager(app)
+    with pytest.raises(MissingApiKey, match="OPENAI_API_KEY"):
+        ask.delay("moon").get()
+    assert budget_ledger.holds() == []
+"""
+
+
+def test_a_module_that_builds_its_client_at_import_needs_no_key_and_meets_fake_llm(
+    tmp_path: Path,
+) -> None:
+    """A task module builds its guarded client at import, with no provider key and no
+    base URL in the environment: it imports (so the CLI and a test suite need no
+    secrets), fake_llm points that client at the fake, and without the fake a call is
+    refused before anything is reserved or sent."""
+    (tmp_path / "jobs.py").write_text(JOBS)
+    (tmp_path / "test_jobs.py").write_text(TEST_JOBS)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OPENAI_", "ANTHROPIC_", "BUDGET_TASKS_"))
+    }
+    env["PYTHONPATH"] = str(tmp_path)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
+
+    done = run("-m", "pytest", "-q", "-p", "no:cacheprovider", "test_jobs.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    assert run("-m", "budget_tasks.cli", "db", "upgrade", "--ledger-url", url).returncode == 0
+    status = run("-m", "budget_tasks.cli", "-A", "jobs", "status", "--ledger-url", url)
+    assert status.returncode == 0, status.stderr
