@@ -25,7 +25,7 @@ from ..errors import (
     UnknownBudget,
     UnmeteredConnection,
 )
-from ..providers.outcomes import ErrorOutcome, classify
+from ..providers.outcomes import ErrorOutcome, classify, never_sent
 
 
 class Outcome(Protocol):
@@ -42,6 +42,7 @@ class ErrorKind(enum.Enum):
     """What an exception out of ``run`` (or a call inside it) means for a hold."""
 
     NOT_BILLED = "not_billed"  # the provider certainly did not bill the call
+    NOT_SENT = "not_sent"  # no connection was made: nothing left, the same call may go again
     RATE_LIMITED = "rate_limited"  # 429: not billed; a retry is a new attempt
     UNKNOWN = "unknown"  # the call may have billed
     BEFORE_SEND = "before_send"  # the library refused before any byte was sent
@@ -78,6 +79,8 @@ def error_kind(exc: BaseException) -> ErrorKind:
         return ErrorKind.NOT_BILLED
     if isinstance(exc, BEFORE_SEND_ERRORS) or exc.__dict__.get("budget_tasks_before_send"):
         return ErrorKind.BEFORE_SEND
+    if never_sent(exc):
+        return ErrorKind.NOT_SENT
     return {
         ErrorOutcome.NOT_BILLED: ErrorKind.NOT_BILLED,
         ErrorOutcome.RATE_LIMITED: ErrorKind.RATE_LIMITED,
@@ -127,7 +130,7 @@ def fate_after_error(call: Outcome, exc: BaseException) -> HoldFate:
         if call.actual is not None:
             return HoldFate("settle", call.actual, False, f"billed, then {why}")
         return HoldFate("settle", call.amount, True, f"its key was used, then {why}")
-    if kind in (ErrorKind.NOT_BILLED, ErrorKind.RATE_LIMITED):
+    if kind in (ErrorKind.NOT_BILLED, ErrorKind.NOT_SENT, ErrorKind.RATE_LIMITED):
         if call.actual:
             return HoldFate("settle", call.actual, False, f"billed, then {why}")
         return HoldFate("release", note=f"not billed: {why}")

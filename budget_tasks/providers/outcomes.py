@@ -43,13 +43,14 @@ def classify(exc: BaseException) -> ErrorOutcome:
         if status in NOT_BILLED_STATUSES:
             return ErrorOutcome.NOT_BILLED
         return ErrorOutcome.UNKNOWN
-    if _never_sent(exc):
+    if never_sent(exc):
         return ErrorOutcome.NOT_BILLED
     return ErrorOutcome.UNKNOWN
 
 
-def _never_sent(exc: BaseException) -> bool:
-    """True if the chain of causes shows the connection was never made."""
+def never_sent(exc: BaseException) -> bool:
+    """True if the chain of causes shows the connection was never made (refused, no
+    such host, a connect timeout): not a byte of the request left."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:

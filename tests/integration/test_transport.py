@@ -666,3 +666,51 @@ def test_a_main_estimate_that_paid_for_nothing_is_warned_of_once_per_task(
     assert sorted((a.key, a.state, a.actual) for a in mains) == [
         (f"{k}#1", "settled", 5_000) for k in ("doubled:a", "doubled:b", "doubled:c", "other:a")
     ]
+
+
+def test_a_call_that_never_connected_leaves_its_operation_retryable_not_failed(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    """Connection refused (the provider's address down): not a byte left, so the hold
+    is released and the work is not lost: the operation is retryable, and the next
+    delivery of the key, once the provider answers, runs it. A 400 (a request the
+    provider refuses as such) still fails the key for good."""
+    from budget_tasks import OperationFailed
+    from budget_tasks.transport import guarded_openai_client
+
+    down = guarded_openai_client(base_url="http://127.0.0.1:1/v1", api_key="x", timeout=5.0)
+    use = {"client": down}
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"reach-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        idempotency_key=lambda topic, fault=None: f"reach:{topic}",
+        estimate_cost=lambda topic, fault=None: 0,
+    )
+    def reach(self: BudgetTask, topic: str, fault: str | None = None) -> str:
+        headers = {"x-fake-fault": fault} if fault else {}
+        answer = use["client"].chat.completions.create(
+            model="gpt-4o-mini",
+            max_completion_tokens=8,
+            messages=[{"role": "user", "content": topic}],
+            extra_headers=headers,
+        )
+        return str(answer.choices[0].message.content)
+
+    with pytest.raises(openai.APIConnectionError):
+        reach.delay("tides").get()
+    ledger = Ledger(backend_url)
+    assert ledger.operation("reach:tides").status == "retryable"
+    assert ledger.balance("team").held == 0 and ledger.balance("team").spent == 0
+    use["client"] = app.openai  # the provider is back
+    answer = reach.delay("tides").get()
+    assert answer and reach.delay("tides").get() == answer  # ran, then replays
+    assert ledger.operation("reach:tides").status == "succeeded"
+    assert len(posts(fake)) == 1
+    with pytest.raises(openai.BadRequestError):
+        reach.delay("moon", "status=400").get()
+    assert ledger.operation("reach:moon").status == "failed"
+    with pytest.raises(OperationFailed):
+        reach.delay("moon", "status=400").get()
