@@ -181,6 +181,15 @@ class UnknownOperation(LedgerError):
     key: str
 
 
+class CannotReopen(LedgerError):
+    """Only a failed operation is reopened, and only while none of its calls holds money
+    (reserved, in flight or unknown): its outcome would otherwise be decided twice."""
+
+    template = "operation {key!r} cannot be reopened: {why}"
+    key: str
+    why: str
+
+
 class PricingError(BudgetTasksError):
     """A cost could not be computed or bounded; nothing was reserved."""
 

@@ -10,7 +10,9 @@ from budget_tasks.testing import FakeProvider, ManualClock
 
 from .services import check_postgres, scratch_database
 
-LEDGER_TABLES = "journal, side_effects, attempts, operations, budget_periods, budgets"
+LEDGER_TABLES = (
+    "journal, operation_events, side_effects, attempts, operations, budget_periods, budgets"
+)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """The reservation ledger (SQL only; this package never imports Celery)."""
 
 from .core import Ledger
+from .oversight import OperationHistory
 from .periods import PERIODS, RENEWALS, Period, Renewal, period_start
 from .records import (
     Attempt,
@@ -11,6 +12,8 @@ from .records import (
     CallEnd,
     CallFacts,
     Hold,
+    JournalEntry,
+    OperationEvent,
     Reservation,
     Resolved,
 )
@@ -26,7 +29,10 @@ __all__ = [
     "CallEnd",
     "CallFacts",
     "Hold",
+    "JournalEntry",
     "Ledger",
+    "OperationEvent",
+    "OperationHistory",
     "Period",
     "Renewal",
     "Reservation",

@@ -3,7 +3,8 @@
 No Celery here. Every method runs in one short transaction; a failure to reach the
 database raises :class:`LedgerUnavailable` and writes nothing (fail closed). The class
 is put together from its parts, one module each: budgets, holds, operations, steps
-(labelled calls and side effects), maintenance, reports, on a shared base.
+(labelled calls and side effects), maintenance, reports, oversight (an operator's
+view of operations), on a shared base.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 from .base import CLOCK_AGREEMENT, CLOCK_CHECK_SECONDS, Clock
 from .budgets import Budgets
 from .maintenance import Maintenance
+from .oversight import Oversight
 from .steps import Steps
 
 __all__ = ["CLOCK_AGREEMENT", "CLOCK_CHECK_SECONDS", "Clock", "Ledger"]
 
 
-class Ledger(Budgets, Maintenance, Steps):
+class Ledger(Budgets, Maintenance, Steps, Oversight):
     """A budget ledger on PostgreSQL (``postgresql+psycopg://...``) or SQLite.
 
     ``clock`` returns the current time as an aware datetime; tests pass their own to

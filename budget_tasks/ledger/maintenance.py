@@ -19,6 +19,7 @@ from . import statements as sql
 from .driver import Cursor
 from .leases import lease_is_live
 from .operations import Operations, RunEnd
+from .oversight import operation_of
 from .records import Attempt, CallFacts, Hold, Operation, Resolved
 from .reports import Reports
 from .schema import operations
@@ -248,20 +249,7 @@ class Maintenance(Operations, Reports):
             r = cur.execute(select(operations).where(operations.c.key == key)).first()
         if r is None:
             raise UnknownOperation(key)
-        return Operation(
-            key=r.key,
-            status=r.status,
-            task=r.task,
-            result=None if r.result is None else json.loads(r.result),
-            error=r.error,
-            payload=None if r.payload is None else json.loads(r.payload),
-            runs=r.runs,
-            deliveries=r.deliveries,
-            replays=r.replays,
-            created_at=r.created_at,
-            completed_at=r.completed_at,
-            lease_owner=r.lease_owner,
-        )
+        return operation_of(r)
 
     def purge_operations(self, older_than: timedelta) -> int:
         """Drop the stored results and payloads of operations completed longer than

@@ -246,6 +246,32 @@ class Operation:
 
 
 @dataclass(frozen=True, slots=True)
+class OperationEvent:
+    """What an operator did to an operation (reopening a failed one), who and why."""
+
+    kind: str
+    from_status: str
+    to_status: str
+    by: str
+    note: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    """One journal row of an attempt: a hold, a charge, a release or an adjustment, in
+    one budget's period (a chain of budgets has one row per budget)."""
+
+    attempt: str
+    budget: str
+    kind: str
+    held_delta: int
+    spent_delta: int
+    note: str | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class Resolved:
     """What resolving an attempt from outside its run did, to it and its operation."""
 

@@ -45,6 +45,8 @@ ATTEMPT_STATES = ("reserved", "sending", "settled", "released", "unknown")
 HOLDING_STATES = ("reserved", "sending", "unknown")
 ATTEMPT_REASONS = ("first", "redelivery", "rate_limited_retry", "unknown_resend", "manual")
 JOURNAL_KINDS = ("hold", "release", "charge", "adjustment", "cap")
+#: What an operator does to an operation (its events are kept as a record of it).
+OPERATION_EVENT_KINDS = ("reopen",)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -221,6 +223,23 @@ side_effects = Table(
     Column("completed_at", UTCDateTime, nullable=True),
     UniqueConstraint("operation_id", "name"),
     CheckConstraint("state IN ('started', 'done')", name="state_known"),
+)
+
+# Added in migration 0008: what operators did to an operation (reopening a failed one),
+# with who and why; money moves stay in the journal.
+operation_events = Table(
+    "operation_events",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("operation_id", Id, ForeignKey("operations.id"), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("from_status", String(16), nullable=False),
+    Column("to_status", String(16), nullable=False),
+    Column("by", String(100), nullable=False),
+    Column("note", Text, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    CheckConstraint(f"kind IN ({_in(OPERATION_EVENT_KINDS)})", name="kind_known"),
+    Index(None, "operation_id"),
 )
 
 journal = Table(

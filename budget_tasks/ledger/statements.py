@@ -404,3 +404,15 @@ INSTALLATION = """SELECT installation_id FROM installation WHERE id = 1"""
 INSERT_INSTALLATION = """
 INSERT INTO installation (id, installation_id, created_at) VALUES (1, :installation_id, :now)
 ON CONFLICT (id) DO NOTHING"""
+
+#: An operator reopens a failed operation: its next delivery runs it again, counted
+#: from no dead runs; compare-and-set on the status read.
+REOPEN_OPERATION = """
+UPDATE operations SET status = :status, error = NULL, next_reason = 'manual',
+    lease_owner = NULL, lease_expires_at = NULL, runs = 0, completed_at = NULL,
+    updated_at = :now
+WHERE id = :operation_id AND status = :expected"""
+
+INSERT_OPERATION_EVENT = """
+INSERT INTO operation_events (operation_id, kind, from_status, to_status, by, note, created_at)
+VALUES (:operation_id, :kind, :from_status, :to_status, :by, :note, :now)"""

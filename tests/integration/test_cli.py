@@ -473,3 +473,86 @@ def test_every_option_of_budget_create_says_what_it_does_and_budget_help_names_s
         check=True,
     )
     assert "set their caps" in group.stdout and "set-cap" in group.stdout
+
+
+def test_operations_list_show_and_reopen_a_failed_one(pg_url: str, pg_ledger: Ledger) -> None:
+    """A run that failed for good (a user's bug after a billed call) is listed, shown
+    with its attempts and journal, reopened with a reason (recorded), and then run by
+    its next delivery. An operation that did not fail, or that still holds money, is
+    not reopened."""
+    from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager
+    from budget_tasks.ledger.leases import owner_id
+
+    ledger = Ledger(pg_url)
+    ledger.create_budget("team", 1_000_000)
+    manager = OperationManager(ledger, DeliveryOptions(task="jobs.summarize"))
+    runs: list[str] = []
+
+    def broken(scope: Any) -> Any:
+        runs.append("broken")
+        scope.record_usage(300)  # the call under the main attempt billed 300
+        raise ValueError("the user's bug")
+
+    def fixed(scope: Any) -> Any:
+        runs.append("fixed")
+        scope.record_usage(700)
+        return "summary"
+
+    def deliver(run: Any) -> Any:
+        return manager.deliver(
+            Delivery(key="doc-7", fingerprint="f", budget="team", estimate=lambda: 900, run=run)
+        )
+
+    with pytest.raises(ValueError, match="the user's bug"):
+        deliver(broken)
+    failed = as_json(pg_url, "operations", "list", "--status", "failed")
+    assert [(o["key"], o["status"]) for o in failed] == [("doc-7", "failed")]
+    assert as_json(pg_url, "operations", "list", "--status", "succeeded") == []
+    shown = as_json(pg_url, "operations", "show", "doc-7")
+    assert [(a["key"], a["state"], a["actual"]) for a in shown["attempts"]] == [
+        ("doc-7#1", "settled", 300)  # billed, then the bug: settled at the bill
+    ]
+    assert [(e["kind"], e["held_delta"], e["spent_delta"]) for e in shown["journal"]] == [
+        ("hold", 900, 0),
+        ("charge", -900, 300),
+    ]
+    table = ok(pg_url, "operations", "show", "doc-7")
+    assert "doc-7: failed" in table and "ValueError: the user's bug" in table
+
+    reopened = as_json(pg_url, "operations", "reopen", "doc-7", "--reason", "bug fixed in 1.2")
+    assert reopened["status"] == "retryable" and reopened["error"] is None
+    [event] = as_json(pg_url, "operations", "show", "doc-7")["events"]
+    assert (event["kind"], event["from_status"], event["to_status"], event["by"]) == (
+        "reopen",
+        "failed",
+        "retryable",
+        "operator",
+    )
+    assert event["note"] == "bug fixed in 1.2"
+    assert deliver(fixed) == "summary"
+    assert runs == ["broken", "fixed"]
+    assert ledger.operation("doc-7").status == "succeeded"
+    assert [(a.key, a.state, a.reason) for a in ledger.attempts()] == [
+        ("doc-7#1", "settled", "first"),
+        ("doc-7#2", "settled", "manual"),
+    ]
+
+    again = cli(pg_url, "operations", "reopen", "doc-7", "--reason", "x")
+    assert again.returncode == 2
+    assert "cannot be reopened: it is succeeded" in again.stderr
+    # a failed operation whose call is still unknown holds money: not reopened
+    owner = owner_id()
+    start = ledger.admit(
+        "doc-8", fingerprint="f", owner=owner, lease=timedelta(minutes=5), max_runs=3
+    )
+    ledger.reserve("team", "doc-8#1", 500, operation_id=start.operation_id)
+    ledger.mark_sending("doc-8#1")
+    ledger.mark_unknown("doc-8#1", "read timeout")
+    ledger.end_run("doc-8", owner=owner, status="failed")
+    held = cli(pg_url, "operations", "reopen", "doc-8", "--reason", "x")
+    assert held.returncode == 2
+    assert "its call doc-8#1 still holds money" in held.stderr
+    assert cli(pg_url, "operations", "show", "nope").stderr.strip() == (
+        "error: unknown operation 'nope'"
+    )
+    ledger.dispose()

@@ -75,6 +75,7 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
             "budgets",
             "installation",
             "journal",
+            "operation_events",
             "operations",
             "side_effects",
             "triggers",
@@ -83,7 +84,7 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
         assert a["journal"]["checks"], "the comparison must see check constraints"
         assert a["triggers"], "the append-only trigger must exist"
         assert a == b
-        assert current(migrated) == "0007"
+        assert current(migrated) == "0008"
         # each made its own installation id, once
         ids = [Ledger(url).installation_id() for url in (migrated, created)]
         assert ids[0] != ids[1] and all(len(i) == 32 for i in ids)
@@ -113,7 +114,7 @@ def test_cli_db_upgrade_then_the_ledger_works() -> None:
             check=False,
         )
         assert done.returncode == 0, done.stderr
-        assert "revision 0007" in done.stdout
+        assert "revision 0008" in done.stdout
         ledger = Ledger(url)
         ledger.create_budget("acme", 10)
         assert ledger.reserve("acme", "k", 10).created
@@ -230,7 +231,7 @@ def _upgrade_with_data(url: str, revision: str) -> None:
     upgrade(url, revision)
     _fill(url, revision)
     upgrade(url)  # to head, over the data
-    assert current(url) == "0007"
+    assert current(url) == "0008"
     ledger = Ledger(url)
     assert ledger.audit() == []
     assert [(a.key, a.state, a.actual) for a in ledger.attempts()] == [
@@ -280,8 +281,8 @@ def test_two_upgrades_at_once_take_turns() -> None:
         outcomes = [(p.wait(120), *p.communicate()) for p in runs]
         for code, out, err in outcomes:
             assert code == 0 and "Traceback" not in err, err
-            assert "revision 0007" in out
-        assert current(url) == "0007"
+            assert "revision 0008" in out
+        assert current(url) == "0008"
         ledger = Ledger(url)
         ledger.create_budget("after", 10)
         assert ledger.audit() == []
