@@ -827,6 +827,28 @@ def status(ledger_url: str, as_json: bool) -> None:
     )
 
 
+# -- the fake provider ---------------------------------------------------------------
+
+
+@main.command("fake-provider")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8089, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--kind", is_flag=True, help="Turn off every realistic behaviour (compression, ...).")
+def fake_provider(host: str, port: int, kind: bool) -> None:
+    """Serve the fake OpenAI/Anthropic provider until Ctrl-C: run the Quick start and
+    your own tasks offline, with no key and nothing billed."""
+    import contextlib
+
+    from .testing.fake_provider import FakeProvider, Realism
+
+    fake = FakeProvider(host, port, realism=Realism.kind() if kind else None)
+    click.echo(f"fake provider on {fake.url}; point the SDKs at it with:")
+    click.echo(f"  export OPENAI_BASE_URL={fake.openai_base_url} OPENAI_API_KEY=sk-fake")
+    click.echo(f"  export ANTHROPIC_BASE_URL={fake.url} ANTHROPIC_API_KEY=sk-ant-fake")
+    with contextlib.suppress(KeyboardInterrupt):
+        fake.serve_forever()
+
+
 # -- demo ------------------------------------------------------------------------------
 
 

@@ -237,6 +237,10 @@ class FakeProvider:
         with self._lock:
             self._faults.append({"fault": fault, "count": count, "path": path})
 
+    def serve_forever(self) -> None:
+        """Serve on this thread until interrupted (``budget-tasks fake-provider``)."""
+        self._server.serve_forever()
+
     def reset(self) -> None:
         with self._lock:
             self.completion_storage = "on"
@@ -1046,7 +1050,7 @@ def main(argv: list[str] | None = None) -> None:
     fake = FakeProvider(args.host, args.port, realism=Realism.kind() if args.kind else None)
     print(f"fake provider on {fake.url} (OpenAI base {fake.openai_base_url})", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
-        fake._server.serve_forever()
+        fake.serve_forever()
 
 
 if __name__ == "__main__":

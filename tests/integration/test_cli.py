@@ -556,3 +556,38 @@ def test_operations_list_show_and_reopen_a_failed_one(pg_url: str, pg_ledger: Le
         "error: unknown operation 'nope'"
     )
     ledger.dispose()
+
+
+def test_fake_provider_serves_the_official_sdk_offline() -> None:
+    """`budget-tasks fake-provider` says how to point the SDKs at it, and answers them."""
+    import openai
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "budget_tasks.cli", "fake-provider", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        lines = [server.stdout.readline() for _ in range(3)]
+        exports = dict(pair.split("=", 1) for line in lines[1:] for pair in line.split()[1:])
+        assert set(exports) == {
+            "OPENAI_BASE_URL",
+            "OPENAI_API_KEY",
+            "ANTHROPIC_BASE_URL",
+            "ANTHROPIC_API_KEY",
+        }
+        client = openai.OpenAI(
+            base_url=exports["OPENAI_BASE_URL"], api_key=exports["OPENAI_API_KEY"], max_retries=0
+        )
+        answer = client.chat.completions.create(
+            model="gpt-4o-mini",
+            max_completion_tokens=8,
+            messages=[{"role": "user", "content": "offline"}],
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens > 0
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert "RuntimeWarning" not in (server.stderr.read() if server.stderr else "")
