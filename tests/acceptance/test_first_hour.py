@@ -56,8 +56,8 @@ def quick_start() -> tuple[list[str], str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel (built with the sdist) installed in a new venv outside the checkout."""
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel, built with the sdist from this checkout."""
     dist = tmp_path_factory.mktemp("dist")
     subprocess.run(
         [sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)],
@@ -65,18 +65,87 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         capture_output=True,
         timeout=600,
     )
-    [wheel] = dist.glob("budget_tasks-*.whl")
+    [built] = dist.glob("budget_tasks-*.whl")
     [sdist] = dist.glob("budget_tasks-*.tar.gz")
     assert sdist.stat().st_size > 0
+    return built
+
+
+def _venv_with(tmp_path_factory: pytest.TempPathFactory, requirement: str) -> Path:
     env_dir = tmp_path_factory.mktemp("user") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=120)
     subprocess.run(
-        [str(env_dir / "bin" / "pip"), "install", "-q", f"{wheel}[openai,testing]"],
+        [str(env_dir / "bin" / "pip"), "install", "-q", requirement],
         check=True,
         capture_output=True,
         timeout=900,
     )
     return env_dir
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel installed with the extras the Quick start names, in a new venv outside
+    the checkout."""
+    return _venv_with(tmp_path_factory, f"{wheel}[openai,testing]")
+
+
+BARE_USE = """
+import importlib, tempfile
+
+from celery import Celery
+
+import budget_tasks
+from budget_tasks import BudgetTask, Ledger
+
+for name in ("budget_tasks", "budget_tasks.ledger", "budget_tasks.transport",
+             "budget_tasks.providers", "budget_tasks.beat", "budget_tasks.hooks",
+             "budget_tasks.pricing", "budget_tasks.bypass"):
+    module = importlib.import_module(name)
+    names = getattr(module, "__all__", [n for n in dir(module) if not n.startswith("_")])
+    for public in names:
+        getattr(module, public)  # every public name resolves
+url = f"sqlite:///{tempfile.mkdtemp()}/ledger.db"
+ledger = Ledger(url)
+ledger.create_schema()
+ledger.create_budget("acme", 1000)
+app = Celery("bare")
+app.conf.update(task_always_eager=True, task_eager_propagates=True, budget_ledger_url=url)
+
+
+@app.task(base=BudgetTask, bind=True, budget="acme", estimate_cost=lambda: 10,
+          idempotency_key=lambda: "bare:1")
+def job(self):
+    self.attempt.record_usage(7)
+    return "ran"
+
+
+assert job.delay().get() == "ran" and job.delay().get() == "ran"
+assert ledger.balance("acme").spent == 7
+print("bare install ok")
+"""
+
+
+def test_the_bare_wheel_imports_every_public_name_and_runs_a_budget_task(
+    wheel: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`pip install budget-tasks`, no extras: no SDK, no pytest. Every public name
+    imports, and a BudgetTask runs and replays (eagerly, on SQLite)."""
+    bare = _venv_with(tmp_path_factory, str(wheel))
+    sdk = subprocess.run(
+        [str(bare / "bin" / "python"), "-c", "import openai"], capture_output=True, check=False
+    )
+    assert sdk.returncode != 0, "the bare install must not bring an SDK"
+    done = subprocess.run(
+        [str(bare / "bin" / "python"), "-c", BARE_USE],
+        cwd=bare,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "bare install ok" in done.stdout
 
 
 @pytest.fixture
