@@ -152,6 +152,10 @@ def install(app: Any) -> None:
     children report into the shared directory."""
     from celery.signals import worker_init, worker_process_shutdown
 
+    if getattr(app, "_budget_tasks_metrics", False):
+        return  # configure(app) installs it; an app may call install() itself as well
+    app._budget_tasks_metrics = True
+
     @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
     def _serve(sender: Any = None, **_: Any) -> None:
         port = int(app.conf.get("budget_metrics_port") or 0)

@@ -10,6 +10,8 @@ start about what would silently weaken the guarantees (task.py connects the chec
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery import Celery
@@ -37,6 +39,45 @@ DELIVERY_DEFAULTS: dict[str, Any] = {
     "worker_prefetch_multiplier": 1,
 }
 
+
+def _flag(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+#: The environment variables that set the library's Celery settings in any app (the
+#: CLI reads the same ones), with how each is read.
+ENV_SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "BUDGET_TASKS_LEDGER_URL": (LEDGER_URL_SETTING, str),
+    "BUDGET_TASKS_STALE_AFTER": ("budget_stale_after", float),
+    "BUDGET_TASKS_RECONCILE_MARGIN": ("budget_reconcile_margin", float),
+    "BUDGET_TASKS_REQUEUE_NOT_FOUND": ("budget_requeue_not_found", _flag),
+    "BUDGET_TASKS_RETENTION_DAYS": ("budget_retention_days", float),
+    "BUDGET_TASKS_METRICS_PORT": ("budget_metrics_port", int),
+    "BUDGET_TASKS_METRICS_ADDR": ("budget_metrics_addr", str),
+}
+#: The variables that set the Redis transport's options (seconds).
+ENV_TRANSPORT = {
+    "BUDGET_TASKS_VISIBILITY_TIMEOUT": "visibility_timeout",
+    "BUDGET_TASKS_RESTORE_INTERVAL": "unacked_restore_interval",
+}
+
+
+def settings_from_environment(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The Celery settings the ``BUDGET_TASKS_*`` variables give; a value that does not
+    parse raises ValueError naming its variable."""
+    environ = os.environ if environ is None else environ
+    found: dict[str, Any] = {}
+    for name, (setting, parse) in ENV_SETTINGS.items():
+        text = environ.get(name)
+        if text is None or not text.strip():
+            continue
+        try:
+            found[setting] = parse(text.strip())
+        except ValueError as exc:
+            raise ValueError(f"{name}={text!r} is not a valid value: {exc}") from exc
+    return found
+
+
 #: kombu's own default visibility timeout for Redis (seconds).
 REDIS_VISIBILITY_DEFAULT = 3600.0
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "sentinel://")
@@ -46,12 +87,19 @@ def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
     """Wire ``app`` for BudgetTask: the beat jobs registered, their schedule merged into
     ``beat_schedule`` (entries of the same name the app sets win), and
     ``task_acks_late``, ``task_reject_on_worker_lost`` and ``worker_prefetch_multiplier=1``
-    as defaults. ``ledger_url`` sets ``budget_ledger_url``. Returns ``app``."""
-    from . import beat  # noqa: F401  (registers the beat jobs as shared tasks)
+    as defaults. Every ``BUDGET_TASKS_*`` variable the README lists sets its setting,
+    over the app's own (the CLI reads them in that order too), so the worker, beat and
+    the CLI agree; ``ledger_url`` sets ``budget_ledger_url`` over both. The worker
+    serves metrics when ``budget_metrics_port`` is set. Returns ``app``."""
+    from . import (
+        beat,  # noqa: F401  (registers the beat jobs as shared tasks)
+        metrics,
+    )
 
     defaults = dict(DELIVERY_DEFAULTS)
+    from_env = settings_from_environment()
     if ledger_url is not None:
-        defaults[LEDGER_URL_SETTING] = ledger_url
+        from_env[LEDGER_URL_SETTING] = ledger_url  # given here: over the environment too
 
     def wire(sender: Celery, **_: Any) -> None:
         conf = sender.conf
@@ -60,6 +108,9 @@ def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
         for key, value in defaults.items():
             if not _set_by_app(conf, key):
                 conf[key] = value
+        for key, value in from_env.items():
+            conf[key] = value
+        _transport_from_environment(conf)
         schedule = dict(BEAT_SCHEDULE)
         schedule.update(conf.beat_schedule or {})
         conf.beat_schedule = schedule
@@ -68,7 +119,21 @@ def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
         wire(app)
     else:
         app.on_after_configure.connect(wire, weak=False)
+    metrics.install(app)
     return app
+
+
+def _transport_from_environment(conf: Any) -> None:
+    options = dict(conf.broker_transport_options or {})
+    for name, option in ENV_TRANSPORT.items():
+        text = os.environ.get(name, "").strip()
+        if text:
+            try:
+                options[option] = float(text)
+            except ValueError as exc:
+                raise ValueError(f"{name}={text!r} is not a number of seconds") from exc
+    if options:
+        conf.broker_transport_options = options
 
 
 def _set_by_app(conf: Any, key: str) -> bool:
@@ -118,4 +183,12 @@ def warn_at_start(instance: Any, base: type) -> None:
         log.warning("budget-tasks: %s", problem)
 
 
-__all__ = ["BEAT_SCHEDULE", "DELIVERY_DEFAULTS", "configure", "startup_problems", "warn_at_start"]
+__all__ = [
+    "BEAT_SCHEDULE",
+    "DELIVERY_DEFAULTS",
+    "ENV_SETTINGS",
+    "configure",
+    "settings_from_environment",
+    "startup_problems",
+    "warn_at_start",
+]

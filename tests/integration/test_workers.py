@@ -495,3 +495,64 @@ def test_the_sdks_own_calls_through_the_guarded_transport_in_a_real_worker(
     assert charged == {s.idempotency_key: ("settled", s.billed) for s in sent}
     assert pg_ledger.balance("default").spent == sum(s.billed for s in sent)
     assert pg_ledger.audit() == []
+
+
+OWN_APP = """
+from pathlib import Path
+
+from celery import Celery
+
+import budget_tasks
+
+here = Path(__file__).parent
+app = Celery("own", broker=f"sqla+sqlite:///{here}/broker.db")
+budget_tasks.configure(app)
+"""
+
+
+def test_a_users_own_app_serves_metrics_from_the_environment(tmp_path: Path, pg_url: str) -> None:
+    """Not the reference app: a module of the user's with only configure(app). Its
+    worker reads BUDGET_TASKS_METRICS_PORT and the ledger URL from the environment and
+    serves the ledger's gauges."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    ledger = Ledger(pg_url)
+    ledger.create_budget("own-budget", 12_345)
+    ledger.dispose()
+    (tmp_path / "own.py").write_text(OWN_APP)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tmp_path),
+        "BUDGET_TASKS_METRICS_PORT": str(port),
+        "BUDGET_TASKS_LEDGER_URL": pg_url,
+    }
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "own", "worker", "--pool", "solo", "-l", "INFO"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    scraped = ""
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and worker.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    scraped = r.read().decode()
+                break
+            except OSError:
+                time.sleep(0.5)
+    finally:
+        worker.terminate()
+        _, err = worker.communicate(timeout=30)
+    assert scraped, err.decode()[-2000:]
+    assert 'budget_tasks_cap{budget="own-budget"} 12345.0' in scraped

@@ -3,9 +3,12 @@ public namespace of the package."""
 
 from __future__ import annotations
 
+import re
 import uuid
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from celery import Celery
 
 import budget_tasks
@@ -73,3 +76,47 @@ def test_the_package_namespace_is_its_public_api() -> None:
     assert "Any" not in names and "TYPE_CHECKING" not in names
     assert {"BudgetTask", "configure", "Ledger", "__version__"} <= set(names)
     assert set(budget_tasks.__all__) <= set(names)
+
+
+def test_every_variable_the_readme_lists_sets_its_setting_in_any_app(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A user's own app (not the reference one) reads the BUDGET_TASKS_* variables, over
+    its own settings as the CLI does, so beat, the worker and the CLI agree."""
+    from budget_tasks.wiring import ENV_SETTINGS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("| Environment variable |") :].split("\n\n")[0]
+    listed = {
+        (m.group(1), m.group(2))
+        for m in re.finditer(r"^\| `(BUDGET_TASKS_[A-Z_]+)` \| `(budget_[a-z_]+)` \|", table, re.M)
+    }
+    assert listed == {(name, setting) for name, (setting, _) in ENV_SETTINGS.items()}
+    values = {
+        "BUDGET_TASKS_LEDGER_URL": ("sqlite:///env.db", "sqlite:///env.db"),
+        "BUDGET_TASKS_STALE_AFTER": ("45", 45.0),
+        "BUDGET_TASKS_RECONCILE_MARGIN": ("0", 0.0),
+        "BUDGET_TASKS_REQUEUE_NOT_FOUND": ("1", True),
+        "BUDGET_TASKS_RETENTION_DAYS": ("2.5", 2.5),
+        "BUDGET_TASKS_METRICS_PORT": ("9101", 9101),
+        "BUDGET_TASKS_METRICS_ADDR": ("127.0.0.2", "127.0.0.2"),
+        "BUDGET_TASKS_VISIBILITY_TIMEOUT": ("7200", None),
+        "BUDGET_TASKS_RESTORE_INTERVAL": ("5", None),
+    }
+    for name, (text, _) in values.items():
+        monkeypatch.setenv(name, text)
+    app = Celery("users-own", set_as_current=False)
+    app.config_from_object(SimpleNamespace(budget_stale_after=900, budget_retention_days=7))
+    configure(app)
+    for name, (_, expected) in values.items():
+        if expected is not None:
+            assert app.conf[ENV_SETTINGS[name][0]] == expected, name
+    options = app.conf.broker_transport_options
+    assert (options["visibility_timeout"], options["unacked_restore_interval"]) == (7200.0, 5.0)
+    # an explicit argument still wins over the environment
+    given = configure(Celery("given", set_as_current=False), ledger_url="sqlite:///given.db")
+    assert given.conf.budget_ledger_url == "sqlite:///given.db"
+    monkeypatch.setenv("BUDGET_TASKS_STALE_AFTER", "soon")
+    with pytest.raises(ValueError, match="BUDGET_TASKS_STALE_AFTER='soon'"):
+        configure(Celery("bad", set_as_current=False))
+    app.close()
