@@ -77,6 +77,7 @@ def guarded_http_client(
     prices: Any = None,
     vendor: str | None = None,
     image_tokens: int | None = None,
+    store_for_lookup: bool = True,
     **options: Any,
 ) -> httpx2.Client:
     """An ``httpx2.Client`` whose billable requests go through the ledger; give it to
@@ -87,7 +88,12 @@ def guarded_http_client(
     reserve for them yourself with ``spend()``); ``vendor`` names the vendor the client
     speaks to (else it is found by host, or by every vendor's rules); ``image_tokens``
     is the most one image or other media item may cost on the models you call (media
-    in a request is refused without it: it is billed by its size, unseen here)."""
+    in a request is refused without it: it is billed by its size, unseen here).
+    ``store_for_lookup`` (default): an OpenAI chat completion whose request does not
+    say ``store`` is sent with ``store: true``, so that beat can look it up should its
+    answer never arrive (OpenAI then keeps it, as its stored completions, for its
+    retention period); False sends it as written (such a call's outcome, if unknown,
+    is left to an operator)."""
     if vendor is not None:
         registry.vendor(vendor)  # an unknown name fails here, not at the first call
     return httpx2.Client(
@@ -97,6 +103,7 @@ def guarded_http_client(
             prices=prices,
             vendor=vendor,
             image_tokens=image_tokens,
+            store_for_lookup=store_for_lookup,
         ),
         **options,
     )
@@ -110,6 +117,7 @@ def guarded_async_http_client(
     prices: Any = None,
     vendor: str | None = None,
     image_tokens: int | None = None,
+    store_for_lookup: bool = True,
     **options: Any,
 ) -> httpx2.AsyncClient:
     """An ``httpx2.AsyncClient`` over the guarded transport (as
@@ -123,6 +131,7 @@ def guarded_async_http_client(
             prices=prices,
             vendor=vendor,
             image_tokens=image_tokens,
+            store_for_lookup=store_for_lookup,
         ),
         **options,
     )
@@ -137,6 +146,7 @@ def _sdk_client(
     allow: tuple[str, ...],
     image_tokens: int | None,
     kwargs: dict[str, Any],
+    store_for_lookup: bool = True,
 ) -> Any:
     """The SDK's client class ``name`` (of module ``vendor``), retries locked off, on a
     guarded http client (its timeout the SDK client's)."""
@@ -148,6 +158,7 @@ def _sdk_client(
         allow=allow,
         image_tokens=image_tokens,
         vendor=vendor,
+        store_for_lookup=store_for_lookup,
         timeout=kwargs.get("timeout", 600.0),
     )
     key_given = kwargs.get("api_key") is not None or bool(os.environ.get(KEY_ENV[vendor]))
@@ -169,11 +180,13 @@ def guarded_openai_client(
     allow_unguarded: bool = False,
     allow: tuple[str, ...] = (),
     image_tokens: int | None = None,
+    store_for_lookup: bool = True,
     **kwargs: Any,
 ) -> Any:
     """``openai.OpenAI(**kwargs)`` with retries off and the guarded transport; its
     ``copy``/``with_options`` refuse to turn retries back on or to swap the transport.
-    ``allow`` and ``image_tokens`` as for :func:`guarded_http_client`."""
+    ``allow``, ``image_tokens`` and ``store_for_lookup`` as for
+    :func:`guarded_http_client`."""
     return _sdk_client(
         "OpenAI",
         "openai",
@@ -182,6 +195,7 @@ def guarded_openai_client(
         allow=allow,
         image_tokens=image_tokens,
         kwargs=kwargs,
+        store_for_lookup=store_for_lookup,
     )
 
 
@@ -209,6 +223,7 @@ def guarded_async_openai_client(
     allow_unguarded: bool = False,
     allow: tuple[str, ...] = (),
     image_tokens: int | None = None,
+    store_for_lookup: bool = True,
     **kwargs: Any,
 ) -> Any:
     """``openai.AsyncOpenAI(**kwargs)``, guarded: usable inside ``run`` through
@@ -221,6 +236,7 @@ def guarded_async_openai_client(
         allow=allow,
         image_tokens=image_tokens,
         kwargs=kwargs,
+        store_for_lookup=store_for_lookup,
     )
 
 

@@ -69,6 +69,9 @@ class Options:
     #: the most one image (or other media item) may cost, in tokens: media in a request
     #: is bounded by it, and refused without it
     image_tokens: int | None = None
+    #: ask OpenAI to store a chat completion the request does not say about (``store``),
+    #: so reconciliation can look it up should its answer never arrive
+    store_for_lookup: bool = True
 
 
 def decide(request: httpx2.Request, options: Options) -> Route:
@@ -157,6 +160,11 @@ def prepare(route: Route, request: httpx2.Request, options: Options) -> Metered:
             body["stream_options"] = {**stream_options, "include_usage": True}
             request = with_body(request, body)
             hidden_usage = True
+    if options.store_for_lookup and _stores_by_default(route) and "store" not in body:
+        # the one way to find a chat completion whose answer never arrived (a timeout):
+        # stored, with the attempt's key in its metadata (see addressed())
+        body["store"] = True
+        request = with_body(request, body)
     if streamed and endpoint.stream_usage is None:
         raise marked(EstimateRefused(f"a streamed {endpoint.name} answer is not metered yet"))
     try:
@@ -177,6 +185,18 @@ def prepare(route: Route, request: httpx2.Request, options: Options) -> Metered:
         hidden_usage,
         facts,
         options.prices,
+    )
+
+
+def _stores_by_default(route: Route) -> bool:
+    """OpenAI's own chat completions (a gateway speaking its API may not keep them)."""
+    vendor = route.vendor
+    endpoint = route.endpoint
+    return (
+        vendor is not None
+        and vendor.name == "openai"
+        and endpoint is not None
+        and endpoint.name == "openai.chat"
     )
 
 

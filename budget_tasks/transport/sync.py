@@ -27,9 +27,12 @@ class GuardedTransport(httpx2.BaseTransport):
         prices: Any = None,
         vendor: str | None = None,
         image_tokens: int | None = None,
+        store_for_lookup: bool = True,
     ) -> None:
         self.inner = inner or httpx2.HTTPTransport()
-        self.options = guard.Options(allow_unguarded, tuple(allow), prices, vendor, image_tokens)
+        self.options = guard.Options(
+            allow_unguarded, tuple(allow), prices, vendor, image_tokens, store_for_lookup
+        )
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         route = guard.decide(request, self.options)

@@ -714,3 +714,61 @@ def test_a_call_that_never_connected_leaves_its_operation_retryable_not_failed(
     assert ledger.operation("reach:moon").status == "failed"
     with pytest.raises(OperationFailed):
         reach.delay("moon", "status=400").get()
+
+
+@pytest.mark.parametrize("store_for_lookup", [True, False])
+def test_a_timed_out_chat_call_through_the_guarded_client_is_found_by_beat(
+    app: Any, fake: FakeProvider, backend_url: str, store_for_lookup: bool
+) -> None:
+    """The Quick start's call, sent without `store`: the guarded client asks OpenAI to
+    store it (with the attempt's key in its metadata), so a call whose answer never
+    arrived (a timeout after the provider billed) is found by beat and settled at the
+    bill. Built with store_for_lookup=False, the request goes as written and such a
+    call is left to an operator (unknowable)."""
+    from datetime import timedelta
+
+    from budget_tasks.beat import reconcile_unknown
+    from budget_tasks.providers import openai_client
+    from budget_tasks.transport import guarded_openai_client
+
+    client = guarded_openai_client(
+        base_url=fake.openai_base_url,
+        api_key="x",
+        timeout=0.5,
+        store_for_lookup=store_for_lookup,
+    )
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"stored-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        idempotency_key=lambda: "stored:1",
+        estimate_cost=lambda: 0,
+    )
+    def ask(self: BudgetTask) -> str:
+        answer = client.chat.completions.create(
+            model="gpt-4o-mini",
+            max_completion_tokens=8,
+            messages=[{"role": "user", "content": "slow"}],
+            extra_headers={"x-fake-fault": "hang=1.5"},
+        )
+        return str(answer.choices[0].message.content)
+
+    with pytest.raises(openai.APITimeoutError):
+        ask.delay().get()
+    ledger = Ledger(backend_url)
+    [sent] = posts(fake, ledger)
+    assert sent.billed > 0  # the provider billed it; the answer never arrived
+    [call] = [a for a in ledger.attempts() if a.key == sent.idempotency_key]
+    assert call.state == "unknown"
+    assert call.lookup == ("openai.chat" if store_for_lookup else "none")
+    lookups = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
+    counts = reconcile_unknown(ledger, lambda kind: lookups, margin=timedelta(0))
+    [call] = [a for a in ledger.attempts() if a.key == sent.idempotency_key]
+    if store_for_lookup:
+        assert counts["found"] == 1
+        assert (call.state, call.actual) == ("settled", sent.billed)
+    else:
+        assert counts["found"] == 0 and call.state == "unknown"
+    assert ledger.audit() == []
