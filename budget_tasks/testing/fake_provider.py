@@ -70,6 +70,7 @@ from . import fake_answers as answers
 from . import fake_wire
 from .fake_billing import (
     IMAGE_TOKENS,
+    SNAPSHOTS,
     STORED_ITEM_TOKENS,
     TOOL_PROMPT_TOKENS,
     PromptCache,
@@ -159,6 +160,32 @@ def _tool_to_call(body: dict[str, Any], *, anthropic: bool) -> str | None:
     first = tools[0]
     name = first.get("name") if anthropic else (first.get("function") or {}).get("name")
     return str(name) if name else None
+
+
+def _tool_arguments(body: dict[str, Any], *, anthropic: bool) -> dict[str, Any]:
+    """Arguments for the first tool, as a model gives them: every ``required`` property
+    of its schema, with a value of the property's type (its first ``enum`` value, if
+    it has one)."""
+    first = (body.get("tools") or [{}])[0]
+    schema = (
+        first.get("input_schema") if anthropic else (first.get("function") or {}).get("parameters")
+    )
+    return _value_for(schema) if isinstance(schema, dict) else {}
+
+
+def _value_for(schema: dict[str, Any]) -> Any:
+    if schema.get("enum"):
+        return schema["enum"][0]
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "string")
+    if kind == "object" or "properties" in schema:
+        properties = schema.get("properties") or {}
+        return {
+            name: _value_for(properties.get(name) or {}) for name in schema.get("required") or []
+        }
+    simple = {"integer": 1, "number": 1.0, "boolean": True, "array": [], "null": None}
+    return simple.get(str(kind), "fake")
 
 
 def _extras(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -544,6 +571,8 @@ class _Handler(BaseHTTPRequestHandler):
         found = routes.get((method, *segments))
         if found:
             return found
+        if method == "GET" and segments[:2] == ["v1", "models"] and len(segments) <= 3:
+            return lambda r, b, q: self._models(r, segments[2] if len(segments) == 3 else None)
         if method == "GET" and segments[:3] == ["v1", "chat", "completions"] and len(segments) == 4:
             return lambda r, b, q: self._chat_get(r, segments[3])
         if method == "GET" and segments[:2] == ["v1", "responses"] and len(segments) == 3:
@@ -554,6 +583,37 @@ class _Handler(BaseHTTPRequestHandler):
             if len(segments) == 5 and segments[4] == "results":
                 return lambda r, b, q: self._batch_results(r, segments[3])
         return None
+
+    def _models(self, record: Served, model_id: str | None) -> None:
+        """The models this fake answers for, as each vendor lists them (the Anthropic
+        SDK sends an ``anthropic-version`` header); one model by its id."""
+        anthropic = self.headers.get("anthropic-version") is not None
+        names = sorted({*SNAPSHOTS, *SNAPSHOTS.values()})
+        names = [n for n in names if n.startswith("claude") == anthropic]
+
+        def entry(name: str) -> dict[str, Any]:
+            if anthropic:
+                return {
+                    "type": "model",
+                    "id": name,
+                    "display_name": name,
+                    "created_at": "2025-01-01T00:00:00Z",
+                }
+            return {"id": name, "object": "model", "created": 1735689600, "owned_by": "openai"}
+
+        if model_id is not None:
+            if model_id not in names:
+                record.status = 404
+                self._error(404, f"The model {model_id!r} does not exist", record.request_id)
+                return
+            self._send_json(200, entry(model_id), record.request_id)
+            return
+        listed = [entry(n) for n in names]
+        if anthropic:
+            page = {"data": listed, "has_more": False, "first_id": names[0], "last_id": names[-1]}
+            self._send_json(200, page, record.request_id)
+        else:
+            self._send_json(200, {"object": "list", "data": listed}, record.request_id)
 
     def _control(self, method: str, path: str, raw: bytes) -> None:
         fake = self.fake
@@ -694,7 +754,10 @@ class _Handler(BaseHTTPRequestHandler):
                         {
                             "id": self.fake._next_id("call_"),
                             "type": "function",
-                            "function": {"name": tool, "arguments": "{}"},
+                            "function": {
+                                "name": tool,
+                                "arguments": json.dumps(_tool_arguments(body, anthropic=False)),
+                            },
                         }
                     ],
                 }
@@ -937,7 +1000,12 @@ class _Handler(BaseHTTPRequestHandler):
         tool = _tool_to_call(body, anthropic=True)
         if tool is not None and not body.get("stream"):
             message["content"] = [
-                {"type": "tool_use", "id": self.fake._next_id("toolu_"), "name": tool, "input": {}}
+                {
+                    "type": "tool_use",
+                    "id": self.fake._next_id("toolu_"),
+                    "name": tool,
+                    "input": _tool_arguments(body, anthropic=True),
+                }
             ]
             message["stop_reason"] = "tool_use"
         if self._after_billing(record):

@@ -264,3 +264,65 @@ def test_each_realistic_behaviour_can_be_turned_off(fake: FakeProvider, http: An
     assert message["usage"]["cache_creation_input_tokens"] == 0
     fake.reset()
     assert fake.realism == Realism()  # a reset makes it realistic again
+
+
+def test_both_sdks_list_and_retrieve_the_models_the_fake_answers_for(fake: FakeProvider) -> None:
+    """`GET /v1/models` in each vendor's shape (a client that checks its model at start,
+    as LangChain and many apps do, works offline), parsed by each SDK's own types; an
+    unknown model is the SDK's NotFoundError."""
+    import anthropic
+    import openai
+
+    oai = openai.OpenAI(base_url=fake.openai_base_url, api_key="x", max_retries=0)
+    listed = [m.id for m in oai.models.list()]
+    assert {"gpt-4o-mini", "gpt-4o-mini-2024-07-18"} <= set(listed)
+    assert not any(name.startswith("claude") for name in listed)
+    assert oai.models.retrieve("gpt-4o-mini").owned_by == "openai"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-nope")
+    claude = anthropic.Anthropic(base_url=fake.url, api_key="x", max_retries=0)
+    names = [m.id for m in claude.models.list()]
+    assert "claude-haiku-4-5" in names and all(n.startswith("claude") for n in names)
+    assert claude.models.retrieve("claude-haiku-4-5").type == "model"
+    assert [s.billed for s in fake.served()] == [0] * len(fake.served())  # free to ask
+
+
+def test_a_tool_call_carries_every_required_argument_of_its_schema(fake: FakeProvider) -> None:
+    """A model's tool call fills the tool's required parameters (code that reads them,
+    or validates them with the schema, works against the fake), in both vendors'
+    shapes."""
+    import anthropic
+    import openai
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "detail": {"type": "object", "properties": {"hourly": {"type": "boolean"}},
+                       "required": ["hourly"]},
+            "note": {"type": "string"},
+        },
+        "required": ["city", "days", "unit", "detail"],
+    }  # fmt: skip
+    expected = {"city": "fake", "days": 1, "unit": "celsius", "detail": {"hourly": True}}
+    oai = openai.OpenAI(base_url=fake.openai_base_url, api_key="x", max_retries=0)
+    completion = oai.chat.completions.create(
+        model="gpt-4o-mini",
+        max_completion_tokens=32,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[{"type": "function", "function": {"name": "weather", "parameters": schema}}],
+    )
+    [call] = completion.choices[0].message.tool_calls or []
+    assert call.function.name == "weather"
+    assert json.loads(call.function.arguments) == expected
+    claude = anthropic.Anthropic(base_url=fake.url, api_key="x", max_retries=0)
+    message = claude.messages.create(
+        model="claude-haiku-4-5",
+        max_tokens=32,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[{"name": "weather", "input_schema": schema}],
+    )
+    [use] = [b for b in message.content if b.type == "tool_use"]
+    assert use.input == expected
