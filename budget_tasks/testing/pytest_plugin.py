@@ -10,6 +10,10 @@ registers this module as a pytest plugin).
   SDKs (and ``openai_client()``/``anthropic_client()``) talk to it.
 - ``budget_eager``: wires a Celery app for a test in eager mode against
   ``budget_ledger``: ``budget_eager(app)`` (no broker, no worker).
+- ``budget_celery_config``: for Celery's own fixtures (``celery_app``,
+  ``celery_worker``, from pytest-celery or ``celery.contrib.pytest``): an in-memory
+  broker and results and this test's ledger; return it from ``celery_config``, and a
+  real worker thread runs the tasks.
 """
 
 from __future__ import annotations
@@ -131,3 +135,18 @@ def budget_eager(budget_ledger: Ledger, budget_ledger_url: str) -> Iterator[Call
         close_ledgers()
         for app, before in reversed(changed):
             app.conf.update(before)
+
+
+@pytest.fixture
+def budget_celery_config(budget_ledger: Ledger, budget_ledger_url: str) -> Iterator[dict[str, Any]]:
+    """Settings for Celery's own test fixtures (``celery_app``, ``celery_worker``: a real
+    worker in a thread): an in-memory broker and result store, and this test's ledger.
+    Return it from your ``celery_config`` fixture."""
+    try:
+        yield {
+            "broker_url": "memory://",
+            "result_backend": "cache+memory://",
+            LEDGER_URL_SETTING: budget_ledger_url,
+        }
+    finally:
+        close_ledgers()

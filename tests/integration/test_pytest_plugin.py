@@ -153,3 +153,67 @@ def test_a_module_that_builds_its_client_at_import_needs_no_key_and_meets_fake_l
     assert run("-m", "budget_tasks.cli", "db", "upgrade", "--ledger-url", url).returncode == 0
     status = run("-m", "budget_tasks.cli", "-A", "jobs", "status", "--ledger-url", url)
     assert status.returncode == 0, status.stderr
+
+
+TEST_JOBS_IN_A_WORKER = """
+import pytest
+
+import jobs
+
+# Celery's classic fixtures (pytest-celery 1.x's own celery_worker needs Docker)
+pytest_plugins = ("celery.contrib.pytest",)
+
+
+@pytest.fixture
+def celery_config(budget_celery_config):
+    return budget_celery_config
+
+
+@pytest.fixture
+def celery_worker_parameters():
+    return {"perform_ping_check": False}  # the app has no celery.ping task
+
+
+@pytest.fixture
+def celery_app(celery_config):
+    jobs.app.conf.update(celery_config)
+    return jobs.app
+
+
+@pytest.mark.budgets(acme=1_000_000)
+def test_ask_through_a_real_worker(budget_ledger, fake_llm, celery_app, celery_worker):
+    import threading
+
+    first = jobs.ask.delay("tides").get(timeout=30)
+    assert jobs.ask.delay("tides").get(timeout=30) == first
+    assert len([s for s in fake_llm.served() if s.method == "POST"]) == 1
+    assert budget_ledger.balance("acme").spent == fake_llm.state()["billed_total"] > 0
+    assert budget_ledger.operation("ask:tides").deliveries == 2
+    assert threading.active_count() > 1  # the worker is a thread of its own
+"""
+
+
+def test_a_budget_task_tested_through_celerys_own_worker_fixture(tmp_path: Path) -> None:
+    """The fixtures Celery users already have (celery_app, celery_config, and
+    celery_worker: a real worker in a thread, from pytest-celery's classic plugin) with
+    the plugin's ledger and fake: the task is consumed from a broker by a worker, not
+    run eagerly, and replays on its second delivery."""
+    (tmp_path / "jobs.py").write_text(JOBS)
+    (tmp_path / "test_jobs.py").write_text(TEST_JOBS_IN_A_WORKER)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OPENAI_", "ANTHROPIC_", "BUDGET_TASKS_"))
+    }
+    env["PYTHONPATH"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_jobs.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
