@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -68,6 +69,34 @@ def test_the_example_passes_on_postgresql_and_drops_its_databases(
     assert throwaway() == before
 
 
+def users_directory(
+    tmp_path: Path, files: dict[str, str]
+) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """A user's directory with ``files``, and a runner of ``python ARGS`` in it with no
+    provider or budget-tasks variable in its environment."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OPENAI_", "ANTHROPIC_", "BUDGET_TASKS_"))
+    }
+    env["PYTHONPATH"] = str(tmp_path)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
+
+    return run
+
+
 JOBS = """
 from celery import Celery
 
@@ -126,26 +155,7 @@ def test_a_module_that_builds_its_client_at_import_needs_no_key_and_meets_fake_l
     base URL in the environment: it imports (so the CLI and a test suite need no
     secrets), fake_llm points that client at the fake, and without the fake a call is
     refused before anything is reserved or sent."""
-    (tmp_path / "jobs.py").write_text(JOBS)
-    (tmp_path / "test_jobs.py").write_text(TEST_JOBS)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("OPENAI_", "ANTHROPIC_", "BUDGET_TASKS_"))
-    }
-    env["PYTHONPATH"] = str(tmp_path)
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, *args],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-            check=False,
-        )
-
+    run = users_directory(tmp_path, {"jobs.py": JOBS, "test_jobs.py": TEST_JOBS})
     done = run("-m", "pytest", "-q", "-p", "no:cacheprovider", "test_jobs.py")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout
@@ -198,22 +208,7 @@ def test_a_budget_task_tested_through_celerys_own_worker_fixture(tmp_path: Path)
     celery_worker: a real worker in a thread, from pytest-celery's classic plugin) with
     the plugin's ledger and fake: the task is consumed from a broker by a worker, not
     run eagerly, and replays on its second delivery."""
-    (tmp_path / "jobs.py").write_text(JOBS)
-    (tmp_path / "test_jobs.py").write_text(TEST_JOBS_IN_A_WORKER)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("OPENAI_", "ANTHROPIC_", "BUDGET_TASKS_"))
-    }
-    env["PYTHONPATH"] = str(tmp_path)
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_jobs.py"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    run = users_directory(tmp_path, {"jobs.py": JOBS, "test_jobs.py": TEST_JOBS_IN_A_WORKER})
+    done = run("-m", "pytest", "-q", "-p", "no:cacheprovider", "test_jobs.py")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
