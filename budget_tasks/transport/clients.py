@@ -18,14 +18,8 @@ from ..errors import RetriesEnabled
 from ..providers.clients import _refuse_retries
 from ..providers.registry import registry
 from .async_ import AsyncGuardedTransport
+from .guard import KEY_ENV, MISSING_API_KEY
 from .sync import GuardedTransport
-
-#: The API key a guarded SDK client is built with when none was given or set: a task
-#: module imports without secrets; a billable request carrying it is refused
-#: (:class:`~budget_tasks.errors.MissingApiKey`).
-MISSING_API_KEY = "budget-tasks-no-api-key"
-#: The environment variable each vendor's SDK reads its key from.
-KEY_ENV = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,14 @@ STORED_VERSION = 1
 KEPT_HEADERS = ("content-type", "x-request-id", "request-id", "openai-processing-ms")
 
 
+#: The API key a guarded SDK client is built with when none was given or set: a task
+#: module imports without secrets; a billable request carrying it is refused
+#: (:class:`~budget_tasks.errors.MissingApiKey`).
+MISSING_API_KEY = "budget-tasks-no-api-key"
+#: The environment variable each vendor's SDK reads its key from.
+KEY_ENV = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
+
+
 def marked(exc: BudgetTasksError) -> BudgetTasksError:
     return mark_raised_by_transport(exc)
 
@@ -94,8 +102,6 @@ def check_not_a_retry(request: httpx2.Request) -> None:
 
 def check_key(request: httpx2.Request, vendor: str | None) -> None:
     """Refuse a request from a guarded SDK client built without an API key."""
-    from .clients import KEY_ENV, MISSING_API_KEY
-
     sent = request.headers.get("authorization", "") + request.headers.get("x-api-key", "")
     if MISSING_API_KEY in sent:
         name = vendor or "provider"
