@@ -10,6 +10,9 @@ from pathlib import Path
 from celery import Celery
 
 from budget_tasks import configure, metrics
+from budget_tasks.demo import broker
+
+broker.install()  # the embedded broker's channel: a session per thread (see broker.py)
 
 # by name, not `from . import`: the settings are read from the environment each time
 # the app is loaded afresh (the demo and the tests do)
