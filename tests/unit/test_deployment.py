@@ -18,9 +18,16 @@ ROOT = Path(__file__).resolve().parents[2]
 APP_SERVICES = ("migrate", "fake-provider", "worker", "beat")
 
 
+def _defaults(text: str) -> str:
+    """The file as compose reads it with none of its variables set: each
+    ``${NAME:-default}`` is its default."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    text = _defaults((ROOT / "docker-compose.yml").read_text())
+    data: dict[str, Any] = yaml.safe_load(text)
     return data
 
 
@@ -55,7 +62,7 @@ def test_environment_uses_the_names_the_code_reads(compose: dict[str, Any]) -> N
     read |= {"BUDGET_TASKS_LEDGER_URL"}  # read through the LEDGER_URL_ENV constant
     for name in APP_SERVICES:
         env = compose["services"][name]["environment"]
-        unknown = set(env) - read - {"OPENAI_API_KEY"}
+        unknown = set(env) - read - {"OPENAI_API_KEY", "PYTHONPATH"}
         assert not unknown, (name, unknown)
         assert env["BUDGET_TASKS_LEDGER_URL"].startswith("postgresql+psycopg://")
         assert env["CELERY_BROKER_URL"].startswith("redis://")
@@ -115,3 +122,25 @@ def test_the_image_copies_what_the_services_run() -> None:
             for source in line.split()[1:-1]:
                 assert (ROOT / source).exists(), source
     assert 'pip install ".[openai,anthropic]"' in dockerfile
+
+
+def test_compose_runs_your_own_module_and_restarts_its_services() -> None:
+    """APP_DIR is mounted where every app service imports from, and CELERY_APP names
+    the app the worker, its health check and beat run (the reference app by default);
+    the long-running services come back after a crash or a reboot."""
+    raw = (ROOT / "docker-compose.yml").read_text()
+    data = yaml.safe_load(_defaults(raw))
+    services = data["services"]
+    mounted = "${APP_DIR:-./examples}:/app/user:ro"
+    assert mounted in raw and (ROOT / "examples").is_dir()
+    for name in APP_SERVICES:
+        service = services[name]
+        assert service["environment"]["PYTHONPATH"] == "/app/user", name
+        assert "./examples:/app/user:ro" in service["volumes"], name
+    for name in ("worker", "beat"):
+        assert services[name]["command"][1:3] == ["-A", "budget_tasks.demo.app"]
+    assert raw.count("-A ${CELERY_APP:-budget_tasks.demo.app}") == 1  # the health check
+    assert raw.count('"-A", "${CELERY_APP:-budget_tasks.demo.app}"') == 2  # worker, beat
+    for name in ("postgres", "redis", "fake-provider", "worker", "beat"):
+        assert services[name]["restart"] == "unless-stopped", name
+    assert services["migrate"]["restart"] == "no"  # a one-shot job
