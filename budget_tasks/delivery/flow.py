@@ -498,11 +498,12 @@ class OperationManager:
             return _RunEnd(None)  # derived: unknown while a hold is open
         if isinstance(cause, LedgerUnavailable):
             return _RunEnd(OperationStatus.PENDING, later=None if retried else "ledger")
-        if error_kind(cause) is ErrorKind.NOT_SENT and rerun_safe:
+        kind = error_kind(cause)
+        if kind is ErrorKind.NOT_SENT and rerun_safe:
             # no connection was made (refused, no such host): the work is not lost, and
             # the next delivery of the key (an enqueue, the task's own retry) runs it
             return _RunEnd(OperationStatus.RETRYABLE)
-        if error_kind(cause) is ErrorKind.RATE_LIMITED and rerun_safe:
+        if kind is ErrorKind.RATE_LIMITED and rerun_safe:
             return _RunEnd(
                 OperationStatus.RETRYABLE,
                 next_reason="rate_limited_retry",

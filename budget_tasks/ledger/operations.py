@@ -130,6 +130,10 @@ class _Row:
     def finished(self) -> bool:
         return self.status in FINISHED
 
+    def run_by(self, owner: str) -> bool:
+        """Whether ``owner``'s run holds the operation now."""
+        return self.lease_owner == owner and self.status == OperationStatus.RUNNING
+
 
 def _decode(text: str | None) -> Any:
     return None if text is None else json.loads(text)
@@ -450,7 +454,7 @@ class Operations(Holds):
             )
         if row.status == OperationStatus.FAILED:
             return OperationStart(Decision.FAILED, row.id, ask.key, runs=row.runs, error=row.error)
-        mine = row.lease_owner == ask.owner and row.status == OperationStatus.RUNNING
+        mine = row.run_by(ask.owner)
         if not mine and lease_is_live(row.lease_owner, row.lease_expires_at, now):
             return OperationStart(
                 Decision.IN_PROGRESS,
@@ -467,7 +471,7 @@ class Operations(Holds):
         """An answer reconciliation found is adopted; too many dead runs stop the
         message. None: the delivery runs."""
         stamp = self._driver.ts(now)
-        mine = row.lease_owner == ask.owner and row.status == OperationStatus.RUNNING
+        mine = row.run_by(ask.owner)
         concluded = self._conclusion(attempts)
         if concluded is not None and concluded[0] == OperationStatus.SUCCEEDED:
             # A reconciliation found the answer while no run could take it: adopt it.
@@ -489,7 +493,7 @@ class Operations(Holds):
     ) -> OperationStart:
         """The lease for this delivery's run: renewed for its own owner, else taken (one
         more run)."""
-        mine = row.lease_owner == ask.owner and row.status == OperationStatus.RUNNING
+        mine = row.run_by(ask.owner)
         expires = now + ask.lease
         params = {
             "expires": self._driver.ts(expires),
@@ -702,39 +706,55 @@ class Operations(Holds):
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
-            row, ended = self._call_and_operation_in(cur, key, call, owner, stamp)
+            row, ended = self._call_and_operation_in(cur, call, owner, stamp, key=key)
             attempt = None if call is None else call.key
             end: RunEnd = self._store_result_in(cur, row, now, stamp, owner, attempt, encoded)
-            self._apply_call(cur, call, ended)
+            self._apply_call(cur, ended)
+        self._log_call(ended)
         return end
 
     def _call_and_operation_in(
-        self, cur: Cursor, key: str, call: CallEnd | None, owner: str | None, stamp: Any
+        self,
+        cur: Cursor,
+        call: CallEnd | None,
+        owner: str | None,
+        stamp: Any,
+        *,
+        key: str | None = None,
+        op_id: int = 0,
     ) -> tuple[_Row, tuple[_Resolution | None, bool] | None]:
-        """Lock ``call``'s attempt, then operation ``key``, and write what the call came
-        to under ``owner``'s lease."""
-        if call is not None and not cur.all(sql.LOCK_ATTEMPT, {"key": call.key}):
-            raise UnknownAttempt(call.key)
-        row = self._lock_operation(cur, key=key)
+        """Write what ``call`` came to under ``owner``'s lease and lock its operation
+        (by ``key`` or ``op_id``), the attempt locked first: the order every writer
+        locks them in."""
         if call is None:
-            return row, None
+            return self._lock_operation(cur, key=key, op_id=op_id), None
+        if call.action == "settle":
+            # a settlement lands whoever holds the lease, and locks its attempt itself
+            ended = self._end_call_in(cur, call, stamp, lease_mine=True)
+            return self._lock_operation(cur, key=key, op_id=op_id), ended
+        if not cur.all(sql.LOCK_ATTEMPT, {"key": call.key}):
+            raise UnknownAttempt(call.key)
+        row = self._lock_operation(cur, key=key, op_id=op_id)
         mine = owner is None or row.lease_owner == owner
         return row, self._end_call_in(cur, call, stamp, lease_mine=mine)
 
-    def _apply_call(
-        self, cur: Cursor, call: CallEnd | None, ended: tuple[_Resolution | None, bool] | None
-    ) -> bool:
+    @staticmethod
+    def _apply_call(cur: Cursor, ended: tuple[_Resolution | None, bool] | None) -> bool:
         """Apply a call's resolution to the counters (last: the budget rows are the
         contended ones); whether anything changed."""
-        if call is None or ended is None:
+        if ended is None:
             return False
         resolution, changed = ended
         if resolution is None:
             return changed
         resolution.apply(cur)
-        if resolution.applied and resolution.actual > resolution.amount:
-            self._log_overrun(call.key, resolution.amount, resolution.actual)
         return resolution.applied
+
+    def _log_call(self, ended: tuple[_Resolution | None, bool] | None) -> None:
+        """Once its transaction committed: a call charged above its hold is an overrun."""
+        resolution = None if ended is None else ended[0]
+        if resolution is not None and resolution.applied and resolution.actual > resolution.amount:
+            self._log_overrun(resolution.key, resolution.amount, resolution.actual)
 
     def _store_result_in(
         self,
@@ -748,7 +768,7 @@ class Operations(Holds):
     ) -> RunEnd:
         if row.finished:
             return RunEnd(row.status, _decode(row.result), row.error, applied=False)
-        mine = owner is None or (row.lease_owner == owner and row.status == OperationStatus.RUNNING)
+        mine = owner is None or row.run_by(owner)
         attempts = self._attempts_of(cur, row.id)
         if not mine:
             if lease_is_live(row.lease_owner, row.lease_expires_at, now):
@@ -779,7 +799,7 @@ class Operations(Holds):
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
-            row, ended = self._call_and_operation_in(cur, key, call, owner, stamp)
+            row, ended = self._call_and_operation_in(cur, call, owner, stamp, key=key)
             end: RunEnd = self._end_in(
                 cur,
                 row,
@@ -791,5 +811,6 @@ class Operations(Holds):
                 next_reason=None,
                 fallback=OperationStatus.PENDING,
             )
-            self._apply_call(cur, call, ended)
+            self._apply_call(cur, ended)
+        self._log_call(ended)
         return end

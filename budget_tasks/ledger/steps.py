@@ -12,7 +12,6 @@ from datetime import datetime
 from typing import Any
 
 from .. import _validate as check
-from ..errors import UnknownAttempt
 from . import statements as sql
 from .base import Found, attempt_row
 from .driver import Cursor
@@ -157,10 +156,7 @@ class Steps(Operations):
         encoded = None if record is None else json.dumps(result)
         stamp = self._driver.ts(self.now())
         with self._driver.transaction() as cur:
-            if not cur.all(sql.LOCK_ATTEMPT, {"key": call.key}):
-                raise UnknownAttempt(call.key)
-            row = self._lock_operation(cur, op_id=operation_id)
-            ended = self._end_call_in(cur, call, stamp, lease_mine=row.lease_owner == owner)
+            _, ended = self._call_and_operation_in(cur, call, owner, stamp, op_id=operation_id)
             if ended is None:
                 return False
             if record is not None:
@@ -168,4 +164,6 @@ class Steps(Operations):
                     sql.STORE_SIDE_EFFECT,
                     {"operation_id": operation_id, "name": record, "result": encoded, "now": stamp},
                 )
-            return self._apply_call(cur, call, ended)
+            changed = self._apply_call(cur, ended)
+        self._log_call(ended)
+        return changed
