@@ -3,8 +3,10 @@
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md celeryconfig.py ./
 COPY budget_tasks ./budget_tasks
+# the reference app: `celery -A workers.app` from /app (budget_tasks/reference links it)
+COPY workers ./workers
 RUN pip install ".[openai,anthropic]"
 RUN useradd --create-home app
 USER app

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from budget_tasks import BudgetTask
-from budget_tasks.demo.app import app
-from budget_tasks.demo.tasks import client
 from budget_tasks.providers import openai_chat
+from workers.app import app
+from workers.tasks import client
 
 REQUEST: dict[str, Any] = {
     "model": "gpt-4o-mini",

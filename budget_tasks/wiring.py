@@ -124,6 +124,10 @@ def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
 
 
 def _transport_from_environment(conf: Any) -> None:
+    if not str(conf.broker_url or "").startswith(REDIS_SCHEMES):
+        # the options are Redis's: kombu's SQLAlchemy transport, for one, hands them
+        # to create_engine(), which refuses them
+        return
     options = dict(conf.broker_transport_options or {})
     for name, option in ENV_TRANSPORT.items():
         text = os.environ.get(name, "").strip()

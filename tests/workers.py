@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Worker(_Worker):
-    """``celery -A budget_tasks.demo.app worker -I <include>`` started from the project root."""
+    """``celery -A workers.app worker -I <include>`` started from the project root."""
 
     def __init__(
         self,
@@ -23,6 +23,7 @@ class Worker(_Worker):
         include: str = "tests.integration.worker_tasks",
         **options: Any,
     ):
+        options.setdefault("app", "workers.app")  # the top-level reference app
         super().__init__(env, name, log_dir, concurrency, include, cwd=ROOT, **options)
 
 

@@ -1,2 +1,3 @@
-"""``budget-tasks demo``: the Celery scenario (the main job, :mod:`.scenario`), the ledger
-walk-through (:mod:`.walkthrough`) and the reference app they run (:mod:`.app`)."""
+"""``budget-tasks demo``: the Celery scenario (the main job, :mod:`.scenario`) and the
+ledger walk-through (:mod:`.walkthrough`). The scenario runs the reference app, the
+project's ``workers/`` (shipped as :mod:`budget_tasks.reference`)."""

@@ -2,8 +2,9 @@
 
 On embedded defaults it needs no services: a SQLite ledger, kombu's SQLAlchemy
 transport on SQLite as the broker, the fake provider in a thread, and a real
-``celery -A budget_tasks.demo.app worker`` process (prefork pool) running the reference
-``budget_tasks.demo.tasks.summarize``, which calls the provider through the official openai SDK.
+``celery worker`` process (prefork pool) running the reference app's
+``workers.summarize`` (the project's ``workers/``, shipped as
+:mod:`budget_tasks.reference`), which calls the provider through the official openai SDK.
 ``ledger_url`` and ``broker_url`` run the same scenario against PostgreSQL and Redis.
 
 The scenario, each step checked against the ledger and against what the provider saw:
@@ -38,9 +39,9 @@ from .checks import Checks, budget_rows, render_table
 Echo = Callable[[str], None]
 
 APP, TASKS, SETTINGS = (
-    "budget_tasks.demo.app",
-    "budget_tasks.demo.tasks",
-    "budget_tasks.demo.settings",
+    "budget_tasks.reference.workers.app",
+    "budget_tasks.reference.workers.tasks",
+    "budget_tasks.reference.celeryconfig",
 )
 PROVIDER_TIMEOUT = 2  # seconds: the SDK gives up on the stalled call after this
 STALE_AFTER = 1  # seconds: the demo's beat flags holds this old (production: 900)

@@ -21,9 +21,9 @@ def worker_env(
     backend: str | None = None,
     **settings: str,
 ) -> dict[str, str]:
-    """The environment for a ``celery -A budget_tasks.demo.app worker``: this process's,
+    """The environment for a ``celery -A workers.app worker``: this process's,
     without its own ``CELERY_*``/``BUDGET_*`` variables, plus the reference app's
-    settings under the names :mod:`budget_tasks.demo.settings` reads (results on the
+    settings under the names its ``celeryconfig.py`` reads (results on the
     broker unless ``backend`` is given; the OpenAI-compatible ``provider`` URL; any
     more ``settings`` as they are)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))}
@@ -69,7 +69,7 @@ class Worker:
         concurrency: int = 1,
         include: str = "tests.integration.worker_tasks",
         *,
-        app: str = "budget_tasks.demo.app",
+        app: str = "budget_tasks.reference.workers.app",
         cwd: Path | None = None,
         pool: str = "prefork",
         max_tasks_per_child: int | None = None,

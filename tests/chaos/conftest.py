@@ -130,7 +130,7 @@ def start_worker(
     tmp_path: Path,
     request: pytest.FixtureRequest,
 ) -> Iterator[Callable[..., Worker]]:
-    """Start ``celery -A budget_tasks.demo.app worker -I tests.chaos.worker_tasks`` on the test's
+    """Start ``celery -A workers.app worker -I tests.chaos.worker_tasks`` on the test's
     Redis and the scratch ledger; env overrides as keyword arguments."""
     started: list[Worker] = []
 

@@ -26,9 +26,9 @@ from typing import Any
 
 from budget_tasks import BudgetTask, Ledger
 from budget_tasks.config import ledger_of
-from budget_tasks.demo.app import app
-from budget_tasks.demo.tasks import BUDGET, client
 from budget_tasks.providers import estimates, openai_chat
+from workers.app import app
+from workers.tasks import BUDGET, client
 
 KILL_POINTS = ("before_reserve", "granted", "sending", "after_response", "after_settle")
 MARKER_DIR_ENV = "CHAOS_MARKER_DIR"

@@ -20,8 +20,8 @@ from budget_tasks.testing.harness import wait_for
 
 from ..workers import Worker
 
-SUMMARIZE = "budget_tasks.demo.tasks.summarize"
-RESEARCH = "budget_tasks.demo.tasks.research"
+SUMMARIZE = "workers.summarize"
+RESEARCH = "workers.research"
 
 
 def operation_counts(ledger: Ledger, key: str) -> tuple[int, int]:

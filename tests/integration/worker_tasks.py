@@ -1,4 +1,4 @@
-"""Extra tasks that the test workers load (``celery worker -I``) beside budget_tasks.demo.tasks."""
+"""Extra tasks that the test workers load (``celery worker -I``) beside workers.tasks."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 import openai
 
 from budget_tasks import BudgetTask
-from budget_tasks.demo.app import app
-from budget_tasks.demo.tasks import BUDGET, client
 from budget_tasks.providers import estimates, openai_chat
+from workers.app import app
+from workers.tasks import BUDGET, client
 
 
 def fixed_request(n: int) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
+from budget_tasks.wiring import ENV_SETTINGS, ENV_TRANSPORT
+
 ROOT = Path(__file__).resolve().parents[2]
 APP_SERVICES = ("migrate", "fake-provider", "worker", "beat")
 
@@ -54,12 +56,14 @@ def test_environment_uses_the_names_the_code_reads(compose: dict[str, Any]) -> N
         p.read_text()
         for p in [
             *(ROOT / "budget_tasks").rglob("*.py"),
+            *(ROOT / "workers").rglob("*.py"),
+            ROOT / "celeryconfig.py",
         ]
     )
     read = set(re.findall(r"os\.environ\.get\(\s*\"([A-Z_]+)\"", source))
     read |= set(re.findall(r"envvar=\"?([A-Z_]+)", source))
-    read |= set(re.findall(r"_number\(\s*\"([A-Z_]+)\"", source))
     read |= {"BUDGET_TASKS_LEDGER_URL"}  # read through the LEDGER_URL_ENV constant
+    read |= set(ENV_SETTINGS) | set(ENV_TRANSPORT)  # read by configure(app)
     for name in APP_SERVICES:
         env = compose["services"][name]["environment"]
         unknown = set(env) - read - {"OPENAI_API_KEY", "PYTHONPATH"}
@@ -85,8 +89,8 @@ def test_every_command_names_something_that_exists(compose: dict[str, Any]) -> N
             )
             assert done.returncode == 0, done.stderr
         elif command[0] == "celery":
-            assert command[1:3] == ["-A", "budget_tasks.demo.app"]
-            assert importlib.util.find_spec("budget_tasks.demo.app") is not None
+            assert command[1:3] == ["-A", "workers.app"]
+            assert importlib.util.find_spec("workers.app") is not None
             assert command[3] in ("worker", "beat")
         else:
             assert command[:2] == ["python", "-m"]
@@ -117,10 +121,14 @@ def test_the_worker_exposes_metrics_with_a_shared_multiprocess_directory(
 
 def test_the_image_copies_what_the_services_run() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
+    copied = set()
     for line in dockerfile.splitlines():
         if line.startswith("COPY "):
             for source in line.split()[1:-1]:
                 assert (ROOT / source).exists(), source
+                copied.add(source)
+    # the reference app the services run from /app, and what budget_tasks/ links to
+    assert {"celeryconfig.py", "workers", "budget_tasks"} <= copied
     assert 'pip install ".[openai,anthropic]"' in dockerfile
 
 
@@ -138,9 +146,9 @@ def test_compose_runs_your_own_module_and_restarts_its_services() -> None:
         assert service["environment"]["PYTHONPATH"] == "/app/user", name
         assert "./examples:/app/user:ro" in service["volumes"], name
     for name in ("worker", "beat"):
-        assert services[name]["command"][1:3] == ["-A", "budget_tasks.demo.app"]
-    assert raw.count("-A ${CELERY_APP:-budget_tasks.demo.app}") == 1  # the health check
-    assert raw.count('"-A", "${CELERY_APP:-budget_tasks.demo.app}"') == 2  # worker, beat
+        assert services[name]["command"][1:3] == ["-A", "workers.app"]
+    assert raw.count("-A ${CELERY_APP:-workers.app}") == 1  # the health check
+    assert raw.count('"-A", "${CELERY_APP:-workers.app}"') == 2  # worker, beat
     for name in ("postgres", "redis", "fake-provider", "worker", "beat"):
         assert services[name]["restart"] == "unless-stopped", name
     assert services["migrate"]["restart"] == "no"  # a one-shot job

@@ -106,7 +106,11 @@ def test_every_variable_the_readme_lists_sets_its_setting_in_any_app(
     for name, (text, _) in values.items():
         monkeypatch.setenv(name, text)
     app = Celery("users-own", set_as_current=False)
-    app.config_from_object(SimpleNamespace(budget_stale_after=900, budget_retention_days=7))
+    app.config_from_object(
+        SimpleNamespace(
+            broker_url="redis://127.0.0.1:6379/0", budget_stale_after=900, budget_retention_days=7
+        )
+    )
     configure(app)
     for name, (_, expected) in values.items():
         if expected is not None:
@@ -116,6 +120,8 @@ def test_every_variable_the_readme_lists_sets_its_setting_in_any_app(
     # an explicit argument still wins over the environment
     given = configure(Celery("given", set_as_current=False), ledger_url="sqlite:///given.db")
     assert given.conf.budget_ledger_url == "sqlite:///given.db"
+    # the Redis options stay off another broker (SQLAlchemy's would refuse them)
+    assert not given.conf.broker_transport_options
     monkeypatch.setenv("BUDGET_TASKS_STALE_AFTER", "soon")
     with pytest.raises(ValueError, match="BUDGET_TASKS_STALE_AFTER='soon'"):
         configure(Celery("bad", set_as_current=False))

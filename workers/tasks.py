@@ -1,4 +1,4 @@
-"""Example BudgetTask jobs. They charge the budget named by env ``BUDGET_TASKS_BUDGET``
+"""The reference app's BudgetTask jobs. They charge the budget named by env ``BUDGET_TASKS_BUDGET``
 (default ``default``) and call the OpenAI-compatible API at ``OPENAI_BASE_URL``
 through the official SDK, with retries off."""
 
@@ -43,6 +43,7 @@ def summary_request(text: str) -> dict[str, Any]:
 @app.task(  # type: ignore[untyped-decorator]
     base=BudgetTask,
     bind=True,
+    name="workers.summarize",  # the same name wherever the module is imported from
     # a tenant's jobs charge that tenant's budget; without one, BUDGET_TASKS_BUDGET
     budget=lambda document_id, text, tenant=None: tenant or BUDGET,
     idempotency_key=lambda document_id, text, tenant=None: f"summarize:{document_id}",
@@ -83,6 +84,7 @@ def step_estimate(topic: str, notes: list[str]) -> int:
 @app.task(  # type: ignore[untyped-decorator]
     base=BudgetTask,
     bind=True,
+    name="workers.research",
     budget=BUDGET,
     idempotency_key=lambda topic, steps=3: f"research:{topic}:{steps}",
     # the task's own hold covers its bookkeeping; each step reserves for itself
