@@ -18,6 +18,7 @@ registers this module as a pytest plugin).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -135,13 +136,33 @@ def budget_eager(budget_ledger: Ledger, budget_ledger_url: str) -> Iterator[Call
         close_ledgers()
         for app, before in reversed(changed):
             app.conf.update(before)
+            _forget_connections(app)
+
+
+def _forget_connections(app: Any) -> None:
+    """Drop what Celery keeps, made from the app's settings, once used: an eager
+    ``delay()`` still takes a producer from a pool for the app's broker, and a run makes
+    the thread's result backend. A later test of the same app with other settings
+    (Celery's worker fixture, in memory) would publish to that broker and wait on that
+    backend."""
+    app.close()  # the broker connection pool
+    with contextlib.suppress(AttributeError):
+        del app.amqp  # and its producer pool, made anew from the settings when next used
+    vars(app._local).pop("backend", None)  # this thread's result backend
 
 
 @pytest.fixture
-def budget_celery_config(budget_ledger: Ledger, budget_ledger_url: str) -> Iterator[dict[str, Any]]:
+def budget_celery_config(
+    budget_ledger: Ledger, budget_ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict[str, Any]]:
     """Settings for Celery's own test fixtures (``celery_app``, ``celery_worker``: a real
     worker in a thread): an in-memory broker and result store, and this test's ledger.
     Return it from your ``celery_config`` fixture."""
+    # Celery reads these variables over any app setting: a shell (or a compose file)
+    # that exports them would send the test's messages to that broker, production's
+    # included. Gone for this test only.
+    for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
     try:
         yield {
             "broker_url": "memory://",

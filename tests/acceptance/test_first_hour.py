@@ -1,18 +1,23 @@
 """The first hour of a user, as a user has it: the wheel and the sdist built, the wheel
 installed into a fresh virtualenv outside the checkout, and from a new directory:
 
-1. the README's Quick start run as written (its shell lines in order, its ``jobs.py``
+1. the README's Quick start run offline as written (``budget-tasks fake-provider`` as
+   a process and the exports it prints, its shell lines in order, its ``jobs.py``
    verbatim), with a real ``celery worker`` and ``celery beat``, Redis, and a fresh
-   PostgreSQL database after ``budget-tasks db upgrade``; only the values of what the
-   README exports (the ledger, the API key) and the broker are pointed at the test's
-   own services, and the SDK at the fake provider;
+   PostgreSQL database after ``budget-tasks db upgrade``; only the ledger the README
+   exports and the broker are pointed at the test's own services; then
+   ``budget-tasks -A jobs status`` with no provider key, and the Testing section's
+   examples, as written, beside that ``jobs.py`` (eager, and through Celery's own
+   worker fixture) in the same shell;
 2. ``budget-tasks demo`` from the installed wheel;
 3. the example test of the pytest plugin, with the venv's own pytest;
-4. a worker of an app that skips the wiring warns about it at start.
+4. a worker of an app that skips the wiring warns about it at start;
+5. the bare wheel (no extras) imports every public name and runs a BudgetTask.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -20,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +33,6 @@ import pytest
 import redis
 
 from budget_tasks import Ledger
-from budget_tasks.testing import FakeProvider
 from budget_tasks.testing.harness import wait_for
 
 from ..demo_output import check_embedded_demo
@@ -210,11 +215,37 @@ class Background:
         self.log.close()
 
 
-def test_the_quick_start_as_written_then_the_demo_then_the_plugin_example(
+def offline_command() -> str:
+    """The command the Quick start names for running offline."""
+    text = README.read_text()
+    section = text[text.index("## Quick start") : text.index("### Testing your own tasks")]
+    found = re.search(r"Run `([^`]+)` in another terminal and\s+export", section)
+    assert found, "the Quick start no longer says how to run offline"
+    return found.group(1)
+
+
+def readme_testing_section() -> str:
+    """The Testing section's two examples, in one module beside ``jobs.py`` as the
+    section says (with the imports it names)."""
+    text = README.read_text()
+    section = text[text.index("### Testing your own tasks") : text.index("## Your SDK code")]
+    assert "`from jobs import app, summarize`" in section and "`import pytest`" in section
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2, "the section changed"
+    return "import pytest\nfrom jobs import app, summarize\n\n\n" + "\n\n".join(blocks)
+
+
+def fake_requests(base: str) -> list[dict[str, object]]:
+    """What the fake provider process served (its state route)."""
+    with urllib.request.urlopen(f"{base}/_fake/state", timeout=10) as answer:
+        state = json.load(answer)
+    return [r for r in state["requests"] if r["method"] == "POST"]
+
+
+def test_the_quick_start_offline_as_written_then_its_tests_then_the_demo(
     venv: Path,
     user_env: dict[str, str],
     services: tuple[str, str, str],
-    fake: FakeProvider,
     tmp_path: Path,
     wheel_installed_outside: None,
 ) -> None:
@@ -226,42 +257,66 @@ def test_the_quick_start_as_written_then_the_demo_then_the_plugin_example(
     env = dict(user_env)
     # Celery reads these over the app's own broker and backend: the test's Redis dbs
     env.update(CELERY_BROKER_URL=broker_url, CELERY_RESULT_BACKEND=backend_url)
-    env["OPENAI_BASE_URL"] = fake.openai_base_url  # read by the official SDK
     env["BUDGET_TASKS_HOME"] = str(tmp_path / "budget-tasks-home")
 
-    for line in setup:
-        if line.startswith("pip install"):
-            assert line == 'pip install "budget-tasks[openai]"'
-            continue  # done by the venv fixture, from the wheel just built
-        if line.startswith("export "):
-            name, value = line.removeprefix("export ").split("=", 1)
-            env[name] = {"BUDGET_TASKS_LEDGER_URL": ledger_url, "OPENAI_API_KEY": "sk-test"}[name]
-            assert value, line
-            continue
-        run(line, home, env)
-
-    background = [c for c in commands if c.split()[:2] == ["celery", "-A"]]
-    assert [c.split()[3] for c in background] == ["worker", "beat"]
-    worker = Background(background[0], home, env, "worker")
-    beat = Background(background[1], home, env, "beat")
+    # offline: the fake provider in "another terminal", and the exports it prints
+    provider = Background(offline_command(), home, env, "fake-provider")
+    exports = wait_for(
+        lambda: re.search(
+            r"^\s*export (OPENAI_BASE_URL=\S+ OPENAI_API_KEY=\S+)$", provider.text(), re.M
+        ),
+        30,
+        "the fake provider to print its exports",
+    )
+    offline = dict(pair.split("=", 1) for pair in exports.group(1).split())
+    worker = beat = None
     try:
+        for line in setup:
+            if line.startswith("pip install"):
+                assert line == 'pip install "budget-tasks[openai]"'
+                continue  # done by the venv fixture, from the wheel just built
+            if line.startswith("export "):
+                name, value = line.removeprefix("export ").split("=", 1)
+                assert value, line
+                # the ledger: the test's database; the key: what the fake printed
+                env[name] = {"BUDGET_TASKS_LEDGER_URL": ledger_url, **offline}[name]
+                continue
+            run(line, home, env)
+        env.update(offline)  # "export the OPENAI_BASE_URL and OPENAI_API_KEY it prints"
+
+        background = [c for c in commands if c.split()[:2] == ["celery", "-A"]]
+        assert [c.split()[3] for c in background] == ["worker", "beat"]
+        worker = Background(background[0], home, env, "worker")
+        beat = Background(background[1], home, env, "beat")
         wait_for(lambda: "ready." in worker.text(), 90, "the worker to be ready")
         assert "budget-tasks:" not in worker.text(), worker.text()  # no wiring warning
         outputs = [run(c, home, env) for c in commands if c not in background]
         first, again, status = outputs
         assert first == again and first.strip()  # the second job replayed the first
-        posts = [s for s in fake.served() if s.method == "POST"]
+        posts = fake_requests(offline["OPENAI_BASE_URL"].removesuffix("/v1"))
         ledger = Ledger(ledger_url)
         try:
-            assert [s.idempotency_key for s in posts] == [
+            assert [p["idempotency_key"] for p in posts] == [
                 ledger.provider_key("summarize:doc-7:openai.chat:1")
             ]
-            assert ledger.balance("acme").spent == posts[0].billed > 0
+            assert ledger.balance("acme").spent == posts[0]["billed"] > 0
             assert ledger.balance("acme").held == 0
             assert ledger.audit() == []
         finally:
             ledger.dispose()
         assert "acme" in status
+        # the CLI reads the app without a provider key (no secrets needed to operate)
+        keyless = {k: v for k, v in env.items() if not k.startswith("OPENAI_")}
+        assert "acme" in run("budget-tasks -A jobs status", home, keyless)
+
+        # the Testing section's module beside jobs.py, with the venv's own pytest, in
+        # this shell (which exports the deployment's broker and the fake's URL and key)
+        (home / "test_jobs.py").write_text(readme_testing_section())
+        served_before = len(fake_requests(offline["OPENAI_BASE_URL"].removesuffix("/v1")))
+        out = run("python -m pytest -q -p no:cacheprovider test_jobs.py", home, env)
+        assert "2 passed" in out, out
+        # its calls went to the test's own fake, not to the one the shell points at
+        assert len(fake_requests(offline["OPENAI_BASE_URL"].removesuffix("/v1"))) == served_before
 
         # the demo, from the wheel, in a directory of its own (SQLite, no services);
         # meanwhile beat's first minute passes
@@ -274,16 +329,11 @@ def test_the_quick_start_as_written_then_the_demo_then_the_plugin_example(
 
         # beat sent the reconciliation job, and the worker ran it
         wait_for(lambda: "budget_tasks.reconcile_unknown" in beat.text(), 120, "beat's first run")
-        wait_for(
-            lambda: re.search(
-                r"Task budget_tasks\.reconcile_unknown\[.*\] succeeded", worker.text()
-            ),
-            60,
-            "the worker to run the reconciliation",
-        )
+        wait_for(lambda: RECONCILED.search(worker.text()), 60, "the worker to run it")
     finally:
-        worker.stop()
-        beat.stop()
+        for process in (worker, beat, provider):
+            if process is not None:
+                process.stop()
 
     # the plugin's example test, with the venv's own pytest, from a new directory
     tests_dir = tmp_path / "usertests"

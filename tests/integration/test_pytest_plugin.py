@@ -70,18 +70,19 @@ def test_the_example_passes_on_postgresql_and_drops_its_databases(
 
 
 def users_directory(
-    tmp_path: Path, files: dict[str, str]
+    tmp_path: Path, files: dict[str, str], **extra: str
 ) -> Callable[..., subprocess.CompletedProcess[str]]:
     """A user's directory with ``files``, and a runner of ``python ARGS`` in it with no
-    provider or budget-tasks variable in its environment."""
+    provider or budget-tasks variable in its environment (but ``extra``)."""
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("OPENAI_", "ANTHROPIC_", "BUDGET_TASKS_"))
+        if not k.startswith(("OPENAI_", "ANTHROPIC_", "BUDGET_TASKS_", "CELERY_"))
     }
     env["PYTHONPATH"] = str(tmp_path)
+    env.update(extra)
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -191,6 +192,12 @@ def celery_app(celery_config):
 
 
 @pytest.mark.budgets(acme=1_000_000)
+def test_ask_eagerly_first(budget_ledger, fake_llm, budget_eager):
+    budget_eager(jobs.app)  # Celery keeps a producer for the app's broker from this run
+    assert jobs.ask.delay("waves").get()
+
+
+@pytest.mark.budgets(acme=1_000_000)
 def test_ask_through_a_real_worker(budget_ledger, fake_llm, celery_app, celery_worker):
     import threading
 
@@ -207,8 +214,15 @@ def test_a_budget_task_tested_through_celerys_own_worker_fixture(tmp_path: Path)
     """The fixtures Celery users already have (celery_app, celery_config, and
     celery_worker: a real worker in a thread, from pytest-celery's classic plugin) with
     the plugin's ledger and fake: the task is consumed from a broker by a worker, not
-    run eagerly, and replays on its second delivery."""
-    run = users_directory(tmp_path, {"jobs.py": JOBS, "test_jobs.py": TEST_JOBS_IN_A_WORKER})
+    run eagerly, and replays on its second delivery. The shell exports a broker (as a
+    deployment's does) where nothing listens, and an eager test of the same app runs
+    first: the worker test's messages still stay in memory."""
+    run = users_directory(
+        tmp_path,
+        {"jobs.py": JOBS, "test_jobs.py": TEST_JOBS_IN_A_WORKER},
+        CELERY_BROKER_URL="redis://127.0.0.1:9/0",
+        CELERY_RESULT_BACKEND="redis://127.0.0.1:9/1",
+    )
     done = run("-m", "pytest", "-q", "-p", "no:cacheprovider", "test_jobs.py")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 passed" in done.stdout
+    assert "2 passed" in done.stdout
