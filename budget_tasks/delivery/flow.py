@@ -58,7 +58,7 @@ from .fates import (
 )
 from .keys import main_key, step_key
 from .owed import Write, call_end, call_write, catch_up, end_write, owe, persist
-from .scope import AttemptScope, Call, Recorded
+from .scope import AttemptScope, Call
 
 log = logging.getLogger("budget_tasks.delivery")
 
@@ -436,7 +436,7 @@ class OperationManager:
         except LedgerUnavailable as exc:
             owe(self.ledger, d.key, d.owner, [Write("finish_operation", {"key": d.key, **kwargs})])
             raise RetryLater("ledger", exc) from exc
-        self._tell(d, scope, fate)
+        self._tell(d.budget, scope.attempt_key, scope.amount, fate)
         if not end.applied:
             if end.status == OperationStatus.SUCCEEDED:
                 log.warning("operation %s was finished meanwhile: its stored result stands", d.key)
@@ -477,7 +477,7 @@ class OperationManager:
         after = self._run_end(scope, cause, fate, retried)
         catch_up(self.ledger)  # what this run's labelled calls still owe goes first
         end = self._write_all(d, self._end_writes(d, scope, fate, after, describe_error(exc)))
-        self._tell(d, scope, fate)
+        self._tell(d.budget, scope.attempt_key, scope.amount, fate)
         if end is None:  # the ledger is down: the writes are owed; bring the message back
             raise RetryLater("ledger", exc) from exc
         if end.status == OperationStatus.SUCCEEDED:
@@ -541,16 +541,16 @@ class OperationManager:
                 log.warning("operation %s: %s moved meanwhile: %s", d.key, write.name, exc)
         return end if isinstance(end, RunEnd) else None
 
-    def _tell(self, d: Delivery, scope: Recorded, fate: HoldFate) -> None:
-        key = scope.attempt_key
+    def _tell(self, budget: str, attempt: str, amount: int, fate: HoldFate) -> None:
+        """What a call's hold came to, for the hooks: the main call and a labelled one."""
         if fate.action == "unknown":
-            self.hooks.unknown(task=self.options.task, attempt=key)
+            self.hooks.unknown(task=self.options.task, attempt=attempt)
         elif fate.action == "settle":
             self.hooks.settled(
-                budget=d.budget, attempt=key, amount=scope.amount, actual=fate.actual, by="task"
+                budget=budget, attempt=attempt, amount=amount, actual=fate.actual, by="task"
             )
         else:
-            self.hooks.released(budget=d.budget, attempt=key, amount=scope.amount, by="task")
+            self.hooks.released(budget=budget, attempt=attempt, amount=amount, by="task")
 
     def _end(self, d: Delivery, status: str | None, error: str | None = None) -> RunEnd:
         return self.ledger.end_run(d.key, owner=d.owner, status=status, error=error)  # type: ignore[no-any-return]
@@ -612,7 +612,7 @@ class OperationManager:
         fate = fate_after_return(made)
         self._write_call(scope, made, fate, wait=True, record=where.record, result=made.result)
         if fate.action == "settle":
-            self._tell_step(scope, made, fate)
+            self._tell(scope.budget, made.attempt_key, made.amount, fate)
 
     def _open_call(self, scope: AttemptScope, where: _Position) -> Call:
         """The call at ``where``: replayed, or granted its send."""
@@ -638,7 +638,7 @@ class OperationManager:
         elif fate.action == "unknown":
             scope.left_open = True
         self._write_call(scope, made, fate, wait=False)
-        self._tell_step(scope, made, fate)
+        self._tell(scope.budget, made.attempt_key, made.amount, fate)
         if fate.action == "release":
             scope.refused(where.label, where.facts.request)
 
@@ -767,22 +767,6 @@ class OperationManager:
         if not reservation.created:
             raise IdempotencyConflict(key, "attempt", reservation.state, "a new attempt")
         self.hooks.admitted(budget=scope.budget, attempt=key, amount=where.amount)
-
-    def _tell_step(self, scope: AttemptScope, call: Call, fate: HoldFate) -> None:
-        if fate.action == "unknown":
-            self.hooks.unknown(task=self.options.task, attempt=call.attempt_key)
-        elif fate.action == "settle":
-            self.hooks.settled(
-                budget=scope.budget,
-                attempt=call.attempt_key,
-                amount=call.amount,
-                actual=fate.actual,
-                by="task",
-            )
-        else:
-            self.hooks.released(
-                budget=scope.budget, attempt=call.attempt_key, amount=call.amount, by="task"
-            )
 
 
 class _Replayed(Exception):
