@@ -32,6 +32,7 @@ from typing import Any
 import click
 
 from ..ledger import Ledger
+from ..providers import estimates
 from ..testing import FakeProvider
 from ..testing.harness import Worker, wait_for, worker_env
 from .checks import Checks, budget_rows, render_table
@@ -66,6 +67,11 @@ class Job:
     @property
     def key(self) -> str:
         return f"summarize:{self.document_id}"
+
+    @property
+    def call_key(self) -> str:
+        """The attempt of the job's one SDK call, through the guarded client."""
+        return f"{self.key}:openai.chat:1"
 
 
 @dataclass
@@ -180,7 +186,9 @@ def _redact(url: str) -> str:
 def _play(run: Run, echo: Echo) -> bool:
     checks = Checks(echo)
     ledger, fake = run.ledger, run.fake
-    estimate = int(run.summarize.estimate_cost("probe", document("acme", 3)))
+    # the most a summary's call may cost: what the guarded client reserves for it
+    tasks = importlib.import_module(TASKS)
+    estimate = estimates.openai_chat(tasks.summary_request(document("acme", 3))).amount
     for tenant, budget in run.budgets.items():
         cap = CAP_IN_ESTIMATES[tenant] * estimate + estimate // 2
         ledger.create_budget(budget, cap, tenant=tenant)
@@ -199,7 +207,7 @@ def _play(run: Run, echo: Echo) -> bool:
     os.kill(pid, signal.SIGKILL)
     echo(f"   SIGKILL to pool process {pid}; Celery requeues the message (acks_late)")
     _collect(run, [(killed, handle)], "   waiting for the redelivery", echo)
-    attempt = ledger.attempt(f"{killed.key}#1")
+    attempt = ledger.attempt(killed.call_key)
     echo(f"   redelivery: {killed.error}")
     checks.expect(
         "the redelivery did not resend: one request reached the provider",
@@ -215,7 +223,7 @@ def _play(run: Run, echo: Echo) -> bool:
     slow = _job(run, "globex", f"globex-{run.run_id}-slow", 1)
     fake.plan(f"hang={HANG}", path="/chat/completions")
     _collect(run, [(slow, _send(run, slow))], "   waiting for the timeout", echo)
-    timed_out = ledger.attempt(f"{slow.key}#1")
+    timed_out = ledger.attempt(slow.call_key)
     echo(f"   task failed: {slow.error}")
     checks.expect(
         f"the timeout released nothing: hold of {timed_out.amount} kept, no SDK retry",
@@ -286,11 +294,19 @@ def _play(run: Run, echo: Echo) -> bool:
             for k in unknown
         ),
     )
-    resent = Job(killed.tenant, killed.budget, killed.document_id, killed.text)
-    _collect(run, [(resent, _send(run, resent))], "   the killed job, enqueued again", echo)
+    # Found calls leave their operations retryable (with BUDGET_TASKS_REQUEUE_NOT_FOUND=1
+    # beat enqueues them itself): each run again takes its call's reconciled answer.
+    resent = [Job(j.tenant, j.budget, j.document_id, j.text) for j in (killed, slow)]
+    _collect(
+        run,
+        [(job, _send(run, job)) for job in resent],
+        "   the killed and the timed-out jobs, enqueued again",
+        echo,
+    )
     checks.expect(
-        "the killed job now replays the reconciled answer, still one request",
-        resent.state == "SUCCESS" and len(_requests(fake, ledger, killed.key)) == 1,
+        "both now replay their reconciled answers, still one request each",
+        all(j.state == "SUCCESS" for j in resent)
+        and all(len(_requests(fake, ledger, j.key)) == 1 for j in resent),
     )
 
     # 6. The books ------------------------------------------------------------------
@@ -323,11 +339,11 @@ def _send(run: Run, job: Job) -> Any:
 
 
 def _requests(fake: FakeProvider, ledger: Ledger, key: str) -> list[Any]:
-    """The requests of operation ``key``'s main attempts (sent under provider keys)."""
+    """The requests of operation ``key``'s calls (sent under provider keys)."""
     return [
         s
         for s in fake.served_as(ledger)
-        if s.method == "POST" and (s.idempotency_key or "").startswith(key + "#")
+        if s.method == "POST" and (s.idempotency_key or "").startswith(key + ":")
     ]
 
 

@@ -24,7 +24,8 @@ def worker_env(
     """The environment for a ``celery -A workers.app worker``: this process's,
     without its own ``CELERY_*``/``BUDGET_*`` variables, plus the reference app's
     settings under the names its ``celeryconfig.py`` reads (results on the
-    broker unless ``backend`` is given; the OpenAI-compatible ``provider`` URL; any
+    broker unless ``backend`` is given; the OpenAI-compatible ``provider`` URL, with a
+    fake key; any
     more ``settings`` as they are)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))}
     env.update(
@@ -35,6 +36,8 @@ def worker_env(
     )
     if provider is not None:
         env["OPENAI_BASE_URL"] = provider
+        # the fake's own key: a real one in this shell is not sent to a test provider
+        env["OPENAI_API_KEY"] = "sk-fake"
     env.update(settings)
     return env
 

@@ -27,8 +27,9 @@ from typing import Any
 from budget_tasks import BudgetTask, Ledger
 from budget_tasks.config import ledger_of
 from budget_tasks.providers import estimates, openai_chat
+from tests.integration.worker_tasks import client
 from workers.app import app
-from workers.tasks import BUDGET, client
+from workers.tasks import BUDGET
 
 KILL_POINTS = ("before_reserve", "granted", "sending", "after_response", "after_settle")
 MARKER_DIR_ENV = "CHAOS_MARKER_DIR"

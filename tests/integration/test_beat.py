@@ -158,7 +158,7 @@ def test_not_found_releases_and_requeues_pending_backs_off(
         owner="me",
         lease=timedelta(minutes=5),
         max_runs=3,
-        task="workers.summarize",
+        task="tests.summarize",
         payload={"args": ["lost", "text"], "kwargs": {}},
     )
     pg_ledger.reserve("team", "op-lost#1", 10_000, operation_id=start.operation_id)
@@ -178,7 +178,7 @@ def test_not_found_releases_and_requeues_pending_backs_off(
     assert counts["not_found"] == 1
     assert pg_ledger.attempt("op-lost#1").state == "released"
     assert pg_ledger.operation("op-lost").status == "retryable"
-    assert requeued == [("workers.summarize", "op-lost", {"args": ["lost", "text"], "kwargs": {}})]
+    assert requeued == [("tests.summarize", "op-lost", {"args": ["lost", "text"], "kwargs": {}})]
     # A send that is recent (on the real clock) is only pending, and is not looked up
     # again before its backoff has passed.
     now = Ledger(pg_url)

@@ -20,8 +20,8 @@ from budget_tasks.testing.harness import wait_for
 
 from ..workers import Worker
 
-SUMMARIZE = "workers.summarize"
-RESEARCH = "workers.research"
+SUMMARIZE = "tests.summarize"
+RESEARCH = "tests.research"
 
 
 def operation_counts(ledger: Ledger, key: str) -> tuple[int, int]:

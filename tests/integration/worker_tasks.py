@@ -1,4 +1,7 @@
-"""Extra tasks that the test workers load (``celery worker -I``) beside workers.tasks."""
+"""Extra tasks that the test workers load (``celery worker -I``) beside workers.tasks:
+among them the call helpers' shape of the reference tasks (``tests.summarize`` with a
+main estimate and ``attempt=self.attempt``, ``tests.research`` with ``spend()``
+blocks), which the reference app itself writes with the guarded client."""
 
 from __future__ import annotations
 
@@ -9,10 +12,88 @@ from typing import Any
 
 import openai
 
-from budget_tasks import BudgetTask
-from budget_tasks.providers import estimates, openai_chat
+from budget_tasks import BudgetTask, CallFacts
+from budget_tasks.providers import estimates, openai_chat, openai_client
+from budget_tasks.providers.calls import LOOKUP_OPENAI_CHAT
+from budget_tasks.providers.clients import client_timeout
 from workers.app import app
-from workers.tasks import BUDGET, client
+from workers.tasks import BUDGET, MODEL, notify
+
+
+@functools.cache
+def client() -> Any:
+    """The plain SDK client (retries off) the call helpers are given."""
+    return openai_client(
+        base_url=os.environ.get("OPENAI_BASE_URL"),
+        api_key=os.environ.get("OPENAI_API_KEY", "sk-not-needed-for-the-fake-provider"),
+        timeout=float(os.environ.get("BUDGET_TASKS_PROVIDER_TIMEOUT", "60")),
+    )
+
+
+def summary_request(text: str) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "Summarise the document in two sentences."},
+            {"role": "user", "content": text},
+        ],
+        "max_completion_tokens": 256,
+    }
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    name="tests.summarize",
+    budget=lambda document_id, text, tenant=None: tenant or BUDGET,
+    idempotency_key=lambda document_id, text, tenant=None: f"summarize:{document_id}",
+    estimate_cost=lambda document_id, text, tenant=None: (
+        estimates.openai_chat(summary_request(text)).amount
+    ),
+    # what the call is, known before it is sent: written with the admission
+    describe_call=lambda document_id, text, tenant=None: CallFacts(
+        LOOKUP_OPENAI_CHAT, MODEL, client_timeout(client())
+    ),
+)
+def summarize(
+    self: BudgetTask, document_id: str, text: str, tenant: str | None = None
+) -> dict[str, Any]:
+    """One call under the task's main attempt (``summarize:<id>#1``)."""
+    sent = openai_chat(client(), attempt=self.attempt, **summary_request(text))
+    return {"document_id": document_id, "summary": sent.result["content"], "cost": sent.cost}
+
+
+def step_request(topic: str, notes: list[str]) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You research a topic one step at a time."},
+            {"role": "user", "content": f"Topic: {topic}\nNotes so far: {' | '.join(notes)}"},
+        ],
+        "max_completion_tokens": 128,
+    }
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    name="tests.research",
+    budget=BUDGET,
+    idempotency_key=lambda topic, steps=3: f"research:{topic}:{steps}",
+    estimate_cost=lambda topic, steps=3: 0,
+)
+def research(self: BudgetTask, topic: str, steps: int = 3) -> dict[str, Any]:
+    """Steps in ``spend()`` blocks, then a side effect under ``once``."""
+    notes: list[str] = []
+    for _ in range(steps):
+        request = step_request(topic, notes[-2:])
+        with self.spend(estimates.openai_chat(request).amount, "step") as call:
+            if not call.replayed:
+                sent = openai_chat(client(), attempt=call, **request)
+                call.result = sent.result["content"]  # what a redelivery replays
+        notes.append(str(call.result)[:200])
+    notified = self.once("notify", notify, topic, len(notes))
+    return {"topic": topic, "notes": notes, "notified": notified}
 
 
 def fixed_request(n: int) -> dict[str, Any]:

@@ -3,6 +3,7 @@ setting from its variable, embedded defaults that need no services, and one copy
 each file, which the wheel ships as ``budget_tasks.reference``."""
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -89,16 +90,16 @@ def test_the_wheel_ships_the_top_level_files_not_copies() -> None:
     reference = ROOT / "budget_tasks" / "reference"
     assert (reference / "workers").resolve() == ROOT / "workers"
     assert (reference / "celeryconfig.py").resolve() == ROOT / "celeryconfig.py"
-    defined = [
+    sources = [
         path
         for path in ROOT.rglob("*.py")
         if ".venv" not in path.parts
         and not path.is_symlink()
         and not any(p.is_symlink() for p in path.parents)
-        and "def summarize(" in path.read_text()
-        and path.parent.name in ("workers", "demo")
     ]
-    assert defined == [ROOT / "workers" / "tasks.py"]
+    for task in ("workers.summarize", "workers.research"):
+        named = [p for p in sources if re.search(rf"name\s*=\s*\"{task}\"", p.read_text())]
+        assert named == [ROOT / "workers" / "tasks.py"], task
 
 
 @pytest.mark.parametrize("package", ["", "budget_tasks.reference."])
