@@ -46,6 +46,7 @@ from ..errors import (
 from ..hooks import Hooks, hooks
 from ..ledger import CallEnd, CallFacts
 from ..ledger.operations import AttemptRef, Decision, OperationStart, RunEnd, owner_id
+from ..ledger.records import Reservation
 from ..ledger.states import HOLDING, OPEN, AttemptState, OperationStatus, nothing_sent_under
 from .fates import (
     ErrorKind,
@@ -312,16 +313,11 @@ class OperationManager:
                 return None  # resolved meanwhile: read again
             if last is not None and last.state in OPEN:
                 reason = "unknown_resend"
-        reuse = last if (last is not None and last.state == AttemptState.RESERVED) else None
-        if reuse is not None and reuse.amount != estimate:
-            try:
-                self.ledger.release(
-                    reuse.key, "never sent; re-estimated on redelivery", expected="reserved"
-                )
-            except InvalidTransition:
-                self._end(d, None)
-                return None
-            reuse = None
+        try:
+            reuse = self._reuse_or_release(last, estimate)
+        except InvalidTransition:
+            self._end(d, None)
+            return None
         key = reuse.key if reuse is not None else main_key(d.key, start.attempts + 1)
         if reuse is None and not self._reserve(d, key, estimate, reason, start.operation_id):
             return None
@@ -373,7 +369,7 @@ class OperationManager:
     ) -> bool:
         """Reserve the main attempt (the lease given back if refused)."""
         try:
-            reservation = self.ledger.reserve(
+            reservation = self._reserve_attempt(
                 d.budget,
                 key,
                 amount,
@@ -383,7 +379,6 @@ class OperationManager:
                 operation_id=operation_id,
             )
         except (BudgetExceeded, BudgetFrozen) as exc:
-            self._denied(exc, amount)
             self._end_quietly(d, OperationStatus.PENDING, str(exc))
             if self.options.retry_when_budget_frees:
                 raise RetryLater("budget", exc) from exc
@@ -399,8 +394,31 @@ class OperationManager:
             # The key exists: never a second permission. Read again.
             self._end(d, None)
             return False
-        self.hooks.admitted(budget=d.budget, attempt=key, amount=amount)
         return True
+
+    def _reserve_attempt(self, budget: str, key: str, amount: int, **how: Any) -> Reservation:
+        """Reserve a new attempt of any call, the main one or a labelled one, and tell
+        the hooks: admitted, or denied (raised). Not ``created``: the key was there."""
+        try:
+            reservation: Reservation = self.ledger.reserve(budget, key, amount, **how)
+        except (BudgetExceeded, BudgetFrozen) as exc:
+            self._denied(exc, amount)
+            raise
+        if reservation.created:
+            self.hooks.admitted(budget=budget, attempt=key, amount=amount)
+        return reservation
+
+    def _reuse_or_release(self, earlier: AttemptRef | None, amount: int) -> AttemptRef | None:
+        """An earlier attempt of this call that was reserved and never sent is sent
+        under as it is at the same amount; at another amount (re-estimated) it is
+        released first. The same rule for the main call and a labelled one;
+        InvalidTransition if it moved meanwhile."""
+        if earlier is None or earlier.state != AttemptState.RESERVED:
+            return None
+        if earlier.amount == amount:
+            return earlier
+        self.ledger.release(earlier.key, "never sent; re-estimated", expected="reserved")
+        return None
 
     def _run(self, d: Delivery, scope: AttemptScope) -> Any:
         try:
@@ -742,31 +760,23 @@ class OperationManager:
                 raise OutcomeUnknown(scope.operation_key, latest.key)
             return "unknown_resend", None
         if latest.state == AttemptState.RESERVED:
-            if latest.amount == where.amount:
-                return scope.reason, latest
-            self.ledger.release(latest.key, "never sent; re-estimated", expected="reserved")
-            return scope.reason, None
+            return scope.reason, self._reuse_or_release(latest, where.amount)
         return "redelivery", None  # billed, with rerun_billed: a new attempt of this call
 
     def _reserve_call(self, scope: AttemptScope, where: _Position, key: str, reason: str) -> None:
-        try:
-            reservation = self.ledger.reserve(
-                scope.budget,
-                key,
-                where.amount,
-                fingerprint=scope.fingerprint,
-                reason=reason,
-                price_version=where.price_version,
-                operation_id=scope.operation_id,
-                label=where.label,
-                step=where.base,
-            )
-        except (BudgetExceeded, BudgetFrozen) as exc:
-            self._denied(exc, where.amount)
-            raise
+        reservation = self._reserve_attempt(
+            scope.budget,
+            key,
+            where.amount,
+            fingerprint=scope.fingerprint,
+            reason=reason,
+            price_version=where.price_version,
+            operation_id=scope.operation_id,
+            label=where.label,
+            step=where.base,
+        )
         if not reservation.created:
             raise IdempotencyConflict(key, "attempt", reservation.state, "a new attempt")
-        self.hooks.admitted(budget=scope.budget, attempt=key, amount=where.amount)
 
 
 class _Replayed(Exception):

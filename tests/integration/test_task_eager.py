@@ -4,6 +4,7 @@ real ledger (SQLite and PostgreSQL) and the official SDK against the fake provid
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import openai
@@ -25,6 +26,10 @@ from budget_tasks import (
 )
 from budget_tasks.providers import estimates, openai_chat, openai_client
 from budget_tasks.testing import FakeProvider
+
+from .test_delivery_stateful import gone_owner
+
+LEASE = timedelta(minutes=10)
 
 
 def request(text: str) -> dict[str, Any]:
@@ -422,3 +427,36 @@ def test_a_resend_under_the_main_attempt_after_a_timeout_is_refused_before_sendi
         assert len([s for s in fake.served() if s.method == "POST"]) == 1
     finally:
         app.close()
+
+
+@pytest.mark.parametrize("same_amount", [True, False], ids=["same-amount", "re-estimated"])
+def test_an_attempt_reserved_and_never_sent_is_reused_or_replaced_for_every_call(
+    app: Any, backend_url: str, fake: FakeProvider, same_amount: bool
+) -> None:
+    """A run that died between a reservation and its send left the attempt reserved.
+    The next delivery sends under it when it asks the same amount; re-estimated, it
+    releases it and sends under a new attempt. One rule for the main call (resend:d#n)
+    and for a labelled one (agent:t:step:1~n)."""
+    ledger = Ledger(backend_url)
+    bound = estimates.openai_chat(request("d")).amount
+    left = bound if same_amount else bound + 1
+    for operation, fingerprint, key, options in (
+        ("resend:d", "d", "resend:d#1", {}),
+        ("agent:d", "d", "agent:d:step:1", {"label": "step", "step": "agent:d:step:1"}),
+    ):
+        dead = ledger.admit(
+            operation, fingerprint=fingerprint, owner=gone_owner(), lease=LEASE, max_runs=5
+        )
+        ledger.reserve("team", key, left, operation_id=dead.operation_id, **options)
+    assert app.jobs["resend"].delay("d").get() > 0
+    assert len(app.jobs["agent"].delay("d").get()["answers"]) == 2
+    sent = [s.idempotency_key for s in fake.served_as(ledger) if s.method == "POST"]
+    if same_amount:
+        assert sent == ["resend:d#1", "agent:d:step:1", "agent:d:step:2"]
+    else:
+        assert sent == ["resend:d#2", "agent:d:step:1~2", "agent:d:step:2"]
+        for key in ("resend:d#1", "agent:d:step:1"):
+            attempt = ledger.attempt(key)
+            assert (attempt.state, attempt.actual) == ("released", 0), key
+    assert ledger.balance("team").held == 0 and ledger.audit() == []
+    ledger.dispose()
