@@ -299,10 +299,9 @@ class OperationManager:
             last = replace(last, state=AttemptState.RELEASED)
         left = [a for a in (last, *start.open_steps) if a is not None and a.state in OPEN]
         if left:
-            for attempt in left:
-                if attempt.state == AttemptState.SENDING and not self._adopt(attempt):
-                    self._end(d, None)
-                    return None
+            if not self._adopt_all(left):
+                self._end(d, None)
+                return None
             if self.options.on_unknown != "resend":
                 end = self._end(d, None)
                 if end.status == OperationStatus.SUCCEEDED:
@@ -346,6 +345,11 @@ class OperationManager:
             )
             raise RetryLater("ledger", exc) from exc
         return True
+
+    def _adopt_all(self, attempts: list[AttemptRef]) -> bool:
+        """Earlier attempts left open, of the main call or labelled ones: each found
+        sending is adopted (see :meth:`_adopt`). False if any moved meanwhile."""
+        return all(a.state != AttemptState.SENDING or self._adopt(a) for a in attempts)
 
     def _adopt(self, attempt: AttemptRef) -> bool:
         """A later delivery found ``attempt`` sending: its run is gone (the lease was
@@ -754,9 +758,8 @@ class OperationManager:
         if latest.state == AttemptState.SETTLED and not self.options.rerun_billed:
             raise StepNotReplayable(scope.operation_key, latest.key)
         if latest.state in OPEN:
-            if latest.state == AttemptState.SENDING:
-                self._adopt(latest)
-            if self.options.on_unknown != "resend":
+            # moved meanwhile (settled by beat, say): never resent on a stale read
+            if not self._adopt_all([latest]) or self.options.on_unknown != "resend":
                 raise OutcomeUnknown(scope.operation_key, latest.key)
             return "unknown_resend", None
         if latest.state == AttemptState.RESERVED:

@@ -24,6 +24,7 @@ from budget_tasks import (
     ResendRefused,
     SideEffectUncertain,
 )
+from budget_tasks.errors import InvalidTransition, OperationInProgress
 from budget_tasks.providers import estimates, openai_chat, openai_client
 from budget_tasks.testing import FakeProvider
 
@@ -459,4 +460,56 @@ def test_an_attempt_reserved_and_never_sent_is_reused_or_replaced_for_every_call
             attempt = ledger.attempt(key)
             assert (attempt.state, attempt.actual) == ("released", 0), key
     assert ledger.balance("team").held == 0 and ledger.audit() == []
+    ledger.dispose()
+
+
+@pytest.mark.parametrize("moved", [False, True], ids=["found-sending", "moved-meanwhile"])
+def test_a_dead_runs_labelled_call_is_resent_on_unknown_unless_it_moved(
+    app: Any, backend_url: str, fake: FakeProvider, monkeypatch: pytest.MonkeyPatch, moved: bool
+) -> None:
+    """on_unknown="resend": a dead run's labelled call found sending is marked unknown
+    when the next delivery begins and sent again as a new attempt (``~2``), as a main
+    call is. If marking it says it moved meanwhile (beat settled it, say), nothing is
+    sent on that stale read: the delivery reads again and, still refused, comes back
+    later (OperationInProgress, Celery's retry)."""
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=2.0)
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="team",
+        name=f"moved{uuid.uuid4().hex[:8]}",
+        on_unknown="resend",
+        idempotency_key=lambda topic: f"moved:{topic}",
+        fingerprint=lambda topic: topic,
+        estimate_cost=lambda topic: 0,
+    )
+    def one_step(self: BudgetTask, topic: str) -> Any:
+        with self.spend(estimates.openai_chat(request(topic)).amount, "step") as call:
+            if not call.replayed:
+                sent = openai_chat(client, key=call.key, **request(topic))
+                call.record(sent, result=sent.result["content"])
+        return call.result
+
+    ledger = Ledger(backend_url)
+    dead = ledger.admit("moved:t", fingerprint="t", owner=gone_owner(), lease=LEASE, max_runs=5)
+    bound = estimates.openai_chat(request("t")).amount
+    step = "moved:t:step:1"
+    ledger.reserve("team", step, bound, operation_id=dead.operation_id, label="step", step=step)
+    ledger.mark_sending(step)
+    if moved:
+
+        def moved_meanwhile(self: Ledger, key: str, *args: Any, **kwargs: Any) -> bool:
+            raise InvalidTransition(key, "settled", "mark it unknown")
+
+        monkeypatch.setattr(Ledger, "mark_unknown", moved_meanwhile)
+        with pytest.raises(OperationInProgress):
+            one_step.delay("t").get()
+        assert [s for s in fake.served() if s.method == "POST"] == []
+        assert ledger.attempt(step).state == "sending"  # nothing written on a stale read
+    else:
+        assert one_step.delay("t").get()
+        sent = [s.idempotency_key for s in fake.served_as(ledger) if s.method == "POST"]
+        assert sent == [f"{step}~2"]
+        assert ledger.attempt(step).state == "unknown"  # kept: the resend pays its own hold
     ledger.dispose()
