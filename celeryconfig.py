@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from budget_tasks.wiring import redis_broker
+
 home = Path(os.environ.get("BUDGET_TASKS_HOME", Path.home() / ".budget-tasks"))
 
 # Celery itself reads CELERY_BROKER_URL and CELERY_RESULT_BACKEND over these.
@@ -30,7 +32,7 @@ budget_ledger_url = os.environ.get("BUDGET_TASKS_LEDGER_URL", f"sqlite:///{home 
 # the beat schedule come from budget_tasks.configure(app), in workers/app.py.
 
 broker_transport_options: dict[str, object] = {}
-if broker_url.startswith(("redis://", "rediss://", "redis+socket://", "sentinel://")):
+if redis_broker(broker_url):
     # Only for Redis: kombu's SQLAlchemy transport hands its options to create_engine(),
     # which refuses these names.
     broker_transport_options = {

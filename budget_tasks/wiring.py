@@ -83,6 +83,11 @@ REDIS_VISIBILITY_DEFAULT = 3600.0
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "sentinel://")
 
 
+def redis_broker(url: object) -> bool:
+    """Whether ``url`` names a Redis broker (whose transport options are Redis's own)."""
+    return str(url or "").startswith(REDIS_SCHEMES)
+
+
 def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
     """Wire ``app`` for BudgetTask: the beat jobs registered, their schedule merged into
     ``beat_schedule`` (entries of the same name the app sets win), and
@@ -124,7 +129,7 @@ def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
 
 
 def _transport_from_environment(conf: Any) -> None:
-    if not str(conf.broker_url or "").startswith(REDIS_SCHEMES):
+    if not redis_broker(conf.broker_url):
         # the options are Redis's: kombu's SQLAlchemy transport, for one, hands them
         # to create_engine(), which refuses them
         return
@@ -163,8 +168,7 @@ def startup_problems(app: Celery, base: type) -> list[str]:
             "never reconciled and stale holds never flagged; call "
             "budget_tasks.configure(app) in the app module and run `celery beat`"
         )
-    broker = str(app.conf.broker_url or "")
-    if broker.startswith(REDIS_SCHEMES):
+    if redis_broker(app.conf.broker_url):
         options = app.conf.broker_transport_options or {}
         visibility = float(options.get("visibility_timeout", REDIS_VISIBILITY_DEFAULT))
         longest = max(budget_tasks, key=lambda t: t.lease_seconds)
@@ -192,6 +196,7 @@ __all__ = [
     "DELIVERY_DEFAULTS",
     "ENV_SETTINGS",
     "configure",
+    "redis_broker",
     "settings_from_environment",
     "startup_problems",
     "warn_at_start",

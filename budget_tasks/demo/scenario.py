@@ -31,6 +31,7 @@ from typing import Any
 
 import click
 
+from ..delivery.keys import step_key
 from ..ledger import Ledger
 from ..providers import estimates
 from ..testing import FakeProvider
@@ -71,7 +72,7 @@ class Job:
     @property
     def call_key(self) -> str:
         """The attempt of the job's one SDK call, through the guarded client."""
-        return f"{self.key}:openai.chat:1"
+        return step_key(self.key, "openai.chat", 1)
 
 
 @dataclass

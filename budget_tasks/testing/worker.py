@@ -23,10 +23,9 @@ def worker_env(
 ) -> dict[str, str]:
     """The environment for a ``celery -A workers.app worker``: this process's,
     without its own ``CELERY_*``/``BUDGET_*`` variables, plus the reference app's
-    settings under the names its ``celeryconfig.py`` reads (results on the
-    broker unless ``backend`` is given; the OpenAI-compatible ``provider`` URL, with a
-    fake key; any
-    more ``settings`` as they are)."""
+    settings under the names its ``celeryconfig.py`` reads (results on the broker
+    unless ``backend`` is given; the OpenAI-compatible ``provider`` URL, with a fake
+    key; any more ``settings`` as they are)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "BUDGET_"))}
     env.update(
         CELERY_BROKER_URL=broker,

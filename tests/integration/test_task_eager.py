@@ -131,6 +131,23 @@ def app(backend_url: str, fake: FakeProvider) -> Any:
         self.attempt.record(sent)
         return sent.cost or 0
 
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        budget="team",
+        name=f"{prefix}.resend_step",
+        on_unknown="resend",
+        idempotency_key=lambda topic: f"moved:{topic}",
+        fingerprint=lambda topic: topic,
+        estimate_cost=lambda topic: 0,
+    )
+    def resend_step(self: BudgetTask, topic: str) -> Any:
+        with self.spend(estimates.openai_chat(request(topic)).amount, "step") as call:
+            if not call.replayed:
+                sent = openai_chat(client, key=call.key, **request(topic))
+                call.record(sent, result=sent.result["content"])
+        return call.result
+
     app.side_effects = side_effects
     app.jobs = {
         "summarize": summarize,
@@ -138,6 +155,7 @@ def app(backend_url: str, fake: FakeProvider) -> Any:
         "refused": refused,
         "agent": agent,
         "resend": resend,
+        "resend_step": resend_step,
     }
     Ledger(backend_url).create_budget("team", 1_000_000)
     Ledger(backend_url).create_budget("tiny", 1)
@@ -472,25 +490,7 @@ def test_a_dead_runs_labelled_call_is_resent_on_unknown_unless_it_moved(
     call is. If marking it says it moved meanwhile (beat settled it, say), nothing is
     sent on that stale read: the delivery reads again and, still refused, comes back
     later (OperationInProgress, Celery's retry)."""
-    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=2.0)
-
-    @app.task(
-        base=BudgetTask,
-        bind=True,
-        budget="team",
-        name=f"moved{uuid.uuid4().hex[:8]}",
-        on_unknown="resend",
-        idempotency_key=lambda topic: f"moved:{topic}",
-        fingerprint=lambda topic: topic,
-        estimate_cost=lambda topic: 0,
-    )
-    def one_step(self: BudgetTask, topic: str) -> Any:
-        with self.spend(estimates.openai_chat(request(topic)).amount, "step") as call:
-            if not call.replayed:
-                sent = openai_chat(client, key=call.key, **request(topic))
-                call.record(sent, result=sent.result["content"])
-        return call.result
-
+    one_step = app.jobs["resend_step"]
     ledger = Ledger(backend_url)
     dead = ledger.admit("moved:t", fingerprint="t", owner=gone_owner(), lease=LEASE, max_runs=5)
     bound = estimates.openai_chat(request("t")).amount
