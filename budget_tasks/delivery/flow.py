@@ -1,9 +1,10 @@
 """One delivery of an operation, as a state machine on the ledger (no Celery here).
 
 :class:`OperationManager` runs the flow that ``BudgetTask.__call__`` drives: look the
-operation up, replay or wait or stop, decide what the last run left behind, reserve,
-run, then settle and store. Every write it makes is compare-and-set in the ledger;
-when one finds another state, the manager re-reads and acts on what is there.
+operation up, replay or wait or stop, open its main call (call 0), run, then settle and
+store. The main call and every labelled call are opened by one path
+(:mod:`.calls`); every write is compare-and-set in the ledger, and when one finds
+another state, the manager re-reads and acts on what is there.
 
 The rules for money, whatever ``run`` does:
 
@@ -25,7 +26,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +35,6 @@ from ..errors import (
     BudgetExceeded,
     BudgetFrozen,
     BudgetTasksError,
-    IdempotencyConflict,
     InvalidTransition,
     LedgerUnavailable,
     OperationFailed,
@@ -44,10 +44,11 @@ from ..errors import (
     StepNotReplayable,
 )
 from ..hooks import Hooks, hooks
-from ..ledger import CallEnd, CallFacts
-from ..ledger.operations import AttemptRef, Decision, OperationStart, RunEnd, owner_id
-from ..ledger.records import Reservation
-from ..ledger.states import HOLDING, OPEN, AttemptState, OperationStatus, nothing_sent_under
+from ..ledger import CallAdmission, CallAsk, CallEnd, CallFacts
+from ..ledger.operations import Decision, OperationStart, RunEnd, owner_id
+from ..ledger.records import AttemptRef
+from ..ledger.states import OperationStatus
+from .calls import CallPath, CallSite, Found, GrantUnanswered, Moved, Opened, Unresolved
 from .fates import (
     ErrorKind,
     HoldFate,
@@ -57,30 +58,19 @@ from .fates import (
     fate_after_error,
     fate_after_return,
 )
-from .keys import main_key, step_key
-from .owed import Write, call_end, call_write, catch_up, end_write, owe, persist
+from .keys import step_key
+from .options import DeliveryOptions
+from .owed import Write, call_end, call_write, catch_up, end_write, owe, persist, unsent_write
 from .scope import AttemptScope, Call
+from .told import Told
+
+__all__ = ["MAX_REREADS", "Delivery", "DeliveryOptions", "OperationManager", "RetryLater"]
 
 log = logging.getLogger("budget_tasks.delivery")
 
-#: How many times a delivery re-reads after losing a compare-and-set before it gives
-#: the message back for later.
+#: How many times a delivery (or a labelled call) re-reads after losing a
+#: compare-and-set before it gives up for now.
 MAX_REREADS = 3
-#: What the result of a step replays as when its step is reconciled but none stored.
-_STEP_RECORD = "spend:{label}:{seq}"
-
-
-@dataclass(frozen=True)
-class _Position:
-    """One labelled call's place in its run: the label it counts under, its first
-    attempt's key, the name its answer is stored under, and what it reserves."""
-
-    label: str
-    base: str
-    record: str
-    amount: int
-    facts: CallFacts
-    price_version: str | None
 
 
 @dataclass(frozen=True)
@@ -109,21 +99,6 @@ class RetryLater(Exception):
 
 
 @dataclass
-class DeliveryOptions:
-    """A task's options that the flow reads (see BudgetTask)."""
-
-    task: str
-    on_unknown: str = "hold"
-    max_deliveries: int = 5
-    lease_seconds: float = 600.0
-    retry_when_budget_frees: float = 0.0
-    rerun_billed: bool = False
-    price_version: str | None = None
-    #: exceptions out of ``run`` by which a task asks to run again later (Celery's Retry)
-    retry_types: tuple[type[BaseException], ...] = ()
-
-
-@dataclass
 class Delivery:
     """One delivery's facts: what the operation is and what the task gives."""
 
@@ -141,13 +116,22 @@ class Delivery:
     redelivered: bool = False
 
 
+class _Replayed(Exception):
+    """Internal: the operation turned out finished while this delivery decided."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__("replayed")
+        self.result = result
+
+
 class OperationManager:
     """Runs deliveries of one task's operations on one ledger (see the module)."""
 
     def __init__(self, ledger: Any, options: DeliveryOptions, sink: Hooks = hooks) -> None:
         self.ledger = ledger
         self.options = options
-        self.hooks = sink
+        self.told = Told(sink, options.task)
+        self.calls = CallPath(ledger, options, self.told)
 
     # -- one delivery ------------------------------------------------------------------
 
@@ -160,37 +144,41 @@ class OperationManager:
         estimate, facts, failure = (None, None, None) if d.redelivered else self._estimate(d)
         for _ in range(MAX_REREADS):
             start = self._admit(d, estimate, facts)
+            self._decided(d, start)
             if start.decision is Decision.REPLAY:
-                log.info("operation %s replayed: no provider call, no charge", d.key)
-                self.hooks.replayed(task=self.options.task, operation=d.key)
                 return start.result
-            if start.decision is Decision.FAILED:
-                raise OperationFailed(d.key, start.error)
-            if start.decision is Decision.POISONED:
-                log.error("operation %s stopped as a poison message: %s", d.key, start.error)
-                raise PoisonMessage(d.key, start.error)
-            if start.decision is Decision.IN_PROGRESS:
-                raise RetryLater("in_progress", OperationInProgress(d.key))
             if estimate is None and failure is None:
                 estimate, facts, failure = self._estimate(d)
             if failure is not None:
                 self._end_quietly(
-                    d, OperationStatus.PENDING, "estimate_cost or describe_call failed"
+                    d,
+                    start.operation_id,
+                    OperationStatus.PENDING,
+                    "estimate_cost or describe_call failed",
                 )
                 raise failure
-            assert estimate is not None
-            if start.reservation is not None:  # reserved and granted with the lease
-                reservation = start.reservation
-                self.hooks.admitted(budget=d.budget, attempt=reservation.key, amount=estimate)
-                key, reason = reservation.key, reservation.reason
-                return self._run(d, self._scope(d, start, key, estimate, reason, facts))
+            assert estimate is not None and start.call is not None
+            site = self._main_site(d, self._main_ask(d, estimate, facts), start.call)
             try:
-                prepared = self._prepare(d, start, estimate, facts)
+                opened = self._open_main(d, site, start.call)
             except _Replayed as replayed:
                 return replayed.result
-            if prepared is not None:
-                return self._run(d, prepared)
+            if opened is not None:
+                return self._run(d, self._scope(d, site, start.call, opened))
         raise RetryLater("in_progress", OperationInProgress(d.key))
+
+    def _decided(self, d: Delivery, start: OperationStart) -> None:
+        """What the admission decided without running: a replay (told), or raised."""
+        if start.decision is Decision.REPLAY:
+            log.info("operation %s replayed: no provider call, no charge", d.key)
+            self.told.replayed(d.key)
+        elif start.decision is Decision.FAILED:
+            raise OperationFailed(d.key, start.error)
+        elif start.decision is Decision.POISONED:
+            log.error("operation %s stopped as a poison message: %s", d.key, start.error)
+            raise PoisonMessage(d.key, start.error)
+        elif start.decision is Decision.IN_PROGRESS:
+            raise RetryLater("in_progress", OperationInProgress(d.key))
 
     @staticmethod
     def _estimate(d: Delivery) -> tuple[int | None, CallFacts | None, Exception | None]:
@@ -201,19 +189,24 @@ class OperationManager:
         except Exception as exc:
             return None, None, exc
 
-    def _plan(self, start: OperationStart) -> tuple[str, str] | None:
-        """The main attempt to reserve and grant with the lease, ``(key, reason)``; None
-        where an earlier run left an attempt to decide first (see :meth:`_prepare`)."""
-        last = start.last_attempt
-        if start.open_steps or (last is not None and last.state in HOLDING):
-            return None
-        reason = start.next_reason or ("first" if start.attempts == 0 else "redelivery")
-        return main_key(start.key, start.attempts + 1), reason
+    def _main_ask(self, d: Delivery, estimate: int, facts: CallFacts | None) -> CallAsk:
+        return CallAsk(
+            d.budget, estimate, d.fingerprint, self.options.price_version, facts or CallFacts()
+        )
+
+    @staticmethod
+    def _main_site(d: Delivery, ask: CallAsk, here: CallAdmission) -> CallSite:
+        """The main call as call 0 of its operation."""
+        return CallSite(
+            d.key, ask, 0, run_reason=here.next_reason or "first", next_reason=here.next_reason
+        )
 
     def _admit(self, d: Delivery, estimate: int | None, facts: CallFacts | None) -> OperationStart:
-        try:
-            catch_up(self.ledger)
-            return self.ledger.admit(  # type: ignore[no-any-return]
+        ask = None if estimate is None else self._main_ask(d, estimate, facts)
+        catch_up(self.ledger)
+
+        def admission(plan: Callable[[CallAdmission], tuple[str, str] | None]) -> OperationStart:
+            start: OperationStart = self.ledger.admit(
                 d.key,
                 fingerprint=d.fingerprint,
                 owner=d.owner,
@@ -221,208 +214,105 @@ class OperationManager:
                 max_runs=self.options.max_deliveries,
                 task=self.options.task,
                 payload=d.payload,
-                budget=d.budget if estimate is not None else None,
-                amount=estimate,
-                plan=self._plan,
-                price_version=self.options.price_version,
-                call=facts,
+                call=ask,
+                plan=plan,
             )
+            return start
+
+        def site_of(here: CallAdmission) -> CallSite:
+            assert ask is not None  # asked only where the main call is admitted
+            return self._main_site(d, ask, here)
+
+        try:
+            return self.calls.admit(estimate or 0, site_of, admission)
         except (BudgetExceeded, BudgetFrozen) as exc:
             # Refused in the admission's transaction: the operation is pending again.
-            self._denied(exc, estimate or 0)
             if self.options.retry_when_budget_frees:
                 raise RetryLater("budget", exc) from exc
             raise
-        except LedgerUnavailable as exc:
+        except GrantUnanswered as lost:
             # Fail closed: nothing is sent. The lease and a grant may have committed all
             # the same (a COMMIT whose answer was lost): this process, which knows it sent
             # nothing, gives them back once the ledger answers.
-            owe(
-                self.ledger,
-                d.key,
-                d.owner,
-                [end_write(d.key, d.owner, OperationStatus.PENDING, str(exc), True)],
-            )
-            raise RetryLater("ledger", exc) from exc
+            self._give_back(d, lost)
+            raise RetryLater("ledger", lost.cause) from lost.cause
 
-    def _denied(self, exc: BudgetExceeded | BudgetFrozen, amount: int) -> None:
-        self.hooks.denied(
-            budget=exc.budget,
-            reason="exceeded" if isinstance(exc, BudgetExceeded) else "frozen",
-            amount=amount,
-        )
+    def _give_back(self, d: Delivery, lost: GrantUnanswered) -> None:
+        """Owe what undoes an admission or a grant whose answer was lost: the grant (if
+        one may have committed), then the lease (by the operation's id where known).
+        Each write is compare-and-set on this run's lease: should the lease have moved
+        on meanwhile, another run may be sending under that very attempt."""
+        writes: list[Write] = []
+        if lost.key is not None and lost.operation_id is not None:
+            writes.append(unsent_write(lost.key, lost.operation_id, d.owner))
+        operation = d.key if lost.operation_id is None else lost.operation_id
+        writes.append(end_write(operation, d.owner, OperationStatus.PENDING, str(lost.cause)))
+        owe(self.ledger, d.key, d.owner, writes)
 
-    def _scope(
-        self,
-        d: Delivery,
-        start: OperationStart,
-        key: str,
-        amount: int,
-        reason: str,
-        facts: CallFacts | None,
-    ) -> AttemptScope:
-        return AttemptScope(
-            key,
-            amount,
-            self.ledger,
-            reason=reason,
-            operation_key=d.key,
-            operation_id=start.operation_id,
-            budget=d.budget,
-            fingerprint=d.fingerprint,
-            manager=self,
-            owner=d.owner,
-            described=facts,
-        )
-
-    def _prepare(
-        self, d: Delivery, start: OperationStart, estimate: int, facts: CallFacts | None
-    ) -> AttemptScope | None:
-        """Everything before ``run``: settle what the last run left behind, decide the
-        attempt, reserve it. None: the state moved under us; read again."""
-        last = start.last_attempt
-        reason = start.next_reason or ("first" if start.attempts == 0 else "redelivery")
-        if (
-            last is not None
-            and last.state in OPEN
-            and nothing_sent_under(d.key, last.label, last.amount, last.recorded_actual)
-        ):
-            # A dead run's main attempt of 0 is released and the run goes again; its
-            # metered calls replay by position.
-            try:
-                self.ledger.release(
-                    last.key, "a dead run's main attempt of 0: nothing sent", expected=last.state
-                )
-            except InvalidTransition:
-                self._end(d, None)
-                return None
-            last = replace(last, state=AttemptState.RELEASED)
-        left = [a for a in (last, *start.open_steps) if a is not None and a.state in OPEN]
-        if left:
-            if not self._adopt_all(left):
-                self._end(d, None)
-                return None
-            if self.options.on_unknown != "resend":
-                end = self._end(d, None)
-                if end.status == OperationStatus.SUCCEEDED:
-                    self.hooks.replayed(task=self.options.task, operation=d.key)
-                    raise _Replayed(end.result)
-                if end.status == OperationStatus.UNKNOWN or not end.applied:
-                    raise OutcomeUnknown(d.key, left[0].key)
-                return None  # resolved meanwhile: read again
-            if last is not None and last.state in OPEN:
-                reason = "unknown_resend"
+    def _open_main(self, d: Delivery, site: CallSite, here: CallAdmission) -> Opened | None:
+        """Open the main call as any call is opened (see :mod:`.calls`), ending the run
+        on what stops it before ``run``. None: the state moved under us; read again."""
+        operation = here.operation_id
         try:
-            reuse = self._reuse_or_release(last, estimate)
-        except InvalidTransition:
-            self._end(d, None)
+            opened = self.calls.open(site, here)
+        except Moved:
+            self._end(operation, d.owner, None)
             return None
-        key = reuse.key if reuse is not None else main_key(d.key, start.attempts + 1)
-        if reuse is None and not self._reserve(d, key, estimate, reason, start.operation_id):
+        except Unresolved as unresolved:
+            self._concluded(d, operation, unresolved.attempt)
             return None
-        if not self._grant(d, key):
-            return None
-        return self._scope(d, start, key, estimate, reason, None)
-
-    def _grant(self, d: Delivery, key: str) -> bool:
-        """reserved -> sending: the reservation is committed; this is the one grant of
-        a send. False if the hold moved meanwhile (read again)."""
-        try:
-            self.ledger.mark_sending(key)
-        except InvalidTransition:
-            self._end(d, None)
-            return False
-        except LedgerUnavailable as exc:
-            # Nothing is sent. The grant may have committed all the same (its answer
-            # lost): this process, which knows nothing went out, releases it later.
-            # Given back through the lease, compare-and-set: should the lease have moved
-            # on meanwhile, another run may be sending under this very attempt.
-            owe(
-                self.ledger,
-                d.key,
-                d.owner,
-                [end_write(d.key, d.owner, OperationStatus.PENDING, str(exc), unsent=True)],
-            )
-            raise RetryLater("ledger", exc) from exc
-        return True
-
-    def _adopt_all(self, attempts: list[AttemptRef]) -> bool:
-        """Earlier attempts left open, of the main call or labelled ones: each found
-        sending is adopted (see :meth:`_adopt`). False if any moved meanwhile."""
-        return all(a.state != AttemptState.SENDING or self._adopt(a) for a in attempts)
-
-    def _adopt(self, attempt: AttemptRef) -> bool:
-        """A later delivery found ``attempt`` sending: its run is gone (the lease was
-        not live), so its outcome is unknown. False if it moved meanwhile."""
-        try:
-            if self.ledger.mark_unknown(
-                attempt.key, "a later delivery found it sending: worker lost"
-            ):
-                self.hooks.unknown(task=self.options.task, attempt=attempt.key)
-        except InvalidTransition:
-            return False
-        return True
-
-    def _reserve(
-        self,
-        d: Delivery,
-        key: str,
-        amount: int,
-        reason: str,
-        operation_id: int,
-    ) -> bool:
-        """Reserve the main attempt (the lease given back if refused)."""
-        try:
-            reservation = self._reserve_attempt(
-                d.budget,
-                key,
-                amount,
-                fingerprint=d.fingerprint,
-                reason=reason,
-                price_version=self.options.price_version,
-                operation_id=operation_id,
-            )
+        except GrantUnanswered as lost:
+            self._give_back(d, lost)
+            raise RetryLater("ledger", lost.cause) from lost.cause
         except (BudgetExceeded, BudgetFrozen) as exc:
-            self._end_quietly(d, OperationStatus.PENDING, str(exc))
+            self._end_quietly(d, operation, OperationStatus.PENDING, str(exc))
             if self.options.retry_when_budget_frees:
                 raise RetryLater("budget", exc) from exc
             raise
         except LedgerUnavailable as exc:
             # Nothing was sent: fail closed now, and let the message come back later.
-            self._end_quietly(d, OperationStatus.PENDING, str(exc))
+            self._end_quietly(d, operation, OperationStatus.PENDING, str(exc))
             raise RetryLater("ledger", exc) from exc
+        except StepNotReplayable as exc:
+            self._end_quietly(d, operation, OperationStatus.FAILED, describe_error(exc))
+            raise
         except (BudgetTasksError, ValueError, TypeError) as exc:
-            self._end_quietly(d, OperationStatus.PENDING, str(exc))
+            self._end_quietly(d, operation, OperationStatus.PENDING, str(exc))
             raise
-        if not reservation.created:
-            # The key exists: never a second permission. Read again.
-            self._end(d, None)
-            return False
-        return True
-
-    def _reserve_attempt(self, budget: str, key: str, amount: int, **how: Any) -> Reservation:
-        """Reserve a new attempt of any call, the main one or a labelled one, and tell
-        the hooks: admitted, or denied (raised). Not ``created``: the key was there."""
-        try:
-            reservation: Reservation = self.ledger.reserve(budget, key, amount, **how)
-        except (BudgetExceeded, BudgetFrozen) as exc:
-            self._denied(exc, amount)
-            raise
-        if reservation.created:
-            self.hooks.admitted(budget=budget, attempt=key, amount=amount)
-        return reservation
-
-    def _reuse_or_release(self, earlier: AttemptRef | None, amount: int) -> AttemptRef | None:
-        """An earlier attempt of this call that was reserved and never sent is sent
-        under as it is at the same amount; at another amount (re-estimated) it is
-        released first. The same rule for the main call and a labelled one;
-        InvalidTransition if it moved meanwhile."""
-        if earlier is None or earlier.state != AttemptState.RESERVED:
+        if isinstance(opened, Found):
+            self._concluded(d, operation, None)
             return None
-        if earlier.amount == amount:
-            return earlier
-        self.ledger.release(earlier.key, "never sent; re-estimated", expected="reserved")
-        return None
+        return opened
+
+    def _concluded(self, d: Delivery, operation: int, unresolved: AttemptRef | None) -> None:
+        """An earlier attempt decides the operation (one unresolved, or an answer found):
+        give the lease back and see what it became. Replayed (raised), still unknown
+        (OutcomeUnknown), or None: read again."""
+        end = self._end(operation, d.owner, None)
+        if end.status == OperationStatus.SUCCEEDED:
+            self.told.replayed(d.key)
+            raise _Replayed(end.result)
+        if unresolved is not None and (end.status == OperationStatus.UNKNOWN or not end.applied):
+            raise OutcomeUnknown(d.key, unresolved.key)
+        return None  # resolved meanwhile: read again
+
+    def _scope(
+        self, d: Delivery, site: CallSite, here: CallAdmission, opened: Opened
+    ) -> AttemptScope:
+        return AttemptScope(
+            opened.key,
+            site.ask.amount,
+            self.ledger,
+            reason=opened.reason,
+            operation_key=d.key,
+            operation_id=here.operation_id,
+            budget=d.budget,
+            fingerprint=d.fingerprint,
+            manager=self,
+            owner=d.owner,
+            described=site.ask.facts if opened.described else None,
+            next_reason=here.next_reason,
+        )
 
     def _run(self, d: Delivery, scope: AttemptScope) -> Any:
         try:
@@ -453,12 +343,14 @@ class OperationManager:
             "call": call_end(scope, fate),
             "owner": d.owner,
         }
+        operation = scope.operation_id
         try:
-            end = persist(self.ledger.finish_operation, d.key, **kwargs)
+            end = persist(self.ledger.finish_operation, operation, **kwargs)
         except LedgerUnavailable as exc:
-            owe(self.ledger, d.key, d.owner, [Write("finish_operation", {"key": d.key, **kwargs})])
+            kept = Write("finish_operation", {"operation_id": operation, **kwargs})
+            owe(self.ledger, d.key, d.owner, [kept])
             raise RetryLater("ledger", exc) from exc
-        self._tell(d.budget, scope.attempt_key, scope.amount, fate)
+        self.told.ended(d.budget, scope.attempt_key, scope.amount, fate)
         if not end.applied:
             if end.status == OperationStatus.SUCCEEDED:
                 log.warning("operation %s was finished meanwhile: its stored result stands", d.key)
@@ -499,7 +391,7 @@ class OperationManager:
         after = self._run_end(scope, cause, fate, retried)
         catch_up(self.ledger)  # what this run's labelled calls still owe goes first
         end = self._write_all(d, self._end_writes(d, scope, fate, after, describe_error(exc)))
-        self._tell(d.budget, scope.attempt_key, scope.amount, fate)
+        self.told.ended(d.budget, scope.attempt_key, scope.amount, fate)
         if end is None:  # the ledger is down: the writes are owed; bring the message back
             raise RetryLater("ledger", exc) from exc
         if end.status == OperationStatus.SUCCEEDED:
@@ -544,12 +436,14 @@ class OperationManager:
     ) -> list[Write]:
         """The main call's outcome and the run's end, as the writes that make them (a
         failed run settles its billed main call in the same commit as it fails)."""
-        lease = {"key": d.key, "owner": d.owner, "error": error}
+        operation = scope.operation_id
+        lease = {"owner": d.owner, "error": error}
         if after.status == OperationStatus.FAILED:
-            return [Write("fail_operation", {**lease, "call": call_end(scope, fate)})]
-        outcome = call_write(scope, fate, operation_id=scope.operation_id, owner=d.owner)
-        ending = {**lease, "status": after.status, "next_reason": after.next_reason}
-        return [outcome, Write("end_run", ending)]
+            failing = {"operation_id": operation, **lease, "call": call_end(scope, fate)}
+            return [Write("fail_operation", failing)]
+        outcome = call_write(scope, fate, operation_id=operation, owner=d.owner)
+        ending = {"operation": operation, **lease, "status": after.status}
+        return [outcome, Write("end_run", {**ending, "next_reason": after.next_reason})]
 
     def _write_all(self, d: Delivery, writes: list[Write]) -> RunEnd | None:
         end = None
@@ -563,29 +457,21 @@ class OperationManager:
                 log.warning("operation %s: %s moved meanwhile: %s", d.key, write.name, exc)
         return end if isinstance(end, RunEnd) else None
 
-    def _tell(self, budget: str, attempt: str, amount: int, fate: HoldFate) -> None:
-        """What a call's hold came to, for the hooks: the main call and a labelled one."""
-        if fate.action == "unknown":
-            self.hooks.unknown(task=self.options.task, attempt=attempt)
-        elif fate.action == "settle":
-            self.hooks.settled(
-                budget=budget, attempt=attempt, amount=amount, actual=fate.actual, by="task"
-            )
-        else:
-            self.hooks.released(budget=budget, attempt=attempt, amount=amount, by="task")
+    def _end(
+        self, operation: int | str, owner: str, status: str | None, error: str | None = None
+    ) -> RunEnd:
+        end: RunEnd = self.ledger.end_run(operation, owner=owner, status=status, error=error)
+        return end
 
-    def _end(self, d: Delivery, status: str | None, error: str | None = None) -> RunEnd:
-        return self.ledger.end_run(d.key, owner=d.owner, status=status, error=error)  # type: ignore[no-any-return]
-
-    def _end_quietly(self, d: Delivery, status: str, error: str) -> None:
+    def _end_quietly(self, d: Delivery, operation: int, status: str, error: str) -> None:
         """Give the lease back; if the ledger is down, this process does at its next
         delivery (the lease names a live process: waiting for its expiry would hold the
         message off for a whole lease)."""
         try:
-            self._end(d, status, error)
+            self._end(operation, d.owner, status, error)
         except LedgerUnavailable:
             log.warning("operation %s: could not record %s yet (ledger down)", d.key, status)
-            owe(self.ledger, d.key, d.owner, [end_write(d.key, d.owner, status, error)])
+            owe(self.ledger, d.key, d.owner, [end_write(operation, d.owner, status, error)])
 
     # -- labelled calls ------------------------------------------------------------------
 
@@ -606,52 +492,77 @@ class OperationManager:
         check.money(amount)
         facts = call or CallFacts()
         seq = scope.position(label, facts.request)
-        base = step_key(scope.operation_key, label, seq)
-        if len(base) + check.STEP_SUFFIX_ROOM > check.MAX_KEY_LENGTH:
+        step = step_key(scope.operation_key, label, seq)
+        if len(step) + check.STEP_SUFFIX_ROOM > check.MAX_KEY_LENGTH:
             # refused before anything is reserved: the key could never be written
             raise ValueError(
                 f"step {label!r} of operation {scope.operation_key[:40]!r}...: its attempt "
                 f"keys would pass {check.MAX_KEY_LENGTH} characters; use a shorter label "
                 "or idempotency key"
             )
-        where = _Position(
-            label,
-            base,
-            _STEP_RECORD.format(label=label, seq=seq),
-            amount,
-            facts,
-            price_version or self.options.price_version,
+        version = price_version or self.options.price_version
+        ask = CallAsk(scope.budget, amount, scope.fingerprint, version, facts, label, step)
+        site = CallSite(
+            scope.operation_key, ask, seq, run_reason=scope.reason, next_reason=scope.next_reason
         )
-        made = self._open_call(scope, where)
+        made = self._open_call(scope, site)
         if made.replayed:
             yield made
             return
         try:
             yield made
         except BaseException as exc:
-            self._call_failed(scope, where, made, exc)
+            self._call_failed(scope, site, made, exc)
             raise
         fate = fate_after_return(made)
-        self._write_call(scope, made, fate, wait=True, record=where.record, result=made.result)
+        self._write_call(scope, made, fate, wait=True, record=site.record, result=made.result)
         if fate.action == "settle":
-            self._tell(scope.budget, made.attempt_key, made.amount, fate)
+            self.told.ended(scope.budget, made.attempt_key, made.amount, fate)
 
-    def _open_call(self, scope: AttemptScope, where: _Position) -> Call:
-        """The call at ``where``: replayed, or granted its send."""
-        try:
-            found = self._step_attempt(scope, where)
-            if isinstance(found, Call):
-                return found
-            key, granted = found
-            if not granted:
-                self.ledger.mark_sending(key)
-        except LedgerUnavailable as exc:
-            raise before_send(exc) from None
-        described = where.facts if granted else None
-        return Call(key, where.amount, where.label, self.ledger, described=described)
+    def _open_call(self, scope: AttemptScope, site: CallSite) -> Call:
+        """Open a labelled call as any call is opened (see :mod:`.calls`): replayed, or
+        granted its send; what stops it is raised into the run, marked as raised before
+        anything was sent."""
+        ask, record = site.ask, site.record
+        assert record is not None
+
+        def admission(plan: Callable[[CallAdmission], tuple[str, str] | None]) -> CallAdmission:
+            here: CallAdmission = self.ledger.admit_call(
+                scope.operation_id, ask, record=record, plan=plan
+            )
+            return here
+
+        for _ in range(MAX_REREADS):
+            try:
+                here = self.calls.admit(ask.amount, lambda _: site, admission)
+                if here.stored is not None:
+                    return Call(
+                        site.key(0),
+                        ask.amount,
+                        str(ask.label),
+                        replayed=True,
+                        result=here.stored[1],
+                    )
+                opened = self.calls.open(site, here)
+            except Moved:
+                continue
+            except Unresolved as unresolved:
+                raise OutcomeUnknown(scope.operation_key, unresolved.attempt.key) from None
+            except GrantUnanswered as lost:
+                if lost.key is not None and lost.operation_id is not None:
+                    undo = unsent_write(lost.key, lost.operation_id, scope.owner)
+                    owe(self.ledger, scope.operation_key, scope.owner, [undo])
+                raise before_send(lost.cause) from None
+            except LedgerUnavailable as exc:
+                raise before_send(exc) from None
+            if isinstance(opened, Found):
+                return self._found_call(scope, site, opened.attempt)
+            described = ask.facts if opened.described else None
+            return Call(opened.key, ask.amount, str(ask.label), self.ledger, described=described)
+        raise OutcomeUnknown(scope.operation_key, site.key(0))
 
     def _call_failed(
-        self, scope: AttemptScope, where: _Position, made: Call, exc: BaseException
+        self, scope: AttemptScope, site: CallSite, made: Call, exc: BaseException
     ) -> None:
         """Write what an error inside a labelled call's block means for its hold."""
         fate = fate_after_error(made, exc)
@@ -660,9 +571,9 @@ class OperationManager:
         elif fate.action == "unknown":
             scope.left_open = True
         self._write_call(scope, made, fate, wait=False)
-        self._tell(scope.budget, made.attempt_key, made.amount, fate)
+        self.told.ended(scope.budget, made.attempt_key, made.amount, fate)
         if fate.action == "release":
-            scope.refused(where.label, where.facts.request)
+            scope.refused(made.label, site.ask.facts.request)
 
     def _write_call(
         self, scope: AttemptScope, call: Call, fate: HoldFate, *, wait: bool, **stored: Any
@@ -685,106 +596,21 @@ class OperationManager:
             )
             owe(self.ledger, scope.operation_key, scope.owner, [write])
 
-    def _step_attempt(self, scope: AttemptScope, where: _Position) -> Call | tuple[str, bool]:
-        """A replayed call, or the key of the attempt this call sends under and whether
-        it was granted with its admission."""
-
-        def plan(latest: AttemptRef | None, count: int) -> tuple[str, str] | None:
-            # a new attempt at once where nothing earlier is left to decide
-            if latest is None:
-                return where.base, scope.reason
-            if latest.state == AttemptState.RELEASED:
-                return f"{where.base}~{count + 1}", "redelivery"
-            return None
-
-        try:
-            admission = self.ledger.admit_step(
-                scope.operation_id,
-                where.base,
-                where.record,
-                budget=scope.budget,
-                amount=where.amount,
-                fingerprint=scope.fingerprint,
-                label=where.label,
-                plan=plan,
-                price_version=where.price_version,
-                call=where.facts,
-            )
-        except (BudgetExceeded, BudgetFrozen) as exc:
-            self._denied(exc, where.amount)
-            raise
-        if admission.stored is not None:
-            stored = admission.stored[1]
-            return Call(where.base, where.amount, where.label, replayed=True, result=stored)
-        if admission.reservation is not None:
-            reservation = admission.reservation
-            if not reservation.created:
-                raise IdempotencyConflict(
-                    reservation.key, "attempt", reservation.state, "a new attempt"
-                )
-            self.hooks.admitted(budget=scope.budget, attempt=reservation.key, amount=where.amount)
-            return reservation.key, True
-        latest, count = admission.latest, admission.count
-        if latest is not None and latest.state == AttemptState.SETTLED and latest.answer:
-            return self._found_call(scope, where, latest)
-        reason, reuse = self._after_earlier(scope, where, latest)
-        if reuse is not None:
-            return reuse.key, False
-        key = where.base if count == 0 else f"{where.base}~{count + 1}"
-        self._reserve_call(scope, where, key, reason)
-        return key, False
-
-    def _found_call(self, scope: AttemptScope, where: _Position, latest: AttemptRef) -> Call:
+    def _found_call(self, scope: AttemptScope, site: CallSite, latest: AttemptRef) -> Call:
         """Reconciliation found this call's answer: that is what it replays."""
         answer = json.loads(latest.answer or "null")
         self.ledger.end_call(
             CallEnd(latest.key, "store"),
             operation_id=scope.operation_id,
             owner=scope.owner,
-            record=where.record,
+            record=site.record,
             result=answer,
         )
         return Call(
-            latest.key, where.amount, where.label, replayed=True, result=answer, reconciled=True
+            latest.key,
+            site.ask.amount,
+            str(site.ask.label),
+            replayed=True,
+            result=answer,
+            reconciled=True,
         )
-
-    def _after_earlier(
-        self, scope: AttemptScope, where: _Position, latest: AttemptRef | None
-    ) -> tuple[str, AttemptRef | None]:
-        """Why this call gets a new attempt, after what its latest one left (or the
-        attempt to reuse: reserved at the same amount and never sent)."""
-        if latest is None:
-            return scope.reason, None
-        if latest.state == AttemptState.SETTLED and not self.options.rerun_billed:
-            raise StepNotReplayable(scope.operation_key, latest.key)
-        if latest.state in OPEN:
-            # moved meanwhile (settled by beat, say): never resent on a stale read
-            if not self._adopt_all([latest]) or self.options.on_unknown != "resend":
-                raise OutcomeUnknown(scope.operation_key, latest.key)
-            return "unknown_resend", None
-        if latest.state == AttemptState.RESERVED:
-            return scope.reason, self._reuse_or_release(latest, where.amount)
-        return "redelivery", None  # billed, with rerun_billed: a new attempt of this call
-
-    def _reserve_call(self, scope: AttemptScope, where: _Position, key: str, reason: str) -> None:
-        reservation = self._reserve_attempt(
-            scope.budget,
-            key,
-            where.amount,
-            fingerprint=scope.fingerprint,
-            reason=reason,
-            price_version=where.price_version,
-            operation_id=scope.operation_id,
-            label=where.label,
-            step=where.base,
-        )
-        if not reservation.created:
-            raise IdempotencyConflict(key, "attempt", reservation.state, "a new attempt")
-
-
-class _Replayed(Exception):
-    """Internal: the operation turned out finished while this delivery decided."""
-
-    def __init__(self, result: Any) -> None:
-        super().__init__("replayed")
-        self.result = result

@@ -145,8 +145,16 @@ def call_write(
     return Write("end_call", kwargs)
 
 
-def end_write(key: str, owner: str, status: str, error: str, unsent: bool = False) -> Write:
-    """Giving ``owner``'s lease on operation ``key`` back (``unsent``: its main attempt
-    was granted and nothing was sent under it)."""
-    kwargs = {"key": key, "owner": owner, "status": status, "error": error}
-    return Write("end_run", {**kwargs, "unsent": True} if unsent else kwargs)
+def end_write(operation: int | str, owner: str, status: str, error: str) -> Write:
+    """Giving ``owner``'s lease on ``operation`` back (its id; its key where the
+    admission's answer was lost)."""
+    return Write(
+        "end_run", {"operation": operation, "owner": owner, "status": status, "error": error}
+    )
+
+
+def unsent_write(key: str, operation_id: int, owner: str) -> Write:
+    """Undoing a grant of ``key`` whose answer was lost: the run sent nothing under it
+    (released if it committed and is still ``owner``'s, else nothing)."""
+    call = CallEnd(key, "unsent")
+    return Write("end_call", {"call": call, "operation_id": operation_id, "owner": owner})

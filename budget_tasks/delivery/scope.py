@@ -234,10 +234,14 @@ class AttemptScope(Recorded):
         manager: Calls | None = None,
         owner: str = "",
         described: CallFacts | None = None,
+        next_reason: str | None = None,
     ) -> None:
         super().__init__(key, amount, ledger, described)
         self.owner = owner
+        #: why the main attempt exists (a labelled call's first attempt shares it)
         self.reason = reason
+        #: why the operation runs again, if it was told (manual: an operator reopened it)
+        self.next_reason = next_reason
         self.operation_key = operation_key
         self.operation_id = operation_id
         self.budget = budget

@@ -413,8 +413,10 @@ class LedgerBase:
             actual - amount,
         )
 
-    def _release_in(self, cur: Cursor, key: str, note: str, stamp: Any) -> _Resolution:
-        return self._resolve_in(cur, key, 0, "released", "release", note, stamp)
+    def _release_in(
+        self, cur: Cursor, key: str, note: str, stamp: Any, *, expected: str | None = None
+    ) -> _Resolution:
+        return self._resolve_in(cur, key, 0, "released", "release", note, stamp, expected=expected)
 
     def _resolve(
         self,

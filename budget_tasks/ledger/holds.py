@@ -3,6 +3,8 @@ provider corrections as adjustments."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime
 
 from .. import _validate as check
@@ -12,9 +14,11 @@ from ..errors import (
     UnknownOperation,
 )
 from . import statements as sql
-from .base import Found, LedgerBase, _apply, _ids, _journal, attempt_row
+from .base import Chain, Found, LedgerBase, _apply, _ids, _journal, attempt_row
 from .driver import Cursor
 from .records import (
+    CallAdmission,
+    CallAsk,
     CallFacts,
     Reservation,
 )
@@ -44,8 +48,46 @@ def _check_reservation(
         raise ValueError(f"reason must be one of {ATTEMPT_REASONS}, not {reason!r}")
 
 
+#: What a delivery says to make of a call's admission: the attempt to reserve and grant
+#: in it, ``(attempt key, reason)``, or None where the caller has more to decide first.
+CallPlan = Callable[[CallAdmission], "tuple[str, str] | None"]
+
+
 class Holds(LedgerBase):
     """The hold methods of :class:`~budget_tasks.Ledger`."""
+
+    def _admit_call_in(
+        self,
+        cur: Cursor,
+        ask: CallAsk,
+        found_here: CallAdmission,
+        chain: Chain,
+        found: Found,
+        now: datetime,
+        plan: CallPlan,
+    ) -> CallAdmission:
+        """The one admission of a call, the main call or a labelled one, in the
+        caller's transaction: where ``plan`` names the attempt to make from what was
+        found at the call's position, that attempt is reserved on the call's budget
+        chain, granted its send and described, in this commit. A refusal raises (the
+        caller rolls back)."""
+        planned = plan(found_here)
+        if planned is None:
+            return found_here
+        key, reason = planned
+        row = attempt_row(
+            chain,
+            key,
+            ask.amount,
+            reason,
+            fingerprint=ask.fingerprint,
+            price_version=ask.price_version,
+            operation_id=found_here.operation_id,
+            label=ask.label,
+            step=ask.step,
+        )
+        reservation = self._reserve_in(cur, chain, found, row, now, ask.facts)
+        return replace(found_here, reservation=reservation)
 
     def reserve(
         self,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,16 +32,17 @@ from ..errors import (
     BudgetFrozen,
     IdempotencyConflict,
     InvalidTransition,
+    SettlementConflict,
     UnknownAttempt,
     UnknownBudget,
     UnknownOperation,
 )
 from . import statements as sql
-from .base import Chain, Found, _Resolution, attempt_row
+from .base import Chain, Found, _Resolution
 from .driver import Cursor
-from .holds import Holds
+from .holds import CallPlan, Holds
 from .leases import lease_is_live, owner_id
-from .records import CallEnd, CallFacts, Reservation
+from .records import AttemptRef, CallAdmission, CallAsk, CallEnd
 from .states import FINISHED, OPEN, AttemptState, OperationStatus, operation_may
 
 log = logging.getLogger("budget_tasks.ledger")
@@ -66,21 +67,6 @@ class Decision(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class AttemptRef:
-    """An attempt as an operation's decisions see it."""
-
-    key: str
-    state: str
-    amount: int
-    reason: str
-    label: str | None = None
-    #: JSON text of the answer a reconciliation found, if any
-    answer: str | None = None
-    #: usage a run recorded before the attempt's outcome became unknown
-    recorded_actual: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class OperationStart:
     """What a delivery found, and the lease if it took one."""
 
@@ -91,14 +77,9 @@ class OperationStart:
     error: str | None = None
     runs: int = 0
     lease_expires_at: datetime | None = None
-    #: the latest main-call attempt, if any, and how many main-call attempts there were
-    last_attempt: AttemptRef | None = None
-    attempts: int = 0
-    next_reason: str | None = None
-    #: labelled calls whose latest attempt may have reached the provider, unresolved
-    open_steps: tuple[AttemptRef, ...] = ()
-    #: the main attempt :meth:`Operations.admit` reserved and granted, if it did
-    reservation: Reservation | None = None
+    #: where the lease was taken (``run``): the main call's admission, call 0 of the
+    #: operation (its latest attempt, and the one the admission made, if it did)
+    call: CallAdmission | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +114,13 @@ class _Row:
     def run_by(self, owner: str) -> bool:
         """Whether ``owner``'s run holds the operation now."""
         return self.lease_owner == owner and self.status == OperationStatus.RUNNING
+
+
+def _operation_ref(operation: int | str) -> dict[str, Any]:
+    """How to find an operation: by id (admitted) or by key."""
+    if isinstance(operation, str):
+        return {"key": check.text(operation, "idempotency key")}
+    return {"op_id": check.row_id(operation, "operation_id")}
 
 
 def _decode(text: str | None) -> Any:
@@ -269,7 +257,7 @@ class Operations(Holds):
         that run or reconciliation decides the hold, and None is returned. Otherwise
         the resolution (whose counters the caller applies last) and whether a state
         changed without one (an unknown)."""
-        if call.action in ("release", "unknown") and not lease_mine:
+        if call.action in ("release", "unknown", "unsent") and not lease_mine:
             log.warning("attempt %s: %s dropped: its run's lease moved on", call.key, call.action)
             return None
         if call.action == "settle":
@@ -290,6 +278,12 @@ class Operations(Holds):
             return resolution, False
         if call.action == "release":
             return self._release_in(cur, call.key, call.note or "not billed", stamp), False
+        if call.action == "unsent":
+            note = call.note or "never sent: the ledger went down as it was granted"
+            try:
+                return self._release_in(cur, call.key, note, stamp, expected="sending"), False
+            except (InvalidTransition, SettlementConflict):
+                return None  # never granted, or moved on since: nothing of this run's
         if call.action == "unknown":
             note = call.note or "outcome unknown"
             return None, self._mark_unknown_in(cur, call.key, note, call.actual or None, call.ids)
@@ -316,49 +310,36 @@ class Operations(Holds):
         max_runs: int,
         task: str | None = None,
         payload: Any = None,
-        budget: str | None = None,
-        amount: int | None = None,
-        plan: Callable[[OperationStart], tuple[str, str] | None] | None = None,
-        price_version: str | None = None,
-        call: CallFacts | None = None,
+        call: CallAsk | None = None,
+        plan: CallPlan | None = None,
     ) -> OperationStart:
         """One delivery's admission in one transaction: a finished key replays (one
         statement); otherwise the delivery is recorded and decided (see
         :class:`Decision`; a live lease's own owner may call again and keeps it without
-        counting another run), and when it may run and ``plan`` names its main
-        attempt ``(attempt key, reason)``, ``amount`` is reserved on ``budget`` and
-        every ancestor, the send granted and the call described (``call``). The result's
-        ``reservation`` says whether that happened; ``plan`` returns None where the
-        caller has more to decide first (an attempt left open by an earlier run).
+        counting another run). When it may run, its main ``call`` (call 0) is admitted
+        as any call is (see :meth:`~budget_tasks.ledger.steps.Steps.admit_call`): where
+        ``plan`` names its attempt, that attempt is reserved on the call's budget chain,
+        granted and described in this commit. ``start.call`` says what was found and
+        made; a budget that does not exist admits nothing (``plan`` is not asked).
 
         A refusal (BudgetExceeded, BudgetFrozen) rolls the whole transaction back; the
         operation is then recorded pending with the refusal, in one more statement
         that is the delivery's only commit, and the refusal raised."""
         ask = _Ask(key, fingerprint, owner, lease, max_runs, task, payload)
         _check_delivery(ask)
-        chain = None if amount is None else self._admission_chain(budget, amount, price_version)
+        chain = None if call is None else self._chain_or_none(call.budget)
 
         def admission(cur: Cursor, found: Found | None, now: datetime) -> OperationStart:
             start = self._begin_or_replay_in(cur, ask, now)
-            planned = None
-            if start.decision is Decision.RUN and chain is not None and plan is not None:
-                planned = plan(start)
-            if planned is None or chain is None or found is None:
+            if start.call is None or call is None or chain is None or found is None:
                 return start
-            row = attempt_row(
-                chain,
-                planned[0],
-                amount or 0,
-                planned[1],
-                fingerprint=fingerprint,
-                price_version=price_version,
-                operation_id=start.operation_id,
-            )
+            if plan is None:
+                return start
             try:
-                reservation = self._reserve_in(cur, chain, found, row, now, call or CallFacts())
+                made = self._admit_call_in(cur, call, start.call, chain, found, now, plan)
             except (BudgetExceeded, BudgetFrozen) as exc:
                 raise _Refused(exc) from exc
-            return replace(start, reservation=reservation) if reservation.created else start
+            return replace(start, call=made)
 
         try:
             return self._admitting(chain, admission)
@@ -366,16 +347,11 @@ class Operations(Holds):
             self._record_refusal(key, fingerprint, task, payload, str(refused.exc))
             raise refused.exc from None
 
-    def _admission_chain(
-        self, budget: str | None, amount: int, price_version: str | None
-    ) -> Chain | None:
+    def _chain_or_none(self, budget: str) -> Chain | None:
         """The budget chain a delivery's main call is admitted on; None for a budget
-        that does not exist (the delivery is decided alone; its reservation says so)."""
-        check.money(amount)
-        name = check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
-        check.optional_text(price_version, "price_version", max_length=64)
+        that does not exist (the delivery is decided alone)."""
         try:
-            return self._chain(name)
+            return self._chain(budget)
         except UnknownBudget:
             return None
 
@@ -429,7 +405,12 @@ class Operations(Holds):
         )
         if created is not None:  # the first delivery: the lease is ours, nothing to read
             return OperationStart(
-                Decision.RUN, created[0], ask.key, runs=1, lease_expires_at=expires
+                Decision.RUN,
+                created[0],
+                ask.key,
+                runs=1,
+                lease_expires_at=expires,
+                call=CallAdmission(created[0]),
             )
         row = self._lock_operation(cur, key=ask.key)
         if row.fingerprint != ask.fingerprint:
@@ -505,42 +486,42 @@ class Operations(Holds):
         else:
             cur.run(sql.TAKE_LEASE, {**params, "owner": ask.owner})
         main = [a for a in attempts if a.label is None]
+        call = CallAdmission(
+            row.id,
+            main[0] if main else None,
+            len(main),
+            next_reason=row.next_reason,
+            others_open=tuple(a for a in attempts if a.label is not None and a.state in OPEN),
+        )
         return OperationStart(
             Decision.RUN,
             row.id,
             ask.key,
             runs=row.runs if mine else row.runs + 1,
             lease_expires_at=expires,
-            last_attempt=main[0] if main else None,
-            attempts=len(main),
-            next_reason=row.next_reason,
-            open_steps=tuple(a for a in attempts if a.label is not None and a.state in OPEN),
+            call=call,
         )
 
     def end_run(
         self,
-        key: str,
+        operation: int | str,
         *,
         owner: str,
         status: str | None = None,
         error: str | None = None,
         next_reason: str | None = None,
         fallback: str = OperationStatus.PENDING,
-        unsent: bool = False,
     ) -> RunEnd:
-        """Give back ``owner``'s lease on ``key``, ending the run.
+        """Give back ``owner``'s lease on ``operation`` (its id once admitted; its key
+        where the admission's answer was lost), ending the run.
 
         ``status`` ``failed`` ends the operation for good (the run knows it failed).
         Otherwise what it becomes is derived from its attempts (see the module), with
         ``fallback`` (``pending`` or ``retryable``) when they leave it open. Holds never
         granted a send are released. If the lease is no longer ``owner``'s, nothing
         changes while another run holds it live; once none does, the operation is
-        concluded as beat would. Returns where the operation stands.
-
-        ``unsent``: the run knows it sent nothing under the main attempt it was granted
-        (its admission's answer was lost with the ledger): while the lease is still
-        ``owner``'s, that attempt is released."""
-        check.text(key, "idempotency key")
+        concluded as beat would. Returns where the operation stands."""
+        where = _operation_ref(operation)
         check.text(owner, "lease owner")
         if status is not None and status not in (
             OperationStatus.FAILED,
@@ -553,7 +534,7 @@ class Operations(Holds):
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
-            row = self._lock_operation(cur, key=key)
+            row = self._lock_operation(cur, **where)
             end: RunEnd = self._end_in(
                 cur,
                 row,
@@ -564,7 +545,6 @@ class Operations(Holds):
                 error=error,
                 next_reason=next_reason,
                 fallback=fallback,
-                unsent=unsent,
             )
             return end
 
@@ -580,7 +560,6 @@ class Operations(Holds):
         error: str | None,
         next_reason: str | None,
         fallback: str,
-        unsent: bool = False,
     ) -> RunEnd:
         if row.finished:
             return RunEnd(row.status, _decode(row.result), row.error, applied=False)
@@ -590,14 +569,6 @@ class Operations(Holds):
             return RunEnd(row.status, None, row.error, applied=False)
         attempts = self._attempts_of(cur, row.id)
         resolutions = self._release_reserved(cur, attempts, stamp)
-        main = next((a for a in attempts if a.label is None), None)
-        if unsent and mine and main is not None and main.state == AttemptState.SENDING:
-            resolutions.append(
-                self._release_in(cur, main.key, "never sent: the ledger went down", stamp)
-            )
-            attempts = [
-                replace(a, state=AttemptState.RELEASED) if a is main else a for a in attempts
-            ]
         concluded = self._conclusion(attempts)
         result = None
         target: str
@@ -686,7 +657,7 @@ class Operations(Holds):
 
     def finish_operation(
         self,
-        key: str,
+        operation_id: int,
         *,
         result: Any,
         call: CallEnd | None = None,
@@ -700,13 +671,13 @@ class Operations(Holds):
         With ``owner``, the result is stored while that owner still holds the lease; if
         it does not, it is stored only if no live run holds the operation, it is
         unfinished and ``call`` is still its latest main-call attempt."""
-        check.text(key, "idempotency key")
+        check.row_id(operation_id, "operation_id")
         if encoded is None:
             encoded = json.dumps(result)
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
-            row, ended = self._call_and_operation_in(cur, call, owner, stamp, key=key)
+            row, ended = self._call_and_operation_in(cur, call, owner, stamp, op_id=operation_id)
             attempt = None if call is None else call.key
             end: RunEnd = self._store_result_in(cur, row, now, stamp, owner, attempt, encoded)
             self._apply_call(cur, ended)
@@ -733,6 +704,8 @@ class Operations(Holds):
             ended = self._end_call_in(cur, call, stamp, lease_mine=True)
             return self._lock_operation(cur, key=key, op_id=op_id), ended
         if not cur.all(sql.LOCK_ATTEMPT, {"key": call.key}):
+            if call.action == "unsent":  # the admission never committed
+                return self._lock_operation(cur, key=key, op_id=op_id), None
             raise UnknownAttempt(call.key)
         row = self._lock_operation(cur, key=key, op_id=op_id)
         mine = owner is None or row.lease_owner == owner
@@ -790,16 +763,16 @@ class Operations(Holds):
         return RunEnd(OperationStatus.SUCCEEDED, json.loads(encoded), None, applied=applied)
 
     def fail_operation(
-        self, key: str, *, owner: str, error: str, call: CallEnd | None = None
+        self, operation_id: int, *, owner: str, error: str, call: CallEnd | None = None
     ) -> RunEnd:
         """End ``owner``'s run as failed for good, writing what its main ``call`` came
         to (as :meth:`~budget_tasks.Ledger.end_call` does), in one transaction (see
         :meth:`end_run` for a lease no longer ``owner``'s)."""
-        check.text(key, "idempotency key")
+        check.row_id(operation_id, "operation_id")
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:
-            row, ended = self._call_and_operation_in(cur, call, owner, stamp, key=key)
+            row, ended = self._call_and_operation_in(cur, call, owner, stamp, op_id=operation_id)
             end: RunEnd = self._end_in(
                 cur,
                 row,

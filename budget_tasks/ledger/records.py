@@ -31,16 +31,18 @@ NO_TIMEOUT_MS = 0
 
 
 #: What a run may write for one of its calls (see :class:`CallEnd`).
-CALL_ACTIONS = frozenset({"settle", "release", "unknown", "store"})
+CALL_ACTIONS = frozenset({"settle", "release", "unknown", "store", "unsent"})
 
 
 @dataclass(frozen=True, slots=True)
 class CallEnd:
     """What one call of a run came to, the main call or a labelled one: ``action``
     ``settle`` (at ``actual``; ``estimate_only`` when no usage was recorded),
-    ``release`` (nothing was billed), ``unknown`` (the hold stays; ``note`` says why)
-    or ``store`` (the hold is resolved already). ``ids`` are the request and response
-    ids its answer carried, written with it."""
+    ``release`` (nothing was billed), ``unknown`` (the hold stays; ``note`` says why),
+    ``store`` (the hold is resolved already) or ``unsent`` (an admission whose answer
+    was lost may have granted a send that the run never made: released if it did and
+    the attempt is still ``sending`` under the run's lease, else nothing). ``ids`` are
+    the request and response ids its answer carried, written with it."""
 
     key: str
     action: str
@@ -105,6 +107,67 @@ class CallFacts:
                 (other.request, self.request),
             )
         )
+
+
+@dataclass(frozen=True, slots=True)
+class CallAsk:
+    """What one call of an operation asks to be admitted with, the main call (call 0)
+    or a labelled one: the budget it is charged to, the amount it reserves, the
+    request's fingerprint, the prices the amount was estimated at, and what the call is
+    (written with its grant). A labelled call also names its label and its position
+    (``step``: the key of its first attempt)."""
+
+    budget: str
+    amount: int
+    fingerprint: str | None = None
+    price_version: str | None = None
+    facts: CallFacts = CallFacts()
+    label: str | None = None
+    step: str | None = None
+
+    def __post_init__(self) -> None:
+        check.text(self.budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+        check.money(self.amount)
+        check.optional_text(self.fingerprint, "fingerprint")
+        check.optional_text(self.price_version, "price_version", max_length=64)
+        check.optional_text(self.label, "label", max_length=100)
+        check.optional_text(self.step, "step")
+        if (self.label is None) != (self.step is None):
+            raise ValueError("a labelled call names both its label and its step")
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRef:
+    """An attempt as a delivery's decisions see it."""
+
+    key: str
+    state: str
+    amount: int
+    reason: str
+    label: str | None = None
+    #: JSON text of the answer a reconciliation found, if any
+    answer: str | None = None
+    #: usage a run recorded before the attempt's outcome became unknown
+    recorded_actual: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CallAdmission:
+    """One call's admission at its position (the same for the main call and a labelled
+    one): the latest attempt there and how many it has had, the attempt the admission
+    made (reserved, granted and described at once), if it made one.
+
+    The main call's admission also names the operation's next reason (why its next
+    attempt runs) and the labelled calls an earlier run left open; a labelled call's,
+    the answer stored for it (it completed before: replay it)."""
+
+    operation_id: int
+    latest: AttemptRef | None = None
+    count: int = 0
+    reservation: Reservation | None = None
+    next_reason: str | None = None
+    others_open: tuple[AttemptRef, ...] = ()
+    stored: tuple[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

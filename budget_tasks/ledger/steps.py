@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from .. import _validate as check
 from . import statements as sql
-from .base import Found, attempt_row
+from .base import Found
 from .driver import Cursor
-from .operations import AttemptRef, Operations, _decode
-from .records import CallEnd, CallFacts, Reservation
+from .holds import CallPlan
+from .operations import Operations, _decode
+from .records import AttemptRef, CallAdmission, CallAsk, CallEnd
 
-__all__ = ["StepAdmission", "Steps"]
+__all__ = ["Steps"]
 
 log = logging.getLogger("budget_tasks.ledger")
 
@@ -31,71 +30,32 @@ def _step_of(cur: Cursor, operation_id: int, step: str) -> tuple[AttemptRef | No
     return AttemptRef(akey, state, amount, reason, step, answer, recorded), int(count)
 
 
-@dataclass(frozen=True, slots=True)
-class StepAdmission:
-    """What :meth:`Steps.admit_step` found, and the attempt if it made one."""
-
-    stored: tuple[str, Any] | None = None
-    latest: AttemptRef | None = None
-    count: int = 0
-    reservation: Reservation | None = None
-
-
 class Steps(Operations):
     """The labelled-call and side-effect methods of :class:`~budget_tasks.Ledger`."""
 
-    def step_attempt(self, operation_id: int, step: str) -> tuple[AttemptRef | None, int]:
-        """The latest attempt of a labelled call (by its position ``step``) and how
-        many attempts it has had."""
-        with self._driver.transaction() as cur:
-            return _step_of(cur, operation_id, step)
-
-    def admit_step(
-        self,
-        operation_id: int,
-        step: str,
-        record: str,
-        *,
-        budget: str,
-        amount: int,
-        fingerprint: str,
-        label: str,
-        plan: Callable[[AttemptRef | None, int], tuple[str, str] | None],
-        price_version: str | None = None,
-        call: CallFacts | None = None,
-    ) -> StepAdmission:
-        """A labelled call's admission in one transaction: its stored result if it
-        completed before (``record``); else its latest attempt and how many it has had,
-        and, when ``plan`` names the attempt to make ``(attempt key, reason)``, that
-        attempt reserved, granted and described (``call``). A refusal raises and writes
-        nothing."""
-        check.text(step, "step")
+    def admit_call(
+        self, operation_id: int, call: CallAsk, *, record: str, plan: CallPlan
+    ) -> CallAdmission:
+        """A labelled call's admission in one transaction, as the main call's is in
+        :meth:`admit`: its stored answer if it completed before (under ``record``);
+        else what its position holds (its latest attempt, how many it has had) and,
+        where ``plan`` names the attempt to make, that attempt reserved, granted and
+        described. A refusal raises and writes nothing."""
+        check.row_id(operation_id, "operation_id")
+        if call.step is None:
+            raise ValueError("a labelled call names its step")
         check.text(record, "side effect name")
-        check.money(amount)
-        chain = self._chain(budget)
+        chain = self._chain(call.budget)
+        step = call.step
 
-        def admission(cur: Cursor, found: Found | None, now: datetime) -> StepAdmission:
+        def admission(cur: Cursor, found: Found | None, now: datetime) -> CallAdmission:
             assert found is not None  # a chain has its periods
             stored = cur.one(sql.SIDE_EFFECT, {"operation_id": operation_id, "name": record})
             if stored is not None and stored[0] == "done":
-                return StepAdmission(stored=(stored[0], _decode(stored[1])))
+                return CallAdmission(operation_id, stored=(stored[0], _decode(stored[1])))
             latest, count = _step_of(cur, operation_id, step)
-            planned = plan(latest, count)
-            if planned is None:
-                return StepAdmission(latest=latest, count=count)
-            row = attempt_row(
-                chain,
-                planned[0],
-                amount,
-                planned[1],
-                fingerprint=fingerprint,
-                price_version=price_version,
-                operation_id=operation_id,
-                label=label,
-                step=step,
-            )
-            reservation = self._reserve_in(cur, chain, found, row, now, call or CallFacts())
-            return StepAdmission(latest=latest, count=count, reservation=reservation)
+            here = CallAdmission(operation_id, latest, count)
+            return self._admit_call_in(cur, call, here, chain, found, now, plan)
 
         return self._admitting(chain, admission)
 

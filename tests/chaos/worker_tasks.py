@@ -77,7 +77,7 @@ class _DieOnceGranted:
 
     def admit(self, key: str, **kwargs: Any) -> Any:
         start = self._ledger.admit(key, **kwargs)
-        if start.reservation is not None:
+        if start.call is not None and start.call.reservation is not None:
             die_once(self._job, self._kill, "granted")
         return start
 

@@ -115,7 +115,7 @@ class _Dead:
 WRITES = frozenset(
     {
         "admit",
-        "admit_step",
+        "admit_call",
         "reserve",
         "mark_sending",
         "describe_attempt",

@@ -20,6 +20,7 @@ from typing import Any
 import openai
 import pytest
 from celery import Celery
+from sqlalchemy import text
 
 from budget_tasks import (
     BudgetExceeded,
@@ -30,6 +31,7 @@ from budget_tasks import (
 )
 from budget_tasks.beat import reconcile_unknown
 from budget_tasks.config import close_ledgers
+from budget_tasks.errors import StepNotReplayable
 from budget_tasks.providers import estimates, openai_chat, openai_client, openai_response
 from budget_tasks.testing import FakeProvider, ManualClock
 
@@ -71,10 +73,21 @@ class _LedgerDownFor:
             raise LedgerUnavailable("connection refused (test)")
         return self._ledger.reserve(budget, key, amount, **kw)
 
-    def admit_step(self, operation_id: int, step: str, record: str, **kw: Any) -> Any:
-        if self._part in step:  # a labelled call's admission reserves it
+    def admit_call(self, operation_id: int, call: Any, **kw: Any) -> Any:
+        if self._part in call.step:  # a labelled call's admission reserves it
             raise LedgerUnavailable("connection refused (test)")
-        return self._ledger.admit_step(operation_id, step, record, **kw)
+        return self._ledger.admit_call(operation_id, call, **kw)
+
+
+class _AnswerLostFor(_LedgerDownFor):
+    """The task's ledger, except that a labelled call's admission at ``part`` commits
+    and its answer is lost, as with a connection cut during COMMIT."""
+
+    def admit_call(self, operation_id: int, call: Any, **kw: Any) -> Any:
+        admitted = self._ledger.admit_call(operation_id, call, **kw)
+        if self._part in call.step:
+            raise LedgerUnavailable("connection lost after COMMIT (test)")
+        return admitted
 
 
 @pytest.fixture
@@ -176,6 +189,25 @@ def app(backend_url: str, fake: FakeProvider) -> Any:
                     call.result = step
         return "done"
 
+    answer_lost = app.answer_lost = {"on": True}
+
+    class AnswerLost(BudgetTask):
+        @property
+        def ledger(self) -> Any:
+            ledger = super().ledger
+            return _AnswerLostFor(ledger, ":two:") if answer_lost["on"] else ledger
+
+    @app.task(
+        base=AnswerLost,
+        bind=True,
+        name=f"{prefix}.agent_answer_lost",
+        budget="team",
+        idempotency_key=lambda topic: f"agent-lost:{topic}",
+        estimate_cost=lambda topic: 0,
+    )
+    def agent_answer_lost(self: BudgetTask, topic: str) -> Any:
+        return agent_ledger_down.run(topic)
+
     @app.task(
         base=BudgetTask,
         bind=True,
@@ -220,6 +252,7 @@ def app(backend_url: str, fake: FakeProvider) -> Any:
         "step_then": step_then,
         "agent": agent,
         "agent_ledger_down": agent_ledger_down,
+        "agent_answer_lost": agent_answer_lost,
         "resend": resend,
     }
     app.url = backend_url
@@ -325,9 +358,10 @@ def test_a_step_released_after_a_429_is_a_new_attempt_on_the_next_run(
     assert ledger.operation("agent:weather").status == "retryable"
     assert len(task.delay("weather").get()) == 2
     steps = [(a.key, a.state, a.reason) for a in ledger.attempts() if a.label == "one"]
+    # the same rule as the main call's: the attempt exists because of the rate limit
     assert steps == [
         ("agent:weather:one:1", "released", "first"),
-        ("agent:weather:one:1~2", "settled", "redelivery"),
+        ("agent:weather:one:1~2", "settled", "rate_limited_retry"),
     ]
     assert [s.status for s in sent_for(fake, "agent:weather:one", ledger)] == [429, 200]
     assert ledger.operation("agent:weather").status == "succeeded"
@@ -347,6 +381,70 @@ def test_a_ledger_outage_before_a_step_is_sent_leaves_nothing_unknown(
     assert ledger.operation("agent-down:t").status == "pending"
     assert ledger.holds() == []
     assert [s.idempotency_key for s in fake.served_as(ledger)] == ["agent-down:t:one:1"]
+    ledger.dispose()
+
+
+def test_a_step_granted_as_the_ledger_went_away_is_released_not_left_unknown(
+    app: Any, fake: FakeProvider
+) -> None:
+    """Step two's admission commits its grant and the answer is lost: nothing was sent
+    under it, and this process knows so. As for the main call, what undoes the grant is
+    owed under the run's lease and written when the ledger answers (here at the run's
+    end): the hold is released, not left sending for reconciliation, and the next
+    delivery sends step two anew."""
+    task = app.jobs["agent_answer_lost"]
+    with pytest.raises(LedgerUnavailable, match="after COMMIT"):
+        task.delay("t").get()
+    ledger = Ledger(app.url)
+    states = {a.key: (a.state, a.note) for a in ledger.attempts()}
+    assert states["agent-lost:t:two:1"][0] == "released"
+    assert "never sent" in (states["agent-lost:t:two:1"][1] or "")
+    assert states["agent-lost:t:one:1"][0] == "settled"
+    assert ledger.operation("agent-lost:t").status == "pending"
+    assert [s.idempotency_key for s in sent_for(fake, "agent-lost:", ledger)] == [
+        "agent-lost:t:one:1"
+    ]
+    app.answer_lost["on"] = False
+    assert task.delay("t").get() == "done"
+    assert [s.idempotency_key for s in sent_for(fake, "agent-lost:", ledger)] == [
+        "agent-lost:t:one:1",
+        "agent-lost:t:two:1~2",
+    ]
+    assert ledger.holds() == [] and ledger.audit() == []
+    assert ledger.balance("team").spent == fake.state()["billed_total"]
+    ledger.dispose()
+
+
+@pytest.mark.parametrize(
+    ("job", "key", "called"),
+    [("billed_then", "billed:lost", "billed:lost#"), ("step_then", "step:lost", "step:lost:")],
+)
+def test_a_billed_call_whose_answer_was_lost_is_resent_only_once_reopened(
+    app: Any, fake: FakeProvider, job: str, key: str, called: str
+) -> None:
+    """One rule for the main call (call 0) and a labelled call: a billed call whose
+    answer the operation did not keep is never sent again by an automatic retry, even
+    where the operation is found retryable (its run's end was lost, say); an operator's
+    reopen sends it again, as that call's next attempt."""
+    task = app.jobs[job]
+    with pytest.raises(ValueError, match="failed"):
+        task.delay("lost", "value").get()
+    ledger = Ledger(app.url)
+    with ledger.engine.begin() as conn:  # as if the run's failed end never landed
+        conn.execute(text("UPDATE operations SET status = 'retryable', error = NULL"))
+    with pytest.raises(StepNotReplayable):
+        task.delay("lost", "ok").get()
+    assert len(sent_for(fake, called, ledger)) == 1
+    assert ledger.operation(key).status == "failed"
+    ledger.reopen_operation(key, reason="the customer asked again", by="test")
+    task.delay("lost", "ok").get()
+    sent = sent_for(fake, called, ledger)
+    assert len(sent) == 2
+    again = ledger.attempt(str(sent[1].idempotency_key))
+    assert (again.reason, again.state) == ("manual", "settled")
+    assert ledger.operation(key).status == "succeeded"
+    assert ledger.holds() == [] and ledger.audit() == []
+    assert ledger.balance("team").spent == fake.state()["billed_total"]
     ledger.dispose()
 
 

@@ -339,7 +339,7 @@ def test_a_write_owed_through_an_outage_never_drops_the_hold_of_a_run_that_took_
         lease=timedelta(milliseconds=1),
         max_runs=5,
         task=name,
-        plan=lambda start: None,
+        plan=lambda here: None,
     )
     pg_ledger.reserve(
         "acme", "job:1#1", 600, fingerprint="fp", reason="first", operation_id=start.operation_id

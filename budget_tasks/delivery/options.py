@@ -1,0 +1,20 @@
+"""A task's options, as the delivery reads them (see BudgetTask)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DeliveryOptions:
+    """A task's options that the flow reads (see BudgetTask)."""
+
+    task: str
+    on_unknown: str = "hold"
+    max_deliveries: int = 5
+    lease_seconds: float = 600.0
+    retry_when_budget_frees: float = 0.0
+    rerun_billed: bool = False
+    price_version: str | None = None
+    #: exceptions out of ``run`` by which a task asks to run again later (Celery's Retry)
+    retry_types: tuple[type[BaseException], ...] = ()
