@@ -57,15 +57,15 @@ def library_worker(
 ) -> tuple[int, float]:
     released = time.time()
     ledger = Ledger(url)
-    ledger.reserve("hot", f"{tag}-warm", 1)  # connect, cache the budget chain and period
+    ledger.calls.reserve("hot", f"{tag}-warm", 1)  # connect, cache the budget chain and period
     done = 0
     deadline = start_together(released, seconds, warmup)
     cpu = time.process_time()
     granted = CallFacts()
     while time.time() < deadline:
         key = f"{tag}-{done}"
-        ledger.reserve("hot", key, 1_000, grant=granted)
-        ledger.settle(key, 700)
+        ledger.calls.reserve("hot", key, 1_000, grant=granted)
+        ledger.calls.settle(key, 700)
         done += 1
     cpu = time.process_time() - cpu
     ledger.dispose()
@@ -273,7 +273,7 @@ def run(
         ledger = Ledger(url)
         ledger.create_schema()
         ledger.create_budget("hot", 10**15)
-        ledger.open_period("hot")  # the period row the raw cycle uses
+        ledger.upkeep.open_period("hot")  # the period row the raw cycle uses
         rows = []
         for n in procs:
             raw, lib, raw_cpu, lib_cpu = [], [], [], []

@@ -47,7 +47,7 @@ Requeue = Callable[[str, str, dict[str, Any]], None]
 def flag_stale_holds(ledger: Ledger, older_than: timedelta) -> list[Hold]:
     """Flag holds in sending/unknown older than ``older_than``, each once; log, count
     and announce them. Nothing is released."""
-    flagged = ledger.flag_stale(older_than)
+    flagged = ledger.upkeep.flag_stale(older_than)
     for hold in flagged:
         log.warning(
             "stale hold: budget=%s attempt=%s state=%s amount=%d request_id=%s age=%s",
@@ -147,9 +147,9 @@ def reconcile_unknown(
     An attempt that moved meanwhile (an operator, a late run) keeps what they wrote:
     one failure never stops the others."""
     counts = {"found": 0, "not_found": 0, "pending": 0, "unknowable": 0, "failed": 0}
-    for key in ledger.mark_orphans_unknown():
+    for key in ledger.upkeep.mark_orphans_unknown():
         log.warning("attempt %s was left sending by a run that is gone: now unknown", key)
-    for attempt in ledger.claim_unknown(limit=limit):
+    for attempt in ledger.upkeep.claim_unknown(limit=limit):
         try:
             name = _reconcile_one(ledger, attempt, clients, margin, requeue)
         except (BudgetTasksError, ValueError) as exc:
@@ -179,7 +179,7 @@ def _reconcile_one(
     recorded = attempt.recorded_actual or 0
     if nothing_sent_under(attempt.operation_key, attempt.label, attempt.amount, recorded):
         # marked unknown before this rule: no provider could know of it
-        ledger.resolve_attempt(
+        ledger.upkeep.resolve_attempt(
             attempt.key,
             0,
             note="a main attempt of 0: nothing sent under it",
@@ -188,10 +188,12 @@ def _reconcile_one(
         )
         hooks.released(budget=attempt.budget, attempt=attempt.key, amount=0, by="reconcile")
         return "not_found"
-    outcome = look_up(attempt, clients, margin, ledger.now(), ledger.provider_key(attempt.key))
+    outcome = look_up(
+        attempt, clients, margin, ledger.upkeep.now(), ledger.upkeep.provider_key(attempt.key)
+    )
     if isinstance(outcome, Found):
         actual = max(outcome.actual, recorded)
-        done = ledger.resolve_attempt(
+        done = ledger.upkeep.resolve_attempt(
             attempt.key,
             actual,
             note="found at the provider",
@@ -211,7 +213,7 @@ def _reconcile_one(
         )
         return "found"
     if isinstance(outcome, NotFound):
-        done = ledger.resolve_attempt(
+        done = ledger.upkeep.resolve_attempt(
             attempt.key,
             recorded,  # a recorded actual is proof of billing: settled, never released
             note=f"not found at the provider: {outcome.reason}",
@@ -231,7 +233,7 @@ def _reconcile_one(
     if name == "unknowable" and recorded:
         # The provider keeps no record, but the run recorded what the call reported:
         # that is proof of billing, and the charge.
-        ledger.resolve_attempt(
+        ledger.upkeep.resolve_attempt(
             attempt.key,
             recorded,
             note=f"the usage its run recorded ({outcome.reason})",
@@ -268,14 +270,14 @@ def renew_periods(ledger: Ledger) -> int:
     opened = 0
     for budget in ledger.budgets():
         if budget.period != "none":
-            ledger.open_period(budget.name)
+            ledger.upkeep.open_period(budget.name)
             opened += 1
     return opened
 
 
 def purge_expired_operations(ledger: Ledger, retention: timedelta) -> int:
     """Drop results and payloads older than ``retention``; attempts and the journal stay."""
-    return ledger.purge_operations(retention)
+    return ledger.upkeep.purge_operations(retention)
 
 
 # -- the Celery tasks beat schedules ---------------------------------------------------

@@ -206,7 +206,7 @@ class BudgetTask(Task):  # type: ignore[misc]
             redelivered=bool((self.request.delivery_info or {}).get("redelivered")),
         )
         try:
-            return OperationManager(self.ledger, self._options()).deliver(delivery)
+            return OperationManager(self.ledger.calls, self._options()).deliver(delivery)
         except RetryLater as later:
             countdown = {
                 "ledger": self.ledger_unavailable_countdown,

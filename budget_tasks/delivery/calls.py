@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from ..errors import (
     BudgetExceeded,
@@ -21,7 +21,7 @@ from ..errors import (
     LedgerUnavailable,
     StepNotReplayable,
 )
-from ..ledger import CallAdmission, CallAsk, Reservation
+from ..ledger import CallAdmission, CallAsk, CallLedger, Reservation
 from ..ledger.records import AttemptRef
 from ..ledger.states import OPEN, AttemptState, nothing_sent_under
 from .keys import main_key, step_key
@@ -123,7 +123,7 @@ class GrantUnanswered(Exception):
 class CallPath:
     """The rules every call of a run is opened by (see the module)."""
 
-    def __init__(self, ledger: Any, options: DeliveryOptions, told: Told) -> None:
+    def __init__(self, ledger: CallLedger, options: DeliveryOptions, told: Told) -> None:
         self.ledger = ledger
         self.options = options
         self.told = told

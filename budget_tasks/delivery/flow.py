@@ -44,7 +44,7 @@ from ..errors import (
     StepNotReplayable,
 )
 from ..hooks import Hooks, hooks
-from ..ledger import CallAdmission, CallAsk, CallEnd, CallFacts
+from ..ledger import CallAdmission, CallAsk, CallEnd, CallFacts, CallLedger
 from ..ledger.operations import Decision, OperationStart, RunEnd, owner_id
 from ..ledger.records import AttemptRef
 from ..ledger.states import OperationStatus
@@ -127,7 +127,7 @@ class _Replayed(Exception):
 class OperationManager:
     """Runs deliveries of one task's operations on one ledger (see the module)."""
 
-    def __init__(self, ledger: Any, options: DeliveryOptions, sink: Hooks = hooks) -> None:
+    def __init__(self, ledger: CallLedger, options: DeliveryOptions, sink: Hooks = hooks) -> None:
         self.ledger = ledger
         self.options = options
         self.told = Told(sink, options.task)

@@ -1,7 +1,7 @@
 """Ledger writes that must land, kept back while the ledger is down: this process
 writes them before its run's end or at its next delivery. Each carries the lease owner
 it was made under, and the ledger checks it where that matters (see
-:meth:`~budget_tasks.Ledger.end_call`)."""
+:meth:`~budget_tasks.ledger.CallLedger.end_call`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BudgetTasksError, LedgerUnavailable
-from ..ledger import CallEnd, Ledger
+from ..ledger import CallEnd, CallLedger
 from .fates import HoldFate
 from .scope import Recorded
 
@@ -30,7 +30,7 @@ class Write:
     name: str
     kwargs: dict[str, Any]
 
-    def apply(self, ledger: Ledger) -> Any:
+    def apply(self, ledger: CallLedger) -> Any:
         return getattr(ledger, self.name)(**self.kwargs)
 
 
@@ -50,18 +50,18 @@ _WRITTEN = {
 }
 
 
-def ledger_id(ledger: Any) -> str:
+def ledger_id(ledger: CallLedger) -> str:
     """Which ledger a write is owed to: its database, by URL."""
-    return str(ledger.engine.url.render_as_string(hide_password=False))
+    return str(ledger.url)
 
 
-def owe(ledger: Any, key: str, owner: str, writes: list[Write]) -> None:
+def owe(ledger: CallLedger, key: str, owner: str, writes: list[Write]) -> None:
     """Keep ``writes`` back for operation ``key``, made under ``owner``'s lease."""
     with _owed_lock:
         _owed.setdefault((ledger_id(ledger), key, owner), []).extend(writes)
 
 
-def catch_up(ledger: Any) -> int:
+def catch_up(ledger: CallLedger) -> int:
     """Write what this process kept back while the ledger was down (holds to resolve,
     leases to give back, outcomes of calls that were answered); returns how many
     operations were written. Stops at the first LedgerUnavailable and keeps the rest."""
@@ -102,14 +102,14 @@ def persist(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-def owes(ledger: Any) -> bool:
+def owes(ledger: CallLedger) -> bool:
     """Whether this process keeps writes back for ``ledger``."""
     found = ledger_id(ledger)
     with _owed_lock:
         return any(slot[0] == found for slot in _owed)
 
 
-def forget(ledger: Any) -> None:
+def forget(ledger: CallLedger) -> None:
     """Drop what this process keeps back for ``ledger`` (tests that empty its tables)."""
     found = ledger_id(ledger)
     with _owed_lock:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from .. import _validate as check
 from ..errors import LedgerUnavailable, ResendRefused
-from ..ledger import CallFacts, Ledger
+from ..ledger import CallFacts, CallLedger
 from .fates import before_send
 
 _running: ContextVar[AttemptScope | None] = ContextVar("budget_tasks_run", default=None)
@@ -290,9 +290,10 @@ class AttemptScope(Recorded):
         return super().key
 
     @property
-    def ledger(self) -> Ledger:
+    def ledger(self) -> CallLedger:
+        """The ledger this run's calls are written to."""
         assert self.manager is not None
-        ledger: Ledger = self.manager.ledger
+        ledger: CallLedger = self.manager.ledger
         return ledger
 
 

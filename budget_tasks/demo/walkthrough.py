@@ -21,7 +21,7 @@ Echo = Callable[[str], None]
 def _racer(url: str, index: int) -> str:
     ledger = Ledger(url)
     try:
-        ledger.reserve("support-bot", f"ticket:{index}", 30_000)
+        ledger.calls.reserve("support-bot", f"ticket:{index}", 30_000)
         return "admitted"
     except BudgetExceeded:
         return "denied"
@@ -61,29 +61,29 @@ def _walk(url: str, workers: int, echo: Echo) -> bool:
 
     echo("\n2. the same key is delivered again (a Celery redelivery)")
     winners = [a.key for a in ledger.attempts(budget="support-bot")]
-    again = ledger.reserve("support-bot", winners[0], 30_000)
+    again = ledger.calls.reserve("support-bot", winners[0], 30_000)
     expect(
         f"{winners[0]} replays: created={again.created}, no second hold",
         not again.created and ledger.balance("support-bot").held == bal.held,
     )
 
     echo("\n3. the attempts are sent and settle with the provider's usage")
-    ledger.mark_sending(winners[0], provider="openai", request_id="req_demo_1")
-    ledger.settle(winners[0], 21_450)
-    ledger.mark_sending(winners[1], provider="openai", request_id="req_demo_2")
-    ledger.settle(winners[1], 34_100)
+    ledger.calls.mark_sending(winners[0], provider="openai", request_id="req_demo_1")
+    ledger.calls.settle(winners[0], 21_450)
+    ledger.calls.mark_sending(winners[1], provider="openai", request_id="req_demo_2")
+    ledger.calls.settle(winners[1], 34_100)
     overrun = ledger.attempt(winners[1]).overrun
     echo(f"   {winners[0]}: reserved 30000, charged 21450")
     echo(f"   {winners[1]}: reserved 30000, charged 34100 (overrun {overrun}, recorded)")
     expect("the overrun is recorded, not hidden", overrun == 4_100)
     expect(
         "settling again with the same actual changes nothing",
-        ledger.settle(winners[0], 21_450) is False,
+        ledger.calls.settle(winners[0], 21_450) is False,
     )
 
     echo("\n4. a timeout: the outcome is unknown, the hold stays")
-    ledger.mark_sending(winners[2], provider="openai")
-    ledger.mark_unknown(winners[2], "read timeout after 60s")
+    ledger.calls.mark_sending(winners[2], provider="openai")
+    ledger.calls.mark_unknown(winners[2], "read timeout after 60s")
     holds = ledger.holds()
     expect(
         "the unknown attempt keeps its 30000 hold",
@@ -98,7 +98,7 @@ def _walk(url: str, workers: int, echo: Echo) -> bool:
     echo("\n6. the tenant is frozen")
     ledger.freeze("acme")
     try:
-        ledger.reserve("support-bot", "ticket:late", 1_000)
+        ledger.calls.reserve("support-bot", "ticket:late", 1_000)
         expect("a frozen parent admits nothing", False)
     except BudgetFrozen as exc:
         expect(f"a frozen parent admits nothing ({exc})", True)

@@ -1,6 +1,6 @@
 """The reservation ledger (SQL only; this package never imports Celery)."""
 
-from .core import Ledger
+from .faces import CallLedger, Ledger, Upkeep
 from .oversight import OperationHistory
 from .periods import PERIODS, RENEWALS, Period, Renewal, period_start
 from .records import (
@@ -34,6 +34,7 @@ __all__ = [
     "CallAsk",
     "CallEnd",
     "CallFacts",
+    "CallLedger",
     "Hold",
     "JournalEntry",
     "Ledger",
@@ -43,5 +44,6 @@ __all__ = [
     "Renewal",
     "Reservation",
     "Resolved",
+    "Upkeep",
     "period_start",
 ]

@@ -1,10 +1,11 @@
-"""The reservation ledger: reserve before sending, settle with real usage.
+"""The ledger's core: reserve before sending, settle with real usage.
 
 No Celery here. Every method runs in one short transaction; a failure to reach the
-database raises :class:`LedgerUnavailable` and writes nothing (fail closed). The class
+database raises :class:`LedgerUnavailable` and writes nothing (fail closed). The core
 is put together from its parts, one module each: budgets, holds, operations, steps
 (labelled calls and side effects), maintenance, reports, oversight (an operator's
-view of operations), on a shared base.
+view of operations), on a shared base. Callers use it through its faces (see
+:mod:`.faces`), each the API of one kind of caller.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from .maintenance import Maintenance
 from .oversight import Oversight
 from .steps import Steps
 
-__all__ = ["CLOCK_AGREEMENT", "CLOCK_CHECK_SECONDS", "Clock", "Ledger"]
+__all__ = ["CLOCK_AGREEMENT", "CLOCK_CHECK_SECONDS", "Clock", "LedgerCore"]
 
 
-class Ledger(Budgets, Maintenance, Steps, Oversight):
-    """A budget ledger on PostgreSQL (``postgresql+psycopg://...``) or SQLite.
+class LedgerCore(Budgets, Maintenance, Steps, Oversight):
+    """Every method of a budget ledger on PostgreSQL or SQLite, behind its faces
+    (:class:`~.faces.Ledger`, :class:`~.faces.CallLedger`, :class:`~.faces.Upkeep`).
 
     ``clock`` returns the current time as an aware datetime; tests pass their own to
     move between periods.

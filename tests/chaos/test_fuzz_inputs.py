@@ -30,6 +30,7 @@ from sqlalchemy import text
 from budget_tasks import BudgetTask, BudgetTasksError, Ledger
 from budget_tasks import _validate as check
 from budget_tasks import cli as cli_module
+from budget_tasks.ledger import CallAsk
 from budget_tasks.ledger.schema import ATTEMPT_REASONS, HOLDING_STATES
 from budget_tasks.pricing import Usage, default_prices, parse_prices
 from budget_tasks.providers import estimates
@@ -122,15 +123,17 @@ REASON = 10_000
 def seed(ledger: Ledger) -> Ledger:
     ledger.create_budget("acme", CAP)
     ledger.create_budget("child", CAP // 2, parent="acme", period="day")
-    ledger.reserve("acme", "held", 100, fingerprint="fp")
-    ledger.reserve("acme", "sent", 100)
-    ledger.mark_sending("sent")
-    ledger.reserve("acme", "done", 100)
-    ledger.mark_sending("done")
-    ledger.settle("done", 80)
-    start = ledger.admit("op", fingerprint="fp", owner="me", lease=timedelta(minutes=1), max_runs=5)
-    ledger.reserve("acme", "op#1", 10, operation_id=start.operation_id)
-    ledger.open_period("child")  # so that no refused call is the one that opens it
+    ledger.calls.reserve("acme", "held", 100, fingerprint="fp")
+    ledger.calls.reserve("acme", "sent", 100)
+    ledger.calls.mark_sending("sent")
+    ledger.calls.reserve("acme", "done", 100)
+    ledger.calls.mark_sending("done")
+    ledger.calls.settle("done", 80)
+    start = ledger.calls.admit(
+        "op", fingerprint="fp", owner="me", lease=timedelta(minutes=1), max_runs=5
+    )
+    ledger.calls.reserve("acme", "op#1", 10, operation_id=start.operation_id)
+    ledger.upkeep.open_period("child")  # so that no refused call is the one that opens it
     return ledger
 
 
@@ -178,42 +181,46 @@ unknown_key = _unknown(ATTEMPT_KEYS)
 
 SLOTS: list[Slot] = [
     # reserve
-    Slot("reserve budget", lambda lg, v: lg.reserve(v, "new", 10), bad_text(NAME) | unknown_budget),
-    Slot("reserve key", lambda lg, v: lg.reserve("acme", v, 10), bad_text(KEY)),
-    Slot("reserve amount", lambda lg, v: lg.reserve("acme", "new", v), bad_money()),
+    Slot(
+        "reserve budget",
+        lambda lg, v: lg.calls.reserve(v, "new", 10),
+        bad_text(NAME) | unknown_budget,
+    ),
+    Slot("reserve key", lambda lg, v: lg.calls.reserve("acme", v, 10), bad_text(KEY)),
+    Slot("reserve amount", lambda lg, v: lg.calls.reserve("acme", "new", v), bad_money()),
     Slot(
         "reserve over the cap",
-        lambda lg, v: lg.reserve("child", "new", v),
+        lambda lg, v: lg.calls.reserve("child", "new", v),
         st.integers(CAP // 2 + 1, check.MAX_MONEY),
     ),
     Slot(
         "reserve fingerprint",
-        lambda lg, v: lg.reserve("acme", "new", 10, fingerprint=v),
+        lambda lg, v: lg.calls.reserve("acme", "new", 10, fingerprint=v),
         bad_text(KEY, optional=True),
     ),
     Slot(
         "reserve reason",
-        lambda lg, v: lg.reserve("acme", "new", 10, reason=v),
+        lambda lg, v: lg.calls.reserve("acme", "new", 10, reason=v),
         bad_choice(ATTEMPT_REASONS),
     ),
     Slot(
         "reserve price_version",
-        lambda lg, v: lg.reserve("acme", "new", 10, price_version=v),
+        lambda lg, v: lg.calls.reserve("acme", "new", 10, price_version=v),
         bad_text(64, optional=True),
     ),
     Slot(
         "reserve label",
-        lambda lg, v: lg.reserve("acme", "new", 10, label=v),
+        lambda lg, v: lg.calls.reserve("acme", "new", 10, label=v),
         bad_text(100, optional=True),
     ),
     Slot(
         "reserve operation_id",
-        lambda lg, v: lg.reserve("acme", "new", 10, operation_id=v),
+        lambda lg, v: lg.calls.reserve("acme", "new", 10, operation_id=v),
         st.one_of(st.integers(10**6, 2**62), st.integers(max_value=0), st.booleans(), odd_objects),
     ),
     Slot(
         "reserve key reused for another request",
-        lambda lg, v: lg.reserve(v[0], "held", v[1], fingerprint=v[2]),
+        lambda lg, v: lg.calls.reserve(v[0], "held", v[1], fingerprint=v[2]),
         st.one_of(
             st.tuples(
                 st.just("acme"), st.integers(0, 10**6).filter(lambda n: n != 100), st.just("fp")
@@ -230,46 +237,56 @@ SLOTS: list[Slot] = [
         ),
     ),
     # the attempt state machine
-    Slot("mark_sending key", lambda lg, v: lg.mark_sending(v), bad_text(KEY) | unknown_key),
-    Slot("mark_sending twice", lambda lg, v: lg.mark_sending(v), st.sampled_from(["sent", "done"])),
+    Slot("mark_sending key", lambda lg, v: lg.calls.mark_sending(v), bad_text(KEY) | unknown_key),
+    Slot(
+        "mark_sending twice",
+        lambda lg, v: lg.calls.mark_sending(v),
+        st.sampled_from(["sent", "done"]),
+    ),
     Slot(
         "mark_sending provider",
-        lambda lg, v: lg.mark_sending("held", provider=v),
+        lambda lg, v: lg.calls.mark_sending("held", provider=v),
         bad_text(64, optional=True),
     ),
     Slot(
         "mark_sending request_id",
-        lambda lg, v: lg.mark_sending("held", request_id=v),
+        lambda lg, v: lg.calls.mark_sending("held", request_id=v),
         bad_text(KEY, optional=True),
     ),
     Slot(
-        "mark_unknown key", lambda lg, v: lg.mark_unknown(v, "timeout"), bad_text(KEY) | unknown_key
+        "mark_unknown key",
+        lambda lg, v: lg.calls.mark_unknown(v, "timeout"),
+        bad_text(KEY) | unknown_key,
     ),
-    Slot("mark_unknown reason", lambda lg, v: lg.mark_unknown("sent", v), bad_text(REASON)),
+    Slot("mark_unknown reason", lambda lg, v: lg.calls.mark_unknown("sent", v), bad_text(REASON)),
     Slot(
         "mark_unknown state",
-        lambda lg, v: lg.mark_unknown(v, "x"),
+        lambda lg, v: lg.calls.mark_unknown(v, "x"),
         st.sampled_from(["held", "done"]),
     ),
     Slot(
         "record_request_id key",
-        lambda lg, v: lg.record_request_id(v, "req_1"),
+        lambda lg, v: lg.calls.record_request_id(v, "req_1"),
         bad_text(KEY) | unknown_key,
     ),
-    Slot("record_request_id id", lambda lg, v: lg.record_request_id("sent", v), bad_text(KEY)),
-    Slot("settle key", lambda lg, v: lg.settle(v, 10), bad_text(KEY) | unknown_key),
-    Slot("settle actual", lambda lg, v: lg.settle("sent", v), bad_money()),
+    Slot(
+        "record_request_id id", lambda lg, v: lg.calls.record_request_id("sent", v), bad_text(KEY)
+    ),
+    Slot("settle key", lambda lg, v: lg.calls.settle(v, 10), bad_text(KEY) | unknown_key),
+    Slot("settle actual", lambda lg, v: lg.calls.settle("sent", v), bad_money()),
     Slot(
         "settle again, another actual",
-        lambda lg, v: lg.settle("done", v),
+        lambda lg, v: lg.calls.settle("done", v),
         st.integers(0, check.MAX_MONEY).filter(lambda n: n != 80),
     ),
-    Slot("settle before send", lambda lg, v: lg.settle("held", v), st.integers(0, 1000)),
+    Slot("settle before send", lambda lg, v: lg.calls.settle("held", v), st.integers(0, 1000)),
     Slot(
-        "settle note", lambda lg, v: lg.settle("sent", 10, note=v), bad_text(REASON, optional=True)
+        "settle note",
+        lambda lg, v: lg.calls.settle("sent", 10, note=v),
+        bad_text(REASON, optional=True),
     ),
-    Slot("release key", lambda lg, v: lg.release(v, "no"), bad_text(KEY) | unknown_key),
-    Slot("release reason", lambda lg, v: lg.release("held", v), bad_text(REASON)),
+    Slot("release key", lambda lg, v: lg.calls.release(v, "no"), bad_text(KEY) | unknown_key),
+    Slot("release reason", lambda lg, v: lg.calls.release("held", v), bad_text(REASON)),
     Slot("adjust key", lambda lg, v: lg.adjust(v, 1, "fix"), bad_text(KEY) | unknown_key),
     Slot(
         "adjust delta",
@@ -285,7 +302,7 @@ SLOTS: list[Slot] = [
     ),
     Slot(
         "describe_attempt",
-        lambda lg, v: lg.describe_attempt("sent", **v),
+        lambda lg, v: lg.calls.describe_attempt("sent", **v),
         st.one_of(
             bad_text(32, optional=True)
             .filter(lambda x: x is not None)
@@ -300,7 +317,7 @@ SLOTS: list[Slot] = [
     ),
     Slot(
         "describe_attempt key",
-        lambda lg, v: lg.describe_attempt(v, model="gpt-4o-mini"),
+        lambda lg, v: lg.calls.describe_attempt(v, model="gpt-4o-mini"),
         bad_text(KEY) | unknown_key,
     ),
     # budgets
@@ -341,8 +358,8 @@ SLOTS: list[Slot] = [
     Slot("budget", lambda lg, v: lg.budget(v), bad_text(NAME) | unknown_budget),
     Slot("balance", lambda lg, v: lg.balance(v), bad_text(NAME) | unknown_budget),
     Slot("balance at", lambda lg, v: lg.balance("child", at=v), bad_datetime),
-    Slot("open_period", lambda lg, v: lg.open_period(v), bad_text(NAME) | unknown_budget),
-    Slot("open_period at", lambda lg, v: lg.open_period("child", at=v), bad_datetime),
+    Slot("open_period", lambda lg, v: lg.upkeep.open_period(v), bad_text(NAME) | unknown_budget),
+    Slot("open_period at", lambda lg, v: lg.upkeep.open_period("child", at=v), bad_datetime),
     Slot("freeze", lambda lg, v: lg.freeze(v), bad_text(NAME) | unknown_budget),
     Slot("unfreeze", lambda lg, v: lg.unfreeze(v), bad_text(NAME) | unknown_budget),
     # reports
@@ -357,32 +374,34 @@ SLOTS: list[Slot] = [
         lambda lg, v: lg.holds(older_than=v),
         bad_timedelta.filter(lambda x: x is not None) | negative_timedelta,
     ),
-    Slot("flag_stale", lambda lg, v: lg.flag_stale(v), bad_timedelta | negative_timedelta),
+    Slot("flag_stale", lambda lg, v: lg.upkeep.flag_stale(v), bad_timedelta | negative_timedelta),
     Slot("operation", lambda lg, v: lg.operation(v), bad_text(KEY) | _unknown({"op"})),
     Slot(
         "claim_unknown limit",
-        lambda lg, v: lg.claim_unknown(limit=v),
+        lambda lg, v: lg.upkeep.claim_unknown(limit=v),
         st.one_of(st.integers(max_value=-1), st.booleans(), st.floats(), st.text(max_size=3)),
     ),
     Slot(
         "claim_unknown backoff",
-        lambda lg, v: lg.claim_unknown(backoff=v),
+        lambda lg, v: lg.upkeep.claim_unknown(backoff=v),
         bad_timedelta | st.just(timedelta(seconds=-1)),
     ),
     Slot(
-        "purge_operations", lambda lg, v: lg.purge_operations(v), bad_timedelta | negative_timedelta
+        "purge_operations",
+        lambda lg, v: lg.upkeep.purge_operations(v),
+        bad_timedelta | negative_timedelta,
     ),
     # operations (the task's plumbing, public all the same)
     Slot(
         "admit key",
-        lambda lg, v: lg.admit(
+        lambda lg, v: lg.calls.admit(
             v, fingerprint="fp", owner="me", lease=timedelta(minutes=1), max_runs=5
         ),
         bad_text(KEY),
     ),
     Slot(
         "admit fingerprint",
-        lambda lg, v: lg.admit(
+        lambda lg, v: lg.calls.admit(
             "op", fingerprint=v, owner="me", lease=timedelta(minutes=1), max_runs=5
         ),
         bad_text(KEY)
@@ -392,12 +411,12 @@ SLOTS: list[Slot] = [
     ),
     Slot(
         "admit lease",
-        lambda lg, v: lg.admit("new-op", fingerprint="fp", owner="me", lease=v, max_runs=5),
+        lambda lg, v: lg.calls.admit("new-op", fingerprint="fp", owner="me", lease=v, max_runs=5),
         bad_timedelta | st.just(timedelta(0)) | st.just(timedelta(seconds=-5)),
     ),
     Slot(
         "admit max_runs",
-        lambda lg, v: lg.admit(
+        lambda lg, v: lg.calls.admit(
             "new-op", fingerprint="fp", owner="me", lease=timedelta(minutes=1), max_runs=v
         ),
         st.one_of(
@@ -406,18 +425,43 @@ SLOTS: list[Slot] = [
     ),
     Slot(
         "admit owner",
-        lambda lg, v: lg.admit(
+        lambda lg, v: lg.calls.admit(
             "new-op", fingerprint="fp", owner=v, lease=timedelta(minutes=1), max_runs=5
         ),
         bad_text(KEY),
     ),
     Slot(
         "end_run status",
-        lambda lg, v: lg.end_run("op", owner="me", status=v),
+        lambda lg, v: lg.calls.end_run("op", owner="me", status=v),
         bad_choice(("pending", "failed", "retryable")).filter(lambda v: v is not None),
     ),
-    Slot("end_run key", lambda lg, v: lg.end_run(v, owner="me"), _unknown({"op"})),
+    Slot("end_run key", lambda lg, v: lg.calls.end_run(v, owner="me"), _unknown({"op"})),
+    Slot(
+        "end_run operation id",
+        lambda lg, v: lg.calls.end_run(v, owner="me"),
+        st.one_of(st.integers(max_value=0), st.booleans(), st.floats(), st.none()),
+    ),
+    # a labelled call's admission: what it asks, then where
+    Slot(
+        "admit_call budget",
+        lambda lg, v: _admit_call(lg, budget=v),
+        bad_text(NAME) | unknown_budget,
+    ),
+    Slot("admit_call amount", lambda lg, v: _admit_call(lg, amount=v), bad_money()),
+    Slot("admit_call step", lambda lg, v: _admit_call(lg, step=v), bad_text(KEY)),
+    Slot(
+        "admit_call operation id",
+        lambda lg, v: _admit_call(lg, operation_id=v),
+        st.one_of(st.integers(max_value=0), st.booleans(), st.floats(), st.none()),
+    ),
 ]
+
+
+def _admit_call(lg: Ledger, *, operation_id: Any = 1, **asked: Any) -> Any:
+    """A labelled call's admission with one of its facts replaced (the rest valid)."""
+    ask = {"budget": "acme", "amount": 10, "label": "step", "step": "op:step:1", **asked}
+    call = CallAsk(**ask)
+    return lg.calls.admit_call(operation_id, call, record="spend:step:1", plan=lambda here: None)
 
 
 @given(data=st.data())
@@ -488,26 +532,26 @@ def apply_good(ledger: Ledger, model: Model, kind: str, amount: int, key: str) -
     mine = dict(model.attempts)
     in_state = {s: [k for k, (state, _) in mine.items() if state == s] for s in HOLDING_STATES}
     if kind == "reserve" or not any(in_state.values()):
-        ledger.reserve("acme", key, amount, reason="manual")
+        ledger.calls.reserve("acme", key, amount, reason="manual")
         model.attempts[key] = ("reserved", amount)
         model.held += amount
     elif kind == "send" and in_state["reserved"]:
         target = in_state["reserved"][0]
-        ledger.mark_sending(target)
+        ledger.calls.mark_sending(target)
         model.attempts[target] = ("sending", mine[target][1])
     elif kind == "settle" and (in_state["sending"] or in_state["unknown"]):
         target = (in_state["sending"] + in_state["unknown"])[0]
-        assert ledger.settle(target, amount)
+        assert ledger.calls.settle(target, amount)
         model.attempts[target] = ("settled", mine[target][1])
         model.held -= mine[target][1]
         model.spent += amount
     elif kind == "unknown" and in_state["sending"]:
         target = in_state["sending"][0]
-        assert ledger.mark_unknown(target, "read timeout")
+        assert ledger.calls.mark_unknown(target, "read timeout")
         model.attempts[target] = ("unknown", mine[target][1])
     elif kind == "release" and any(in_state.values()):
         target = next(k for ks in in_state.values() for k in ks)
-        assert ledger.release(target, "not billed")
+        assert ledger.calls.release(target, "not billed")
         model.attempts[target] = ("released", mine[target][1])
         model.held -= mine[target][1]
     elif kind == "adjust":

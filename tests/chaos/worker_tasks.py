@@ -26,6 +26,7 @@ from typing import Any
 
 from budget_tasks import BudgetTask, Ledger
 from budget_tasks.config import ledger_of
+from budget_tasks.ledger import CallLedger
 from budget_tasks.providers import estimates, openai_chat
 from tests.integration.worker_tasks import client
 from workers.app import app
@@ -65,21 +66,32 @@ def die_once(job: str, kill: str | None, point: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _DieOnceGranted:
-    """The task's ledger, with a kill point right after an admission that granted the
-    main attempt's send committed."""
+class _DieOnceGrantedCalls:
+    """The task's calls ledger, with a kill point right after an admission that
+    granted the main attempt's send committed."""
 
-    def __init__(self, ledger: Ledger, job: str, kill: str | None) -> None:
-        self._ledger, self._job, self._kill = ledger, job, kill
+    def __init__(self, calls: CallLedger, job: str, kill: str | None) -> None:
+        self._calls, self._job, self._kill = calls, job, kill
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._ledger, name)
+        return getattr(self._calls, name)
 
     def admit(self, key: str, **kwargs: Any) -> Any:
-        start = self._ledger.admit(key, **kwargs)
+        start = self._calls.admit(key, **kwargs)
         if start.call is not None and start.call.reservation is not None:
             die_once(self._job, self._kill, "granted")
         return start
+
+
+class _DieOnceGranted:
+    """The task's ledger, its calls face with the kill point above."""
+
+    def __init__(self, ledger: Ledger, job: str, kill: str | None) -> None:
+        self._ledger = ledger
+        self.calls = _DieOnceGrantedCalls(ledger.calls, job, kill)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ledger, name)
 
 
 class ChaosTask(BudgetTask):

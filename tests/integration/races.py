@@ -74,7 +74,7 @@ def deliver_pausing_at(
     """One delivery of ``key`` whose ledger write ``method`` waits for the test."""
     ledger = Ledger(url)
     manager = OperationManager(
-        _PauseAt(ledger, method, reached, go),
+        _PauseAt(ledger.calls, method, reached, go),
         DeliveryOptions(task="race", on_unknown=on_unknown),
     )
     try:
@@ -89,7 +89,7 @@ def deliver_pausing_in_run(
     """One delivery of ``key`` whose run waits for the test before it calls the
     provider (the lease and the attempt's grant are taken; the call is not yet out)."""
     ledger = Ledger(url)
-    manager = OperationManager(ledger, DeliveryOptions(task="race", on_unknown=on_unknown))
+    manager = OperationManager(ledger.calls, DeliveryOptions(task="race", on_unknown=on_unknown))
 
     def run(scope: AttemptScope) -> Any:
         reached.set()
@@ -141,7 +141,7 @@ def agent_delivery(key: str, base_url: str) -> Delivery:
 def deliver_agent(url: str, base_url: str, key: str) -> tuple[str, Any]:
     """One delivery of the zero-estimate agent (the test may kill this process)."""
     ledger = Ledger(url)
-    manager = OperationManager(ledger, DeliveryOptions(task="agent"))
+    manager = OperationManager(ledger.calls, DeliveryOptions(task="agent"))
     try:
         return _report(lambda: manager.deliver(agent_delivery(key, base_url)))
     finally:

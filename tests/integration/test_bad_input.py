@@ -50,18 +50,18 @@ def snapshot(ledger: Ledger) -> list[Any]:
 @pytest.fixture
 def seeded(ledger: Ledger) -> Ledger:
     ledger.create_budget("acme", 1_000)
-    ledger.reserve("acme", "held", 100, fingerprint="fp")
-    ledger.reserve("acme", "sent", 100)
-    ledger.mark_sending("sent")
-    ledger.reserve("acme", "done", 100)
-    ledger.mark_sending("done")
-    ledger.settle("done", 80)
+    ledger.calls.reserve("acme", "held", 100, fingerprint="fp")
+    ledger.calls.reserve("acme", "sent", 100)
+    ledger.calls.mark_sending("sent")
+    ledger.calls.reserve("acme", "done", 100)
+    ledger.calls.mark_sending("done")
+    ledger.calls.settle("done", 80)
     return ledger
 
 
 CASES: dict[str, Callable[[Ledger, Any], Any]] = {
-    "reserve amount": lambda lg, v: lg.reserve("acme", "new", v),
-    "settle actual": lambda lg, v: lg.settle("sent", v),
+    "reserve amount": lambda lg, v: lg.calls.reserve("acme", "new", v),
+    "settle actual": lambda lg, v: lg.calls.settle("sent", v),
     "adjust delta": lambda lg, v: (
         lg.adjust("done", v, "fix") if v != -1 else lg.adjust("done", 1.5, "fix")
     ),
@@ -86,17 +86,17 @@ def test_bad_money_is_refused_and_nothing_is_written(
 
 
 KEY_CASES: dict[str, Callable[[Ledger, Any], Any]] = {
-    "reserve key": lambda lg, v: lg.reserve("acme", v, 10),
-    "reserve budget": lambda lg, v: lg.reserve(v, "new", 10),
-    "reserve fingerprint": lambda lg, v: lg.reserve(
+    "reserve key": lambda lg, v: lg.calls.reserve("acme", v, 10),
+    "reserve budget": lambda lg, v: lg.calls.reserve(v, "new", 10),
+    "reserve fingerprint": lambda lg, v: lg.calls.reserve(
         "acme", "new", 10, fingerprint=7 if v is None else v
     ),
-    "mark_sending": lambda lg, v: lg.mark_sending(v),
-    "mark_unknown": lambda lg, v: lg.mark_unknown(v, "timeout"),
-    "record_request_id": lambda lg, v: lg.record_request_id("sent", v),
-    "settle": lambda lg, v: lg.settle(v, 10),
-    "release": lambda lg, v: lg.release(v, "no"),
-    "release reason": lambda lg, v: lg.release("held", v if v != "k" * 256 else ""),
+    "mark_sending": lambda lg, v: lg.calls.mark_sending(v),
+    "mark_unknown": lambda lg, v: lg.calls.mark_unknown(v, "timeout"),
+    "record_request_id": lambda lg, v: lg.calls.record_request_id("sent", v),
+    "settle": lambda lg, v: lg.calls.settle(v, 10),
+    "release": lambda lg, v: lg.calls.release(v, "no"),
+    "release reason": lambda lg, v: lg.calls.release("held", v if v != "k" * 256 else ""),
     "adjust": lambda lg, v: lg.adjust(v, 1, "fix"),
     "create_budget": lambda lg, v: lg.create_budget(v, 10),
     "freeze": lambda lg, v: lg.freeze(v),
@@ -118,33 +118,37 @@ def test_bad_keys_and_names_are_refused_and_nothing_is_written(
 
 
 REFUSALS: list[tuple[str, Callable[[Ledger], Any], type[Exception]]] = [
-    ("unknown budget", lambda lg: lg.reserve("nope", "new", 10), UnknownBudget),
+    ("unknown budget", lambda lg: lg.calls.reserve("nope", "new", 10), UnknownBudget),
     ("unknown parent", lambda lg: lg.create_budget("kid", 10, parent="nope"), UnknownBudget),
     ("budget exists", lambda lg: lg.create_budget("acme", 10), BudgetExists),
     (
         "key reuse, amount",
-        lambda lg: lg.reserve("acme", "held", 101, fingerprint="fp"),
+        lambda lg: lg.calls.reserve("acme", "held", 101, fingerprint="fp"),
         IdempotencyConflict,
     ),
     (
         "key reuse, fingerprint",
-        lambda lg: lg.reserve("acme", "held", 100, fingerprint="x"),
+        lambda lg: lg.calls.reserve("acme", "held", 100, fingerprint="x"),
         IdempotencyConflict,
     ),
-    ("settle unknown attempt", lambda lg: lg.settle("nope", 10), UnknownAttempt),
-    ("release unknown attempt", lambda lg: lg.release("nope", "x"), UnknownAttempt),
+    ("settle unknown attempt", lambda lg: lg.calls.settle("nope", 10), UnknownAttempt),
+    ("release unknown attempt", lambda lg: lg.calls.release("nope", "x"), UnknownAttempt),
     ("adjust unknown attempt", lambda lg: lg.adjust("nope", 1, "x"), UnknownAttempt),
-    ("request id of unknown attempt", lambda lg: lg.record_request_id("nope", "r"), UnknownAttempt),
     (
-        "describe unknown attempt",
-        lambda lg: lg.describe_attempt("nope", model="gpt-4o-mini"),
+        "request id of unknown attempt",
+        lambda lg: lg.calls.record_request_id("nope", "r"),
         UnknownAttempt,
     ),
-    ("conflicting settlement", lambda lg: lg.settle("done", 81), SettlementConflict),
-    ("release after charge", lambda lg: lg.release("done", "x"), SettlementConflict),
-    ("second send", lambda lg: lg.mark_sending("sent"), InvalidTransition),
-    ("settle before send", lambda lg: lg.settle("held", 10), InvalidTransition),
-    ("unknown before send", lambda lg: lg.mark_unknown("held", "x"), InvalidTransition),
+    (
+        "describe unknown attempt",
+        lambda lg: lg.calls.describe_attempt("nope", model="gpt-4o-mini"),
+        UnknownAttempt,
+    ),
+    ("conflicting settlement", lambda lg: lg.calls.settle("done", 81), SettlementConflict),
+    ("release after charge", lambda lg: lg.calls.release("done", "x"), SettlementConflict),
+    ("second send", lambda lg: lg.calls.mark_sending("sent"), InvalidTransition),
+    ("settle before send", lambda lg: lg.calls.settle("held", 10), InvalidTransition),
+    ("unknown before send", lambda lg: lg.calls.mark_unknown("held", "x"), InvalidTransition),
     ("adjust before settle", lambda lg: lg.adjust("sent", 1, "x"), InvalidTransition),
     ("refund below zero", lambda lg: lg.adjust("done", -81, "x"), ValueError),
     ("unknown period", lambda lg: lg.create_budget("p", 10, period="year"), ValueError),  # type: ignore[arg-type]
@@ -159,7 +163,11 @@ REFUSALS: list[tuple[str, Callable[[Ledger], Any], type[Exception]]] = [
         lambda lg: lg.create_budget("p", 10, renewal="rollover"),
         ValueError,
     ),
-    ("unknown reason", lambda lg: lg.reserve("acme", "new", 10, reason="because"), ValueError),
+    (
+        "unknown reason",
+        lambda lg: lg.calls.reserve("acme", "new", 10, reason="because"),
+        ValueError,
+    ),
 ]
 
 

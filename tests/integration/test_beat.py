@@ -39,10 +39,10 @@ PROMPT = {
 
 
 def unknown_attempt(ledger: Ledger, key: str, *, lookup: str = LOOKUP_OPENAI_CHAT) -> None:
-    ledger.reserve("team", key, 10_000)
-    ledger.describe_attempt(key, lookup=lookup, model="gpt-4o-mini")
-    ledger.mark_sending(key, provider="openai")
-    ledger.mark_unknown(key, "read timeout")
+    ledger.calls.reserve("team", key, 10_000)
+    ledger.calls.describe_attempt(key, lookup=lookup, model="gpt-4o-mini")
+    ledger.calls.mark_sending(key, provider="openai")
+    ledger.calls.mark_unknown(key, "read timeout")
 
 
 def stale_count(budget: str) -> float:
@@ -54,7 +54,7 @@ def test_stale_holds_are_flagged_once_announced_and_never_released(
 ) -> None:
     pg_ledger.create_budget("team", 1_000_000)
     unknown_attempt(pg_ledger, "old")
-    pg_ledger.reserve("team", "reserved-only", 10_000)  # not sent: not a stale send
+    pg_ledger.calls.reserve("team", "reserved-only", 10_000)  # not sent: not a stale send
     clock.advance(minutes=20)
     unknown_attempt(pg_ledger, "young")
     heard: list[Any] = []
@@ -78,7 +78,7 @@ def flag_in_process(url: str, start: str) -> int:
     clock = ManualClock(datetime.fromisoformat(start))
     ledger = Ledger(url, clock=clock)
     try:
-        return len(ledger.flag_stale(timedelta(minutes=1)))
+        return len(ledger.upkeep.flag_stale(timedelta(minutes=1)))
     finally:
         ledger.dispose()
 
@@ -152,7 +152,7 @@ def test_not_found_releases_and_requeues_pending_backs_off(
     pg_ledger.create_budget("team", 1_000_000)
     # The provider stores completions (another call's is there): "not found" means something.
     openai_chat(client, key=pg_ledger.provider_key("another-call"), **PROMPT)
-    start = pg_ledger.admit(
+    start = pg_ledger.calls.admit(
         "op-lost",
         fingerprint="f",
         owner="me",
@@ -161,11 +161,11 @@ def test_not_found_releases_and_requeues_pending_backs_off(
         task="tests.summarize",
         payload={"args": ["lost", "text"], "kwargs": {}},
     )
-    pg_ledger.reserve("team", "op-lost#1", 10_000, operation_id=start.operation_id)
-    pg_ledger.describe_attempt("op-lost#1", lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
-    pg_ledger.mark_sending("op-lost#1")
-    pg_ledger.mark_unknown("op-lost#1", "connection reset")
-    assert pg_ledger.end_run("op-lost", owner="me").status == "unknown"  # the run gave up
+    pg_ledger.calls.reserve("team", "op-lost#1", 10_000, operation_id=start.operation_id)
+    pg_ledger.calls.describe_attempt("op-lost#1", lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
+    pg_ledger.calls.mark_sending("op-lost#1")
+    pg_ledger.calls.mark_unknown("op-lost#1", "connection reset")
+    assert pg_ledger.calls.end_run("op-lost", owner="me").status == "unknown"  # the run gave up
     requeued: list[tuple[str, str, dict[str, Any]]] = []
     # The ledger clock moves past the send's timeout (1 s) + margin (0).
     clock.advance(seconds=2)
@@ -209,13 +209,13 @@ def test_an_operations_main_attempt_of_0_left_unknown_is_released_not_looked_up(
     an attempt of 0 reserved outside any operation to its lookup: its key was given
     to whoever reserved it)."""
     pg_ledger.create_budget("team", 1_000_000)
-    start = pg_ledger.admit(
+    start = pg_ledger.calls.admit(
         "agent:7", fingerprint="f", owner="gone", lease=timedelta(seconds=1), max_runs=3
     )
     for key, operation_id in (("agent:7#1", start.operation_id), ("loose", None)):
-        pg_ledger.reserve("team", key, 0, operation_id=operation_id)
-        pg_ledger.mark_sending(key)
-        pg_ledger.mark_unknown(key, "an earlier version's beat: worker lost")
+        pg_ledger.calls.reserve("team", key, 0, operation_id=operation_id)
+        pg_ledger.calls.mark_sending(key)
+        pg_ledger.calls.mark_unknown(key, "an earlier version's beat: worker lost")
     clock.advance(timedelta(seconds=2))
     counts = reconcile_unknown(pg_ledger, lambda kind: None)
     assert (counts["not_found"], counts["unknowable"]) == (1, 1)
@@ -241,8 +241,8 @@ def test_two_reconcilers_at_once_settle_once(
     pg_ledger.create_budget("team", 10_000_000)
     keys = [f"r{n}" for n in range(12)]
     for key in keys:
-        pg_ledger.reserve("team", key, 10_000)
-        pg_ledger.mark_sending(key)
+        pg_ledger.calls.reserve("team", key, 10_000)
+        pg_ledger.calls.mark_sending(key)
         with pytest.raises(openai.APITimeoutError):
             openai_chat(
                 client,
@@ -250,7 +250,7 @@ def test_two_reconcilers_at_once_settle_once(
                 extra_headers={"x-fake-fault": "hang=1"},
                 **PROMPT,
             )
-        pg_ledger.mark_unknown(key, "timeout")
+        pg_ledger.calls.mark_unknown(key, "timeout")
     found = race(reconcile_in_process, [(pg_url, fake.openai_base_url)] * 2)
     assert sum(found) == len(keys)
     with pg_ledger.engine.connect() as conn:
@@ -278,12 +278,12 @@ class _Described:
         timeout: float | None = None,
         request: str | None = None,
     ) -> None:
-        self.ledger.describe_attempt(
+        self.ledger.calls.describe_attempt(
             self.key, lookup=lookup, model=model, timeout=timeout, request=request
         )
 
     def record_request_id(self, request_id: str) -> None:
-        self.ledger.record_request_id(self.key, request_id)
+        self.ledger.calls.record_request_id(self.key, request_id)
 
     def record(self, sent: Any) -> None:
         pass
@@ -296,18 +296,18 @@ def test_renew_periods_applies_rollover_and_late_settlements_keep_their_period(
         "daily", 1_000, period="day", renewal="rollover", rollover_ceiling=2_500
     )
     pg_ledger.create_budget("flat", 1_000)
-    pg_ledger.reserve("daily", "spent", 300)
-    pg_ledger.mark_sending("spent")
-    pg_ledger.settle("spent", 300)
-    pg_ledger.reserve("daily", "late", 200)
-    pg_ledger.mark_sending("late")
+    pg_ledger.calls.reserve("daily", "spent", 300)
+    pg_ledger.calls.mark_sending("spent")
+    pg_ledger.calls.settle("spent", 300)
+    pg_ledger.calls.reserve("daily", "late", 200)
+    pg_ledger.calls.mark_sending("late")
     day1 = pg_ledger.balance("daily").period_start
     clock.advance(days=1)
     assert renew_periods(pg_ledger) == 1
     assert renew_periods(pg_ledger) == 1  # idempotent
     # carried: 1000 - 300 spent - 200 still held = 500
     assert pg_ledger.balance("daily").cap == 1_500
-    pg_ledger.settle("late", 150)
+    pg_ledger.calls.settle("late", 150)
     assert pg_ledger.balance("daily", at=day1).spent == 450
     assert pg_ledger.balance("daily").spent == 0
     clock.advance(days=1)
@@ -349,7 +349,7 @@ def test_two_renewals_at_once_open_each_period_once(
 ) -> None:
     for n in range(10):
         pg_ledger.create_budget(f"d{n}", 1_000, period="day", renewal="rollover")
-        pg_ledger.open_period(f"d{n}")
+        pg_ledger.upkeep.open_period(f"d{n}")
     tomorrow = (clock() + timedelta(days=1)).isoformat()
     assert race(renew_in_process, [(pg_url, tomorrow)] * 2) == [10, 10]
     with pg_ledger.engine.connect() as conn:
@@ -383,11 +383,13 @@ def test_a_send_left_sending_by_a_run_that_is_gone_is_reconciled(
     }
     for name, owner in owners.items():
         lease = timedelta(minutes=60 if name == "alive" else 5)
-        start = pg_ledger.admit(f"op-{name}", fingerprint="f", owner=owner, lease=lease, max_runs=3)
+        start = pg_ledger.calls.admit(
+            f"op-{name}", fingerprint="f", owner=owner, lease=lease, max_runs=3
+        )
         key = f"op-{name}#1"
-        pg_ledger.reserve("team", key, 10_000, operation_id=start.operation_id)
-        pg_ledger.describe_attempt(key, lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
-        pg_ledger.mark_sending(key, provider="openai")
+        pg_ledger.calls.reserve("team", key, 10_000, operation_id=start.operation_id)
+        pg_ledger.calls.describe_attempt(key, lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
+        pg_ledger.calls.mark_sending(key, provider="openai")
         openai_chat(
             client, key=pg_ledger.provider_key(key), **PROMPT
         )  # reached the provider; the run died after
@@ -420,12 +422,12 @@ def test_not_found_waits_for_the_timeout_the_attempt_was_sent_with(
         beat_client, key=pg_ledger.provider_key("stored"), **PROMPT
     )  # the provider stores completions
     pg_ledger.create_budget("team", 1_000_000)
-    pg_ledger.reserve("team", "slow-call", 10_000)
-    pg_ledger.describe_attempt(
+    pg_ledger.calls.reserve("team", "slow-call", 10_000)
+    pg_ledger.calls.describe_attempt(
         "slow-call", lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini", timeout=120
     )
-    pg_ledger.mark_sending("slow-call")
-    pg_ledger.mark_unknown("slow-call", "worker lost")
+    pg_ledger.calls.mark_sending("slow-call")
+    pg_ledger.calls.mark_unknown("slow-call", "worker lost")
     assert pg_ledger.attempt("slow-call").timeout_ms == 120_000
     clock.advance(seconds=10)
     counts = reconcile_unknown(pg_ledger, lambda kind: beat_client, margin=timedelta(0))
@@ -446,16 +448,23 @@ def test_one_refused_resolution_does_not_stop_the_batch(
         unknown_attempt(pg_ledger, key)
         openai_chat(client, key=pg_ledger.provider_key(key), **PROMPT)  # both reached the provider
 
-    class Meddled:
-        """The ledger, where an operator settled 'first' a moment before beat did."""
+    class MeddledUpkeep:
+        """Beat's face of the ledger, where an operator settled 'first' a moment
+        before beat did."""
 
         def __getattr__(self, name: str) -> Any:
-            return getattr(pg_ledger, name)
+            return getattr(pg_ledger.upkeep, name)
 
         def resolve_attempt(self, key: str, actual: int, **kwargs: Any) -> Any:
             if key == "first":
                 pg_ledger.resolve_attempt(key, actual + 1, note="invoice", by="operator")
-            return pg_ledger.resolve_attempt(key, actual, **kwargs)
+            return pg_ledger.upkeep.resolve_attempt(key, actual, **kwargs)
+
+    class Meddled:
+        upkeep = MeddledUpkeep()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(pg_ledger, name)
 
     counts = reconcile_unknown(Meddled(), lambda kind: client, margin=timedelta(0))  # type: ignore[arg-type]
     assert (counts["failed"], counts["found"]) == (1, 1)
@@ -471,11 +480,11 @@ def test_settlements_by_reconciliation_feed_the_overrun_and_ratio_metrics(
 ) -> None:
     client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
     pg_ledger.create_budget("team", 1_000_000)
-    pg_ledger.reserve("team", "low", 1)  # an estimate far below the bill
-    pg_ledger.describe_attempt("low", lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
-    pg_ledger.mark_sending("low")
+    pg_ledger.calls.reserve("team", "low", 1)  # an estimate far below the bill
+    pg_ledger.calls.describe_attempt("low", lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
+    pg_ledger.calls.mark_sending("low")
     openai_chat(client, key=pg_ledger.provider_key("low"), **PROMPT)
-    pg_ledger.mark_unknown("low", "worker lost")
+    pg_ledger.calls.mark_unknown("low", "worker lost")
 
     def sample(name: str) -> float:
         return REGISTRY.get_sample_value(name, {"budget": "team"}) or 0.0
@@ -502,7 +511,7 @@ def test_a_run_that_outlives_its_lease_while_beat_finds_its_call_returns_what_wa
 
     client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
     pg_ledger.create_budget("team", 1_000_000)
-    manager = OperationManager(pg_ledger, DeliveryOptions(task="t", lease_seconds=60))
+    manager = OperationManager(pg_ledger.calls, DeliveryOptions(task="t", lease_seconds=60))
 
     def stalled(scope: Any) -> Any:
         sent = openai_chat(client, attempt=scope, **PROMPT)

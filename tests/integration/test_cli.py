@@ -69,10 +69,10 @@ def test_budgets_holds_resolve_audit_and_status(pg_url: str, pg_ledger: Ledger) 
     # an attempt whose outcome is unknown, and one reserved but never sent (on the real
     # clock, as the CLI reads the current period)
     ledger = Ledger(pg_url)
-    ledger.reserve("support", "call-1", 20_000)
-    ledger.mark_sending("call-1", request_id="req_77")
-    ledger.mark_unknown("call-1", "read timeout")
-    ledger.reserve("support", "call-2", 5_000)
+    ledger.calls.reserve("support", "call-1", 20_000)
+    ledger.calls.mark_sending("call-1", request_id="req_77")
+    ledger.calls.mark_unknown("call-1", "read timeout")
+    ledger.calls.reserve("support", "call-2", 5_000)
     ledger.dispose()
 
     table = ok(pg_url, "holds", "--budget", "support")
@@ -140,9 +140,9 @@ def test_freeze_and_bad_input_exit_non_zero_with_a_clear_message(
 
 def test_caps_corrections_and_freezes_from_the_cli(pg_url: str, pg_ledger: Ledger) -> None:
     ok(pg_url, "budget", "create", "acme", "--cap", "1000")
-    pg_ledger.reserve("acme", "call-1", 600)
-    pg_ledger.mark_sending("call-1")
-    pg_ledger.settle("call-1", 600)
+    pg_ledger.calls.reserve("acme", "call-1", 600)
+    pg_ledger.calls.mark_sending("call-1")
+    pg_ledger.calls.settle("call-1", 600)
     raised = as_json(pg_url, "budget", "set-cap", "acme", "--cap", "2000", "--note", "Q4 deal")
     assert (raised["name"], raised["cap"]) == ("acme", 2000)
     assert "cap 2000 -> 600" in ok(pg_url, "budget", "set-cap", "acme", "--cap", "600")
@@ -315,12 +315,12 @@ def test_stale_holds_use_the_configured_age_and_what_beat_flagged(
 ) -> None:
     earlier = Ledger(pg_url, clock=ManualClock(datetime.now(UTC) - timedelta(seconds=120)))
     earlier.create_budget("acme", 1000)
-    earlier.reserve("acme", "flagged", 10)
-    earlier.mark_sending("flagged")
+    earlier.calls.reserve("acme", "flagged", 10)
+    earlier.calls.mark_sending("flagged")
     beat = Ledger(pg_url)  # the beat job of an app whose budget_stale_after is 60 s
-    assert [h.key for h in beat.flag_stale(timedelta(seconds=60))] == ["flagged"]
-    earlier.reserve("acme", "unflagged", 10)  # as old, sent after beat's last run
-    earlier.mark_sending("unflagged")
+    assert [h.key for h in beat.upkeep.flag_stale(timedelta(seconds=60))] == ["flagged"]
+    earlier.calls.reserve("acme", "unflagged", 10)  # as old, sent after beat's last run
+    earlier.calls.mark_sending("unflagged")
     earlier.dispose()
     beat.dispose()
     home = write_app(tmp_path, pg_url, stale_after=60)
@@ -485,7 +485,7 @@ def test_operations_list_show_and_reopen_a_failed_one(pg_url: str, pg_ledger: Le
 
     ledger = Ledger(pg_url)
     ledger.create_budget("team", 1_000_000)
-    manager = OperationManager(ledger, DeliveryOptions(task="jobs.summarize"))
+    manager = OperationManager(ledger.calls, DeliveryOptions(task="jobs.summarize"))
     runs: list[str] = []
 
     def broken(scope: Any) -> Any:
@@ -542,13 +542,13 @@ def test_operations_list_show_and_reopen_a_failed_one(pg_url: str, pg_ledger: Le
     assert "cannot be reopened: it is succeeded" in again.stderr
     # a failed operation whose call is still unknown holds money: not reopened
     owner = owner_id()
-    start = ledger.admit(
+    start = ledger.calls.admit(
         "doc-8", fingerprint="f", owner=owner, lease=timedelta(minutes=5), max_runs=3
     )
-    ledger.reserve("team", "doc-8#1", 500, operation_id=start.operation_id)
-    ledger.mark_sending("doc-8#1")
-    ledger.mark_unknown("doc-8#1", "read timeout")
-    ledger.end_run("doc-8", owner=owner, status="failed")
+    ledger.calls.reserve("team", "doc-8#1", 500, operation_id=start.operation_id)
+    ledger.calls.mark_sending("doc-8#1")
+    ledger.calls.mark_unknown("doc-8#1", "read timeout")
+    ledger.calls.end_run("doc-8", owner=owner, status="failed")
     held = cli(pg_url, "operations", "reopen", "doc-8", "--reason", "x")
     assert held.returncode == 2
     assert "its call doc-8#1 still holds money" in held.stderr

@@ -12,7 +12,7 @@ from budget_tasks.testing.harness import race
 def reserve_once(url: str, key: str, amount: int) -> bool:
     ledger = Ledger(url)
     try:
-        ledger.reserve("shared", key, amount)
+        ledger.calls.reserve("shared", key, amount)
         return True
     except BudgetExceeded:
         return False
@@ -42,7 +42,7 @@ def reserve_many(
             amount = rng.choice([1, 5, 17, 40, 99, 250])
             key = f"s{seed}-{i}"
             try:
-                ledger.reserve(budget, key, amount)
+                ledger.calls.reserve(budget, key, amount)
                 out.append((budget, key, amount, True, ""))
             except BudgetExceeded as exc:
                 out.append((budget, key, amount, False, exc.budget))
@@ -108,20 +108,20 @@ def churn(url: str, seed: int, count: int) -> dict[str, int]:
         for i in range(count):
             if open_keys and rng.random() < 0.5:
                 key, amount = open_keys.pop(rng.randrange(len(open_keys)))
-                ledger.mark_sending(key)
+                ledger.calls.mark_sending(key)
                 if rng.random() < 0.7:
-                    ledger.settle(key, rng.randint(0, amount + 10))  # overruns included
+                    ledger.calls.settle(key, rng.randint(0, amount + 10))  # overruns included
                     if rng.random() < 0.2:
                         ledger.adjust(key, rng.randint(1, 5), "late correction")
                     tally["settled"] += 1
                 else:
-                    ledger.release(key, "provider said 400")
+                    ledger.calls.release(key, "provider said 400")
                     tally["released"] += 1
                 continue
             key = f"c{seed}-{i}"
             amount = rng.randint(1, 60)
             try:
-                ledger.reserve(rng.choice(["team-a", "team-b", "tenant"]), key, amount)
+                ledger.calls.reserve(rng.choice(["team-a", "team-b", "tenant"]), key, amount)
                 open_keys.append((key, amount))
                 tally["admitted"] += 1
             except BudgetExceeded:

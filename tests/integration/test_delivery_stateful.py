@@ -204,7 +204,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         #: attempts whose answer reached a run that lived on (none was killed after)
         self.answered: set[str] = set()
         self.beat_ran_last = False
-        delivery.forget(self.ledger)  # an earlier example's process, and its tables, are gone
+        delivery.forget(self.ledger.calls)  # an earlier example's process, and its tables, are gone
 
     def teardown(self) -> None:
         self.ledger.dispose()
@@ -314,7 +314,7 @@ class DeliveryMachine(RuleBasedStateMachine):
             self.beat()
             return
         try:
-            result = self._delivery(key, "ok", None, self.ledger)
+            result = self._delivery(key, "ok", None, self.ledger.calls)
         except (RetryLater, BudgetTasksError, openai.APIError) as exc:
             self.results.setdefault(f"errors:{key}", []).append(type(exc).__name__)
             return
@@ -326,7 +326,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         """A delivery of ``key`` (a duplicate, if the key ran before)."""
         self.beat_ran_last = False
         try:
-            result = self._delivery(key, outcome, None, self.ledger)
+            result = self._delivery(key, outcome, None, self.ledger.calls)
         except (RetryLater, BudgetTasksError, openai.APIError) as exc:
             self.results.setdefault(f"errors:{key}", []).append(type(exc).__name__)
             return
@@ -342,7 +342,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         """A delivery whose worker is killed: before its send, or once the request has
         reached the provider."""
         self.beat_ran_last = False
-        dead = _Dead(self.ledger)
+        dead = _Dead(self.ledger.calls)
         try:
             self._delivery(key, outcome, point, dead)
         except _Killed:
@@ -362,7 +362,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         once the ledger does (what a worker does with RetryLater)."""
         self.beat_ran_last = False
         try:
-            self._delivery(key, outcome, None, _Down(self.ledger, at))
+            self._delivery(key, outcome, None, _Down(self.ledger.calls, at))
         except RetryLater:
             self.deliver(key, "ok")
         except (BudgetTasksError, openai.APIError):
@@ -377,7 +377,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         beat, takes the operation; then the answer arrives and the run goes on."""
         self.beat_ran_last = False
         try:
-            result = self._delivery(key, "ok", None, self.ledger, lease_lost=by)
+            result = self._delivery(key, "ok", None, self.ledger.calls, lease_lost=by)
         except (RetryLater, BudgetTasksError, openai.APIError) as exc:
             self.results.setdefault(f"errors:{key}", []).append(type(exc).__name__)
             return
@@ -458,7 +458,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     @invariant()
     def no_hold_is_left_without_a_run_or_a_reconciliation(self) -> None:
         holds = self.ledger.holds()
-        if self.beat_ran_last and not delivery.owes(self.ledger):
+        if self.beat_ran_last and not delivery.owes(self.ledger.calls):
             # beat adopts what dead runs left, and a live process has written what an
             # outage kept back: nothing reserved or sending remains
             assert {h.state for h in holds} <= {"unknown"}, holds
@@ -470,7 +470,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     def an_answer_a_live_run_received_is_settled_at_its_bill(self) -> None:
         """Whatever an outage kept back, a live process writes: once it has, no call
         whose answer it received is left open for reconciliation or an operator."""
-        if delivery.owes(self.ledger):
+        if delivery.owes(self.ledger.calls):
             return
         attempts = {a.key: a for a in self.ledger.attempts(keys=sorted(self.answered))}
         for key in self.answered:

@@ -31,12 +31,12 @@ from budget_tasks import Ledger
 from budget_tasks.ledger.leases import owner_id
 url, key = sys.argv[1:3]
 ledger = Ledger(url)
-start = ledger.admit(
+start = ledger.calls.admit(
     key, fingerprint="f", owner=owner_id(), lease=timedelta(minutes=10), max_runs=5
 )
 assert start.decision.value == "run", start
-ledger.reserve("team", key + "#1", 100, operation_id=start.operation_id)
-ledger.mark_sending(key + "#1")
+ledger.calls.reserve("team", key + "#1", 100, operation_id=start.operation_id)
+ledger.calls.mark_sending(key + "#1")
 print("holding", flush=True)
 sys.stdin.readline()  # a live run, mid-call, until the test lets it go
 """
@@ -48,8 +48,8 @@ from budget_tasks import Ledger
 from budget_tasks.ledger.leases import owner_id
 url, key = sys.argv[1:3]
 ledger = Ledger(url)
-adopted = ledger.mark_orphans_unknown()
-start = ledger.admit(
+adopted = ledger.upkeep.mark_orphans_unknown()
+start = ledger.calls.admit(
     key, fingerprint="f", owner=owner_id(), lease=timedelta(minutes=10), max_runs=5
 )
 print(json.dumps({"adopted": adopted, "decision": start.decision.value}), flush=True)

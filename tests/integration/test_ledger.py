@@ -24,17 +24,17 @@ from budget_tasks.testing import ManualClock
 
 
 def sent(ledger: Ledger, budget: str, key: str, amount: int) -> None:
-    ledger.reserve(budget, key, amount)
-    ledger.mark_sending(key, provider="openai")
+    ledger.calls.reserve(budget, key, amount)
+    ledger.calls.mark_sending(key, provider="openai")
 
 
 def test_reserve_holds_and_settle_replaces_the_hold(ledger: Ledger) -> None:
     ledger.create_budget("acme", 100)
-    r = ledger.reserve("acme", "k1", 40, fingerprint="fp")
+    r = ledger.calls.reserve("acme", "k1", 40, fingerprint="fp")
     assert r.created and r.amount == 40 and r.state == "reserved"
     assert (ledger.balance("acme").held, ledger.balance("acme").spent) == (40, 0)
-    ledger.mark_sending("k1", provider="openai", request_id="req_1")
-    assert ledger.settle("k1", 25) is True
+    ledger.calls.mark_sending("k1", provider="openai", request_id="req_1")
+    assert ledger.calls.settle("k1", 25) is True
     bal = ledger.balance("acme")
     assert (bal.cap, bal.spent, bal.held, bal.available) == (100, 25, 0, 75)
     a = ledger.attempt("k1")
@@ -49,14 +49,14 @@ def test_reserve_holds_and_settle_replaces_the_hold(ledger: Ledger) -> None:
 
 def test_same_key_replays_without_a_second_hold(ledger: Ledger) -> None:
     ledger.create_budget("acme", 100)
-    ledger.reserve("acme", "k1", 40, fingerprint="fp")
-    again = ledger.reserve("acme", "k1", 40, fingerprint="fp")
+    ledger.calls.reserve("acme", "k1", 40, fingerprint="fp")
+    again = ledger.calls.reserve("acme", "k1", 40, fingerprint="fp")
     assert again.created is False
     assert ledger.balance("acme").held == 40
-    ledger.mark_sending("k1")
-    ledger.settle("k1", 40)
+    ledger.calls.mark_sending("k1")
+    ledger.calls.settle("k1", 40)
     # Even when the budget is full and the attempt long settled, the key replays.
-    assert ledger.reserve("acme", "k1", 40, fingerprint="fp").state == "settled"
+    assert ledger.calls.reserve("acme", "k1", 40, fingerprint="fp").state == "settled"
     assert ledger.balance("acme").spent == 40
 
 
@@ -74,19 +74,19 @@ def test_key_reuse_with_another_request_is_a_conflict(
 ) -> None:
     ledger.create_budget("acme", 100)
     ledger.create_budget("beta", 100)
-    ledger.reserve("acme", "k1", 40, fingerprint="fp")
+    ledger.calls.reserve("acme", "k1", 40, fingerprint="fp")
     with pytest.raises(IdempotencyConflict) as info:
-        ledger.reserve(budget, "k1", amount, fingerprint=fingerprint)
+        ledger.calls.reserve(budget, "k1", amount, fingerprint=fingerprint)
     assert info.value.field == field
     assert ledger.balance("acme").held == 40 and ledger.balance("beta").held == 0
 
 
 def test_admission_is_exact_at_the_cap(ledger: Ledger) -> None:
     ledger.create_budget("acme", 100)
-    ledger.reserve("acme", "a", 60)
-    ledger.reserve("acme", "b", 40)  # spent + held + amount == cap is admitted
+    ledger.calls.reserve("acme", "a", 60)
+    ledger.calls.reserve("acme", "b", 40)  # spent + held + amount == cap is admitted
     with pytest.raises(BudgetExceeded) as info:
-        ledger.reserve("acme", "c", 1)
+        ledger.calls.reserve("acme", "c", 1)
     assert (info.value.budget, info.value.requested, info.value.available) == ("acme", 1, 0)
     with pytest.raises(UnknownAttempt):
         ledger.attempt("c")  # the refused attempt left no row
@@ -95,14 +95,14 @@ def test_admission_is_exact_at_the_cap(ledger: Ledger) -> None:
 def test_parent_limits_the_child(ledger: Ledger) -> None:
     ledger.create_budget("tenant", 50)
     ledger.create_budget("project", 100, parent="tenant")
-    ledger.reserve("project", "a", 30)
+    ledger.calls.reserve("project", "a", 30)
     with pytest.raises(BudgetExceeded) as info:
-        ledger.reserve("project", "b", 30)
+        ledger.calls.reserve("project", "b", 30)
     assert info.value.budget == "tenant" and info.value.available == 20
     assert ledger.balance("project").held == 30
     assert ledger.balance("tenant").held == 30
     sent(ledger, "project", "c", 20)
-    ledger.settle("c", 5)
+    ledger.calls.settle("c", 5)
     assert (ledger.balance("tenant").spent, ledger.balance("tenant").held) == (5, 30)
     assert (ledger.balance("project").spent, ledger.balance("project").held) == (5, 30)
 
@@ -113,11 +113,11 @@ def test_frozen_budget_or_ancestor_admits_nothing_but_settles(ledger: Ledger) ->
     sent(ledger, "project", "a", 10)
     ledger.freeze("tenant")
     with pytest.raises(BudgetFrozen) as info:
-        ledger.reserve("project", "b", 10)
+        ledger.calls.reserve("project", "b", 10)
     assert info.value.budget == "tenant"
-    assert ledger.settle("a", 10)  # money already out still settles
+    assert ledger.calls.settle("a", 10)  # money already out still settles
     ledger.unfreeze("tenant")
-    ledger.reserve("project", "b", 10)
+    ledger.calls.reserve("project", "b", 10)
     assert ledger.budget("tenant").frozen is False
     with pytest.raises(UnknownBudget):
         ledger.freeze("nope")
@@ -126,20 +126,20 @@ def test_frozen_budget_or_ancestor_admits_nothing_but_settles(ledger: Ledger) ->
 def test_settle_twice_same_actual_is_a_no_op_other_actual_conflicts(ledger: Ledger) -> None:
     ledger.create_budget("acme", 100)
     sent(ledger, "acme", "k", 50)
-    assert ledger.settle("k", 30) is True
-    assert ledger.settle("k", 30) is False
+    assert ledger.calls.settle("k", 30) is True
+    assert ledger.calls.settle("k", 30) is False
     with pytest.raises(SettlementConflict) as info:
-        ledger.settle("k", 31)
+        ledger.calls.settle("k", 31)
     assert (info.value.recorded, info.value.requested) == (30, 31)
     with pytest.raises(SettlementConflict):
-        ledger.release("k", "changed my mind")
+        ledger.calls.release("k", "changed my mind")
     assert ledger.balance("acme").spent == 30
 
 
 def test_overrun_is_recorded_as_it_is(ledger: Ledger, caplog: pytest.LogCaptureFixture) -> None:
     ledger.create_budget("acme", 100)
     sent(ledger, "acme", "k", 50)
-    ledger.settle("k", 70)
+    ledger.calls.settle("k", 70)
     assert ledger.balance("acme").spent == 70
     assert ledger.attempt("k").overrun == 20
     assert "overrun on attempt k" in caplog.text
@@ -147,11 +147,11 @@ def test_overrun_is_recorded_as_it_is(ledger: Ledger, caplog: pytest.LogCaptureF
 
 def test_release_returns_the_hold(ledger: Ledger) -> None:
     ledger.create_budget("acme", 100)
-    ledger.reserve("acme", "never-sent", 50)
+    ledger.calls.reserve("acme", "never-sent", 50)
     sent(ledger, "acme", "rejected", 50)
-    assert ledger.release("never-sent", "worker stopped before sending")
-    assert ledger.release("rejected", "provider answered 400")
-    assert ledger.release("rejected", "again") is False
+    assert ledger.calls.release("never-sent", "worker stopped before sending")
+    assert ledger.calls.release("rejected", "provider answered 400")
+    assert ledger.calls.release("rejected", "again") is False
     bal = ledger.balance("acme")
     assert (bal.held, bal.spent) == (0, 0)
     assert ledger.attempt("rejected").note == "provider answered 400"
@@ -161,15 +161,15 @@ def test_one_attempt_grants_one_send(ledger: Ledger) -> None:
     ledger.create_budget("acme", 100)
     sent(ledger, "acme", "k", 50)
     with pytest.raises(InvalidTransition):
-        ledger.mark_sending("k")
+        ledger.calls.mark_sending("k")
     with pytest.raises(UnknownAttempt):
-        ledger.mark_sending("nope")
+        ledger.calls.mark_sending("nope")
 
 
 def test_a_reservation_that_grants_is_sending_and_described_at_once(ledger: Ledger) -> None:
     ledger.create_budget("acme", 100)
     facts = CallFacts("openai.chat", "gpt-4o-mini", 2.5)
-    reservation = ledger.reserve("acme", "k", 100, grant=facts)  # exactly what is left
+    reservation = ledger.calls.reserve("acme", "k", 100, grant=facts)  # exactly what is left
     assert (reservation.state, reservation.created) == ("sending", True)
     attempt = ledger.attempt("k")
     assert (attempt.state, attempt.lookup, attempt.model) == (
@@ -179,11 +179,11 @@ def test_a_reservation_that_grants_is_sending_and_described_at_once(ledger: Ledg
     )
     assert attempt.timeout_ms == 2_500 and attempt.sending_at is not None
     with pytest.raises(InvalidTransition):  # the grant was given once, with the hold
-        ledger.mark_sending("k")
+        ledger.calls.mark_sending("k")
     with pytest.raises(BudgetExceeded):  # nothing left: no second grant either
-        ledger.reserve("acme", "k2", 1, grant=CallFacts())
+        ledger.calls.reserve("acme", "k2", 1, grant=CallFacts())
     assert ledger.holds(keys=["k2"]) == [] and ledger.balance("acme").held == 100
-    assert ledger.settle("k", 60, request_id="req_9", response_id="chatcmpl_9")
+    assert ledger.calls.settle("k", 60, request_id="req_9", response_id="chatcmpl_9")
     settled = ledger.attempt("k")
     assert (settled.state, settled.actual, settled.request_id) == ("settled", 60, "req_9")
     assert settled.response_id == "chatcmpl_9"
@@ -192,38 +192,38 @@ def test_a_reservation_that_grants_is_sending_and_described_at_once(ledger: Ledg
 
 def test_settle_needs_a_send_first(ledger: Ledger) -> None:
     ledger.create_budget("acme", 100)
-    ledger.reserve("acme", "k", 50)
+    ledger.calls.reserve("acme", "k", 50)
     with pytest.raises(InvalidTransition):
-        ledger.settle("k", 50)
+        ledger.calls.settle("k", 50)
     assert ledger.balance("acme").held == 50
 
 
 def test_unknown_outcome_keeps_the_hold_then_settles(ledger: Ledger, clock: ManualClock) -> None:
     ledger.create_budget("acme", 100)
     sent(ledger, "acme", "k", 50)
-    ledger.record_request_id("k", "req_9")
-    assert ledger.mark_unknown("k", "read timeout") is True
-    assert ledger.mark_unknown("k", "read timeout") is False
+    ledger.calls.record_request_id("k", "req_9")
+    assert ledger.calls.mark_unknown("k", "read timeout") is True
+    assert ledger.calls.mark_unknown("k", "read timeout") is False
     clock.advance(hours=3)
     [hold] = ledger.holds(older_than=timedelta(hours=2))
     assert (hold.key, hold.state, hold.amount, hold.request_id) == ("k", "unknown", 50, "req_9")
     assert hold.age == timedelta(hours=3)
     assert ledger.holds(older_than=timedelta(hours=4)) == []
     assert ledger.balance("acme").held == 50
-    assert ledger.settle("k", 42)
+    assert ledger.calls.settle("k", 42)
     assert ledger.holds() == []
 
 
 def test_request_id_is_recorded_once(ledger: Ledger) -> None:
     ledger.create_budget("acme", 100)
-    ledger.reserve("acme", "k", 10)
+    ledger.calls.reserve("acme", "k", 10)
     with pytest.raises(InvalidTransition):
-        ledger.record_request_id("k", "req_1")  # nothing was sent yet
-    ledger.mark_sending("k")
-    ledger.record_request_id("k", "req_1")
-    ledger.record_request_id("k", "req_1")
+        ledger.calls.record_request_id("k", "req_1")  # nothing was sent yet
+    ledger.calls.mark_sending("k")
+    ledger.calls.record_request_id("k", "req_1")
+    ledger.calls.record_request_id("k", "req_1")
     with pytest.raises(InvalidTransition):
-        ledger.record_request_id("k", "req_2")
+        ledger.calls.record_request_id("k", "req_2")
     assert ledger.attempt("k").request_id == "req_1"
 
 
@@ -233,7 +233,7 @@ def test_adjust_is_a_journal_entry_idempotent_by_ref(ledger: Ledger) -> None:
     sent(ledger, "acme", "k", 50)
     with pytest.raises(InvalidTransition):
         ledger.adjust("k", 5, "too early")
-    ledger.settle("k", 40)
+    ledger.calls.settle("k", 40)
     assert ledger.adjust("k", 7, "provider correction", ref="inv-1") is True
     assert ledger.adjust("k", 7, "provider correction", ref="inv-1") is False
     assert ledger.adjust("k", -3, "refund") is True
@@ -256,7 +256,7 @@ def test_late_settlement_charges_the_period_of_admission(
     fresh = ledger.balance("daily")
     assert fresh.period_start == day1 + timedelta(days=1)
     assert (fresh.held, fresh.spent, fresh.available) == (0, 0, 100)
-    ledger.settle("k", 55)
+    ledger.calls.settle("k", 55)
     assert ledger.balance("daily").spent == 0
     old = ledger.balance("daily", at=day1)
     assert (old.spent, old.held) == (55, 0)
@@ -271,13 +271,13 @@ def test_rollover_renewal_carries_unused_up_to_the_ceiling(
     ledger.create_budget("plain", 100, period="day")
     for name in ("daily", "plain"):
         sent(ledger, name, f"{name}-1", 30)
-        ledger.settle(f"{name}-1", 30)
+        ledger.calls.settle(f"{name}-1", 30)
     clock.advance(days=1)
     assert ledger.balance("daily").cap == 170  # what it would open with: 100 + 70 unused
-    assert ledger.open_period("daily").cap == 170  # opened (closing day 1): the same
-    assert ledger.open_period("plain").cap == 100  # reset
+    assert ledger.upkeep.open_period("daily").cap == 170  # opened (closing day 1): the same
+    assert ledger.upkeep.open_period("plain").cap == 100  # reset
     clock.advance(days=1)
-    assert ledger.open_period("daily").cap == 250  # 100 + 170, capped at 250
+    assert ledger.upkeep.open_period("daily").cap == 250  # 100 + 170, capped at 250
 
 
 def test_duplicate_and_unknown_budgets(ledger: Ledger) -> None:
@@ -287,7 +287,7 @@ def test_duplicate_and_unknown_budgets(ledger: Ledger) -> None:
     with pytest.raises(UnknownBudget):
         ledger.create_budget("child", 10, parent="nope")
     with pytest.raises(UnknownBudget):
-        ledger.reserve("nope", "k", 1)
+        ledger.calls.reserve("nope", "k", 1)
     with pytest.raises(UnknownBudget):
         ledger.balance("nope")
     assert [b.name for b in ledger.budgets()] == ["acme"]
@@ -295,7 +295,7 @@ def test_duplicate_and_unknown_budgets(ledger: Ledger) -> None:
 
 def test_audit_finds_a_counter_changed_behind_the_journal(ledger: Ledger) -> None:
     ledger.create_budget("acme", 100)
-    ledger.reserve("acme", "k", 10)
+    ledger.calls.reserve("acme", "k", 10)
     assert ledger.audit() == []
     with ledger.engine.begin() as conn:
         conn.execute(text("UPDATE budget_periods SET held = held - 10"))
@@ -310,7 +310,7 @@ def test_audit_finds_a_counter_changed_behind_the_journal(ledger: Ledger) -> Non
 
 def test_journal_is_append_only(ledger: Ledger) -> None:
     ledger.create_budget("acme", 100)
-    ledger.reserve("acme", "k", 10)
+    ledger.calls.reserve("acme", "k", 10)
     for statement in ("UPDATE journal SET held_delta = 0", "DELETE FROM journal"):
         with pytest.raises(DBAPIError, match="append-only"), ledger.engine.begin() as conn:
             conn.execute(text(statement))
@@ -319,8 +319,8 @@ def test_journal_is_append_only(ledger: Ledger) -> None:
 
 def test_the_price_table_version_is_stored_with_the_attempt(ledger: Ledger) -> None:
     ledger.create_budget("acme", 100)
-    ledger.reserve("acme", "k", 10, price_version="2026-11-01")
-    ledger.reserve("acme", "plain", 10)
+    ledger.calls.reserve("acme", "k", 10, price_version="2026-11-01")
+    ledger.calls.reserve("acme", "plain", 10)
     assert ledger.attempt("k").price_version == "2026-11-01"
     assert ledger.attempt("plain").price_version is None
 
@@ -334,16 +334,16 @@ def test_a_forked_child_opens_its_own_connections_and_leaves_the_parents_alone(
     import os
 
     ledger.create_budget("forked", 10_000, period="day")
-    ledger.reserve("forked", "parent-1", 100)  # both paths used: driver and engine
+    ledger.calls.reserve("forked", "parent-1", 100)  # both paths used: driver and engine
     assert ledger.budgets()
     pid = os.fork()
     if pid == 0:  # the child: any failure is its exit status
         code = 1
         try:
             child = ledger
-            child.reserve("forked", "child-1", 100)
-            child.mark_sending("child-1")
-            child.settle("child-1", 60)
+            child.calls.reserve("forked", "child-1", 100)
+            child.calls.mark_sending("child-1")
+            child.calls.settle("child-1", 60)
             assert child.balance("forked").spent == 60
             assert [b.name for b in child.budgets()] == ["forked"]
             code = 0
@@ -351,7 +351,7 @@ def test_a_forked_child_opens_its_own_connections_and_leaves_the_parents_alone(
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    ledger.reserve("forked", "parent-2", 100)
+    ledger.calls.reserve("forked", "parent-2", 100)
     assert (ledger.balance("forked").spent, ledger.balance("forked").held) == (60, 200)
     assert ledger.audit() == []
 
@@ -367,13 +367,13 @@ def test_the_report_agrees_with_balances_and_holds_in_one_query(
     ledger.create_budget("weekly", 700, period="week", parent="flat")
     ledger.create_budget("monthly", 300, period="month")
     ledger.create_budget("idle", 50, period="day")
-    ledger.reserve("daily", "d1", 100)
-    ledger.mark_sending("d1")
-    ledger.settle("d1", 80)
+    ledger.calls.reserve("daily", "d1", 100)
+    ledger.calls.mark_sending("d1")
+    ledger.calls.settle("d1", 80)
     clock.advance(minutes=5)
-    ledger.reserve("weekly", "w1", 200)  # held on weekly and on flat, its parent
+    ledger.calls.reserve("weekly", "w1", 200)  # held on weekly and on flat, its parent
     clock.advance(minutes=5)
-    ledger.reserve("monthly", "m1", 30)
+    ledger.calls.reserve("monthly", "m1", 30)
     ledger.freeze("monthly")
     clock.advance(days=1)  # a new day: "daily" would open with 420 carried, not yet open
     report = {r.budget: r for r in ledger.report()}
@@ -404,12 +404,12 @@ def test_a_cap_change_moves_the_current_period_and_is_journaled(
     from budget_tasks import CapBelowCommitted
 
     ledger.create_budget("daily", 1_000, period="day", renewal="rollover", rollover_ceiling=5_000)
-    ledger.reserve("daily", "d1", 300)
-    ledger.mark_sending("d1")
-    ledger.settle("d1", 300)
+    ledger.calls.reserve("daily", "d1", 300)
+    ledger.calls.mark_sending("d1")
+    ledger.calls.settle("d1", 300)
     clock.advance(days=1)
-    assert ledger.open_period("daily").cap == 1_700  # 700 carried
-    ledger.reserve("daily", "d2", 1_000)  # committed in the current period
+    assert ledger.upkeep.open_period("daily").cap == 1_700  # 700 carried
+    ledger.calls.reserve("daily", "d2", 1_000)  # committed in the current period
     assert ledger.set_cap("daily", 1_500).cap == 1_500  # raised: the carry stays
     assert ledger.balance("daily").cap == 2_200
     # lowered until the period's cap equals what it has committed (the boundary): allowed
@@ -434,7 +434,7 @@ def test_a_cap_change_moves_the_current_period_and_is_journaled(
         ).all()  # fmt: skip
     assert [tuple(e) for e in entries] == [("cap", 500, 0, 0, None), ("cap", -1_200, 0, 0, None)]
     clock.advance(days=1)
-    assert ledger.open_period("daily").cap == 300  # the next period opens at the new cap
+    assert ledger.upkeep.open_period("daily").cap == 300  # the next period opens at the new cap
     assert ledger.audit() == []
 
 
@@ -442,7 +442,7 @@ def test_the_journal_refuses_truncate(pg_ledger: Ledger) -> None:
     from sqlalchemy import text
 
     pg_ledger.create_budget("t", 10)
-    pg_ledger.reserve("t", "k", 5)
+    pg_ledger.calls.reserve("t", "k", 5)
     with pytest.raises(Exception, match="append-only"), pg_ledger.engine.begin() as conn:
         conn.execute(text("TRUNCATE journal CASCADE"))
     assert pg_ledger.audit() == []
@@ -462,12 +462,12 @@ def test_the_overrun_counter_counts_every_settler_and_is_audited(ledger: Ledger)
         ("beat", 100, 90, "reconcile"),
         ("operator", 100, 175, "operator"),
     ):
-        ledger.reserve("team", key, reserved)
-        ledger.mark_sending(key)
+        ledger.calls.reserve("team", key, reserved)
+        ledger.calls.mark_sending(key)
         if by is None:
-            ledger.settle(key, actual)
+            ledger.calls.settle(key, actual)
         else:
-            ledger.mark_unknown(key, "worker lost")
+            ledger.calls.mark_unknown(key, "worker lost")
             ledger.resolve_attempt(key, actual, note="checked", by=by)
     [row] = ledger.report()
     assert row.overrun == 30 + 75  # the one below its reservation adds nothing

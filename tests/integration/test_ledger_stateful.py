@@ -124,10 +124,10 @@ class LedgerMachine(RuleBasedStateMachine):
                 break
         if refusal is not None:
             with pytest.raises(refusal) as info:
-                self.ledger.reserve(self.prefix + name, key, amount)
+                self.ledger.calls.reserve(self.prefix + name, key, amount)
             assert info.value.budget == self.prefix + limit
             return
-        assert self.ledger.reserve(self.prefix + name, key, amount).created
+        assert self.ledger.calls.reserve(self.prefix + name, key, amount).created
         for row in rows.values():
             row[2] += amount
         self.attempts[key] = {
@@ -145,7 +145,7 @@ class LedgerMachine(RuleBasedStateMachine):
         a = self.attempts[key]
         for b in chain(a["budget"]):
             self.open(b)  # a reservation call opens the current periods, key known or not
-        again = self.ledger.reserve(self.prefix + a["budget"], key, a["amount"])
+        again = self.ledger.calls.reserve(self.prefix + a["budget"], key, a["amount"])
         assert not again.created
         assert again.state == a["state"]
 
@@ -153,14 +153,14 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def send(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(self.keys_in("reserved")))
-        self.ledger.mark_sending(key, provider="fake")
+        self.ledger.calls.mark_sending(key, provider="fake")
         self.attempts[key]["state"] = "sending"
 
     @precondition(lambda self: self.keys_in("sending"))
     @rule(data=st.data())
     def time_out(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(self.keys_in("sending")))
-        assert self.ledger.mark_unknown(key, "timeout")
+        assert self.ledger.calls.mark_unknown(key, "timeout")
         self.attempts[key]["state"] = "unknown"
 
     def _resolve(self, key: str, actual: int, state: str) -> None:
@@ -175,14 +175,14 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), actual=st.integers(0, 200))
     def settle(self, data: st.DataObject, actual: int) -> None:
         key = data.draw(st.sampled_from(self.keys_in("sending", "unknown")))
-        assert self.ledger.settle(key, actual) is True
+        assert self.ledger.calls.settle(key, actual) is True
         self._resolve(key, actual, "settled")
 
     @precondition(lambda self: self.keys_in("reserved", "sending", "unknown"))
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(self.keys_in("reserved", "sending", "unknown")))
-        assert self.ledger.release(key, "not billed") is True
+        assert self.ledger.calls.release(key, "not billed") is True
         self._resolve(key, 0, "released")
 
     @precondition(lambda self: self.keys_in("settled", "released"))
@@ -191,11 +191,11 @@ class LedgerMachine(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(self.keys_in("settled", "released")))
         a = self.attempts[key]
         if a["state"] == "settled":
-            assert self.ledger.settle(key, a["actual"]) is False
+            assert self.ledger.calls.settle(key, a["actual"]) is False
         else:
-            assert self.ledger.release(key, "again") is False
+            assert self.ledger.calls.release(key, "again") is False
         with pytest.raises(SettlementConflict):
-            self.ledger.settle(key, a["actual"] + other)
+            self.ledger.calls.settle(key, a["actual"] + other)
 
     @precondition(lambda self: self.keys_in("settled", "released"))
     @rule(data=st.data(), delta=st.integers(-50, 50).filter(bool))

@@ -14,6 +14,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from budget_tasks import Ledger
+from budget_tasks.ledger.core import LedgerCore
 from budget_tasks.ledger.schema import metadata
 from budget_tasks.migrations import current, upgrade
 
@@ -86,7 +87,7 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
         assert a == b
         assert current(migrated) == "0008"
         # each made its own installation id, once
-        ids = [Ledger(url).installation_id() for url in (migrated, created)]
+        ids = [LedgerCore(url).installation_id() for url in (migrated, created)]
         assert ids[0] != ids[1] and all(len(i) == 32 for i in ids)
 
 
@@ -117,7 +118,7 @@ def test_cli_db_upgrade_then_the_ledger_works() -> None:
         assert "revision 0008" in done.stdout
         ledger = Ledger(url)
         ledger.create_budget("acme", 10)
-        assert ledger.reserve("acme", "k", 10).created
+        assert ledger.calls.reserve("acme", "k", 10).created
         ledger.dispose()
 
 
@@ -249,8 +250,8 @@ def _upgrade_with_data(url: str, revision: str) -> None:
     for statement in ("UPDATE journal SET note = 'x'", "DELETE FROM journal"):
         with pytest.raises(Exception, match="append-only"), ledger.engine.begin() as conn:
             conn.execute(text(statement))
-    ledger.settle("held", 150)
-    ledger.reserve("team", "new", 4_000)
+    ledger.calls.settle("held", 150)
+    ledger.calls.reserve("team", "new", 4_000)
     assert ledger.balance("team").available == 5_000 - 70 - 150 - 4_000
     assert ledger.audit() == []
     ledger.dispose()

@@ -58,11 +58,21 @@ def fault(spec: str) -> dict[str, Any]:
     return {"extra_headers": {"x-fake-fault": spec}}
 
 
-class _LedgerDownFor:
-    """The task's ledger, except that reserving a key containing ``part`` fails as an
-    unreachable database would."""
+class _Seen:
+    """The task's ledger, whose calls face is ``calls``."""
 
-    def __init__(self, ledger: Ledger, part: str) -> None:
+    def __init__(self, ledger: Ledger, calls: Any) -> None:
+        self._ledger, self.calls = ledger, calls
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ledger, name)
+
+
+class _LedgerDownFor:
+    """The task's calls ledger, except that reserving a key containing ``part`` fails
+    as an unreachable database would."""
+
+    def __init__(self, ledger: Any, part: str) -> None:
         self._ledger, self._part = ledger, part
 
     def __getattr__(self, name: str) -> Any:
@@ -171,7 +181,8 @@ def app(backend_url: str, fake: FakeProvider) -> Any:
     class LedgerDown(BudgetTask):
         @property
         def ledger(self) -> Any:
-            return _LedgerDownFor(super().ledger, ":two:")
+            ledger = super().ledger
+            return _Seen(ledger, _LedgerDownFor(ledger.calls, ":two:"))
 
     @app.task(
         base=LedgerDown,
@@ -195,7 +206,9 @@ def app(backend_url: str, fake: FakeProvider) -> Any:
         @property
         def ledger(self) -> Any:
             ledger = super().ledger
-            return _AnswerLostFor(ledger, ":two:") if answer_lost["on"] else ledger
+            if not answer_lost["on"]:
+                return ledger
+            return _Seen(ledger, _AnswerLostFor(ledger.calls, ":two:"))
 
     @app.task(
         base=AnswerLost,
@@ -324,7 +337,7 @@ def test_budget_exceeded_in_a_step_strands_nothing_and_the_rerun_replays(
     ledger = Ledger(app.url)
     room = ledger.balance("team").available
     # leave room for exactly one step: the amount equal to what is left
-    ledger.reserve("team", "blocker", room - ONE_CALL)
+    ledger.calls.reserve("team", "blocker", room - ONE_CALL)
     with pytest.raises(BudgetExceeded) as info:
         app.jobs["agent"].delay("pricing").get()
     # step one settled below its estimate; step two asks for a whole estimate again
@@ -338,7 +351,7 @@ def test_budget_exceeded_in_a_step_strands_nothing_and_the_rerun_replays(
     assert [h.key for h in ledger.holds()] == ["blocker"]
     assert ledger.operation("agent:pricing").status == "pending"
     # budget frees up: the next delivery replays step one and sends step two
-    ledger.release("blocker", "freed")
+    ledger.calls.release("blocker", "freed")
     assert len(app.jobs["agent"].delay("pricing").get()) == 2
     assert [s.idempotency_key for s in sent_for(fake, "agent:pricing", ledger)] == [
         "agent:pricing:one:1",
@@ -529,18 +542,22 @@ def test_an_operator_resolve_never_touches_a_live_run(app: Any, fake: FakeProvid
     from budget_tasks.ledger.leases import owner_id
 
     ledger = Ledger(app.url)
-    start = ledger.admit(
+    start = ledger.calls.admit(
         "live", fingerprint="f", owner="gone-run", lease=timedelta(seconds=1), max_runs=5
     )
-    ledger.reserve("team", "live#1", 100, operation_id=start.operation_id)
-    ledger.mark_sending("live#1")
-    ledger.mark_unknown("live#1", "timeout")
-    ledger.end_run("live", owner="gone-run")
+    ledger.calls.reserve("team", "live#1", 100, operation_id=start.operation_id)
+    ledger.calls.mark_sending("live#1")
+    ledger.calls.mark_unknown("live#1", "timeout")
+    ledger.calls.end_run("live", owner="gone-run")
     # a new delivery (this live process) resends as attempt 2 and is running it
     me = owner_id()
-    again = ledger.admit("live", fingerprint="f", owner=me, lease=timedelta(minutes=5), max_runs=5)
-    ledger.reserve("team", "live#2", 100, operation_id=again.operation_id, reason="unknown_resend")
-    ledger.mark_sending("live#2")
+    again = ledger.calls.admit(
+        "live", fingerprint="f", owner=me, lease=timedelta(minutes=5), max_runs=5
+    )
+    ledger.calls.reserve(
+        "team", "live#2", 100, operation_id=again.operation_id, reason="unknown_resend"
+    )
+    ledger.calls.mark_sending("live#2")
     for target in ("live#1", "live#2"):
         done = cli(app.url, "resolve", target, "--actual", "0", "--note", "checked")
         assert done.returncode == 0, done.stderr

@@ -13,7 +13,7 @@ LEASE = timedelta(minutes=10)
 
 
 def begin(ledger: Ledger, owner: str, max_runs: int = 3) -> Decision:
-    start = ledger.admit(
+    start = ledger.calls.admit(
         "job:1", fingerprint="fp", owner=owner, lease=LEASE, max_runs=max_runs, task="t"
     )
     return start.decision
@@ -24,7 +24,7 @@ def test_runs_that_hand_the_message_back_are_never_poison(ledger: Ledger) -> Non
     for n in range(10):
         owner = f"otherhost:{n}:tok"
         assert begin(ledger, owner) is Decision.RUN
-        end = ledger.end_run("job:1", owner=owner, status="pending", error="retry later")
+        end = ledger.calls.end_run("job:1", owner=owner, status="pending", error="retry later")
         assert (end.status, end.applied) == ("pending", True)
     assert ledger.operation("job:1").runs == 0
     assert ledger.operation("job:1").deliveries == 10
@@ -46,10 +46,10 @@ def test_a_clean_end_between_deaths_is_not_counted(ledger: Ledger, clock: Manual
     assert begin(ledger, "otherhost:1:tok") is Decision.RUN  # dies
     clock.advance(LEASE + timedelta(seconds=1))
     assert begin(ledger, "otherhost:2:tok") is Decision.RUN
-    ledger.end_run("job:1", owner="otherhost:2:tok", status="pending")
+    ledger.calls.end_run("job:1", owner="otherhost:2:tok", status="pending")
     assert ledger.operation("job:1").runs == 1
     # a give-back from someone who no longer holds the lease takes no run off the count
-    ledger.end_run("job:1", owner="otherhost:1:tok", status="pending")
+    ledger.calls.end_run("job:1", owner="otherhost:1:tok", status="pending")
     assert (ledger.operation("job:1").runs, ledger.operation("job:1").status) == (1, "pending")
 
 
@@ -58,11 +58,11 @@ def test_a_poisoned_operation_releases_the_holds_never_sent(
 ) -> None:
     ledger.create_budget("team", 1_000)
     for n in range(3):  # runs that reserved and died before their send
-        start = ledger.admit(
+        start = ledger.calls.admit(
             "job:1", fingerprint="fp", owner=f"otherhost:{n}:tok", lease=LEASE, max_runs=3
         )
         if n == 0:
-            ledger.reserve("team", "job:1#1", 400, operation_id=start.operation_id)
+            ledger.calls.reserve("team", "job:1#1", 400, operation_id=start.operation_id)
         clock.advance(LEASE + timedelta(seconds=1))
     assert begin(ledger, "otherhost:9:tok") is Decision.POISONED
     assert (ledger.attempt("job:1#1").state, ledger.balance("team").held) == ("released", 0)
@@ -73,14 +73,14 @@ def test_beat_releases_what_a_dead_run_reserved_and_never_sent(
     ledger: Ledger, clock: ManualClock
 ) -> None:
     ledger.create_budget("team", 1_000)
-    start = ledger.admit(
+    start = ledger.calls.admit(
         "job:2", fingerprint="fp", owner="otherhost:1:tok", lease=LEASE, max_runs=3
     )
-    ledger.reserve("team", "job:2#1", 400, operation_id=start.operation_id)
-    assert ledger.mark_orphans_unknown() == []  # its lease is live: nothing is touched
+    ledger.calls.reserve("team", "job:2#1", 400, operation_id=start.operation_id)
+    assert ledger.upkeep.mark_orphans_unknown() == []  # its lease is live: nothing is touched
     assert ledger.attempt("job:2#1").state == "reserved"
     clock.advance(LEASE + timedelta(seconds=1))
-    assert ledger.mark_orphans_unknown() == []  # nothing was sending: nothing unknown
+    assert ledger.upkeep.mark_orphans_unknown() == []  # nothing was sending: nothing unknown
     assert ledger.attempt("job:2#1").state == "released"
     operation = ledger.operation("job:2")
     assert (operation.status, operation.lease_owner) == ("pending", None)

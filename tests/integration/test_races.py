@@ -62,7 +62,7 @@ def ledger(pg_url: str, pg_ledger: Ledger) -> Iterator[Ledger]:
 def deliver(
     ledger: Ledger, fake: FakeProvider, key: str, fault: str | None = None, **opts: Any
 ) -> Any:
-    manager = OperationManager(ledger, DeliveryOptions(task="race", **opts))
+    manager = OperationManager(ledger.calls, DeliveryOptions(task="race", **opts))
     return manager.deliver(
         races.delivery(key, lambda scope: races.call(fake.openai_base_url, scope, fault))
     )
@@ -188,13 +188,13 @@ def test_an_answer_found_for_a_resend_is_adopted_while_an_older_attempt_stays_un
     the resend, does not keep it open, so no third attempt is sent."""
     from budget_tasks.ledger.leases import owner_id
 
-    start = ledger.admit(
+    start = ledger.calls.admit(
         "twice", fingerprint="fp", owner=owner_id(), lease=timedelta(minutes=5), max_runs=5
     )
-    ledger.reserve("team", "twice#1", races.ESTIMATE, operation_id=start.operation_id)
-    ledger.mark_sending("twice#1")
-    ledger.mark_unknown("twice#1", "worker lost before it described the call")
-    ledger.end_run("twice", owner=start_owner(ledger, "twice"))
+    ledger.calls.reserve("team", "twice#1", races.ESTIMATE, operation_id=start.operation_id)
+    ledger.calls.mark_sending("twice#1")
+    ledger.calls.mark_unknown("twice#1", "worker lost before it described the call")
+    ledger.calls.end_run("twice", owner=start_owner(ledger, "twice"))
     with pytest.raises(openai.APITimeoutError):
         deliver(ledger, fake, "twice", "hang=2", on_unknown="resend")
     client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
@@ -254,7 +254,7 @@ def test_a_zero_estimate_run_whose_message_was_lost_is_found_requeued_and_replay
     assert (call.state, call.actual) == ("settled", sent.billed)
     assert ledger.operation("agent:1").status == "retryable"
     assert requeued == [("agent", "agent:1", {"args": ["agent:1"], "kwargs": {}})]
-    manager = OperationManager(ledger, DeliveryOptions(task="agent"))
+    manager = OperationManager(ledger.calls, DeliveryOptions(task="agent"))
     answer = manager.deliver(races.agent_delivery("agent:1", fake.openai_base_url))
     assert isinstance(answer, str) and answer
     assert len([s for s in fake.served() if s.method == "POST"]) == 1  # replayed, not resent

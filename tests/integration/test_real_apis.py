@@ -582,12 +582,12 @@ def test_a_found_answer_for_another_request_is_not_adopted(
 
     client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
     pg_ledger.create_budget("team", 1_000_000)
-    pg_ledger.reserve("team", "doc#1", 10_000)
-    pg_ledger.describe_attempt(
+    pg_ledger.calls.reserve("team", "doc#1", 10_000)
+    pg_ledger.calls.describe_attempt(
         "doc#1", lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini", timeout=1.0, request="a" * 64
     )
-    pg_ledger.mark_sending("doc#1")
-    pg_ledger.mark_unknown("doc#1", "timeout")
+    pg_ledger.calls.mark_sending("doc#1")
+    pg_ledger.calls.mark_unknown("doc#1", "timeout")
     client.chat.completions.create(
         model="gpt-4o-mini",
         max_completion_tokens=8,

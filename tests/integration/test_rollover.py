@@ -39,7 +39,7 @@ def admit_all(ledger: Ledger, tag: str, each: int = 100) -> int:
     admitted = 0
     for n in range(10_000):
         try:
-            ledger.reserve("daily", f"{tag}-{n}", each)
+            ledger.calls.reserve("daily", f"{tag}-{n}", each)
         except BudgetExceeded:
             return admitted
         admitted += each
@@ -63,10 +63,10 @@ def test_a_host_whose_clock_is_behind_at_midnight_cannot_spend_what_was_carried(
     url: str,
 ) -> None:
     day1 = host(url, MIDNIGHT - timedelta(hours=1))
-    day1.open_period("daily")  # day 1 is open and nothing is spent in it
+    day1.upkeep.open_period("daily")  # day 1 is open and nothing is spent in it
     fast = host(url, MIDNIGHT + timedelta(seconds=1))
     slow = host(url, MIDNIGHT - timedelta(seconds=1))  # two seconds behind
-    assert fast.open_period("daily").cap == 2 * ALLOWANCE  # day 1's 1,000 carried
+    assert fast.upkeep.open_period("daily").cap == 2 * ALLOWANCE  # day 1's 1,000 carried
     # The slow host still thinks it is day 1: its reservations go to day 2.
     admitted = admit_all(slow, "slow") + admit_all(fast, "fast")
     assert admitted == 2 * ALLOWANCE
@@ -93,10 +93,10 @@ def test_a_host_that_knew_the_old_day_open_admits_nothing_into_it_once_closed(
     still on day 1, admits its next reservation into day 2: the admission itself
     refuses a closed period, whatever the host remembers."""
     slow = host(url, MIDNIGHT - timedelta(seconds=1))
-    slow.reserve("daily", "slow-before", 100)  # day 1, its period now known to the host
+    slow.calls.reserve("daily", "slow-before", 100)  # day 1, its period now known to the host
     fast = host(url, MIDNIGHT + timedelta(seconds=1))
-    assert fast.open_period("daily").cap == 2 * ALLOWANCE - 100  # day 1's 900 carried
-    after = slow.reserve("daily", "slow-after", 100)
+    assert fast.upkeep.open_period("daily").cap == 2 * ALLOWANCE - 100  # day 1's 900 carried
+    after = slow.calls.reserve("daily", "slow-after", 100)
     assert after.period_start == MIDNIGHT
     (d1, _, spent1, held1, carried, closed1), (d2, cap2, _, held2, _, closed2) = periods(url)
     assert (d1, spent1 + held1, carried, closed1) == (MIDNIGHT - timedelta(days=1), 100, 900, True)
@@ -112,11 +112,11 @@ def _reserve_at(url: str, at: datetime, tag: str, count: int) -> int:
     period instead); what was admitted."""
     ledger = Ledger(url, clock=ManualClock(at))
     if count == 0:
-        ledger.open_period("daily")
+        ledger.upkeep.open_period("daily")
     admitted = 0
     for n in range(count):
         try:
-            ledger.reserve("daily", f"{tag}-{n}", 50)
+            ledger.calls.reserve("daily", f"{tag}-{n}", 50)
             admitted += 50
         except BudgetExceeded:
             pass
@@ -127,7 +127,7 @@ def _reserve_at(url: str, at: datetime, tag: str, count: int) -> int:
 def test_reservations_in_flight_at_the_boundary_are_counted_once(url: str) -> None:
     """Processes with day 1 clocks reserve while another opens day 2: what day 1
     admitted before it closed is not carried; nothing is admitted into it after."""
-    host(url, MIDNIGHT - timedelta(hours=1)).open_period("daily")
+    host(url, MIDNIGHT - timedelta(hours=1)).upkeep.open_period("daily")
     before = MIDNIGHT - timedelta(milliseconds=100)
     after = MIDNIGHT + timedelta(milliseconds=100)
     results = race(
@@ -145,11 +145,11 @@ def test_reservations_in_flight_at_the_boundary_are_counted_once(url: str) -> No
 
 def test_a_late_correction_to_the_old_day_comes_off_what_it_carried(url: str) -> None:
     day1 = host(url, MIDNIGHT - timedelta(hours=1))
-    day1.reserve("daily", "early", 500)
-    day1.mark_sending("early")
-    day1.settle("early", 500)
+    day1.calls.reserve("daily", "early", 500)
+    day1.calls.mark_sending("early")
+    day1.calls.settle("early", 500)
     day2 = host(url, MIDNIGHT + timedelta(hours=1))
-    assert day2.open_period("daily").cap == 1_500  # 500 unused, carried
+    assert day2.upkeep.open_period("daily").cap == 1_500  # 500 unused, carried
     # The provider corrects day 1's call upwards by 300: day 1 spent 800, so it only
     # had 200 to carry; the other 300 comes off day 2.
     assert day1.adjust("early", 300, "invoice correction", ref="inv-1")
@@ -163,11 +163,11 @@ def test_a_late_correction_to_the_old_day_comes_off_what_it_carried(url: str) ->
 
 def test_an_overrun_settled_after_midnight_comes_off_what_was_carried(url: str) -> None:
     day1 = host(url, MIDNIGHT - timedelta(hours=1))
-    day1.reserve("daily", "slow-call", 400)
-    day1.mark_sending("slow-call")
+    day1.calls.reserve("daily", "slow-call", 400)
+    day1.calls.mark_sending("slow-call")
     day2 = host(url, MIDNIGHT + timedelta(hours=1))
-    assert day2.open_period("daily").cap == 1_600  # 600 unused (the hold is not carried)
-    day1.settle("slow-call", 700)  # the call cost more than its estimate
+    assert day2.upkeep.open_period("daily").cap == 1_600  # 600 unused (the hold is not carried)
+    day1.calls.settle("slow-call", 700)  # the call cost more than its estimate
     # Day 1: spent 700 of 1,000, so only 300 was truly unused: 300 comes off day 2.
     assert day2.balance("daily").cap == 1_300
     assert 700 + admit_all(day2, "d2") == 2 * ALLOWANCE
@@ -183,13 +183,13 @@ def test_an_overrun_settled_two_days_late_comes_off_every_carry_it_passed_throug
     1's call settles above its hold. What day 1 carried too much, day 2 carried on too:
     it comes off day 3 as well, so three days admit three allowances, no more."""
     day1 = host(url, MIDNIGHT - timedelta(hours=1))
-    day1.reserve("daily", "slow-call", 500)
-    day1.mark_sending("slow-call")
+    day1.calls.reserve("daily", "slow-call", 500)
+    day1.calls.mark_sending("slow-call")
     day2 = host(url, MIDNIGHT + timedelta(hours=1))
-    assert day2.open_period("daily").cap == 1_500
+    assert day2.upkeep.open_period("daily").cap == 1_500
     day3 = host(url, MIDNIGHT + timedelta(days=1, hours=1))
-    assert day3.open_period("daily").cap == 2_500  # day 2 carried all 1,500
-    day1.settle("slow-call", 1_000)  # day 1 had nothing to carry after all
+    assert day3.upkeep.open_period("daily").cap == 2_500  # day 2 carried all 1,500
+    day1.calls.settle("slow-call", 1_000)  # day 1 had nothing to carry after all
     assert day3.balance("daily").cap == 2_000
     assert 1_000 + admit_all(day3, "d3") == 3 * ALLOWANCE
     for ledger in (day1, day2, day3):
@@ -199,13 +199,13 @@ def test_an_overrun_settled_two_days_late_comes_off_every_carry_it_passed_throug
 
 def test_reading_tomorrows_balance_opens_nothing(url: str) -> None:
     today = host(url, MIDNIGHT - timedelta(hours=1))
-    today.open_period("daily")
+    today.upkeep.open_period("daily")
     tomorrow = today.balance("daily", at=MIDNIGHT + timedelta(hours=1))
     assert (tomorrow.cap, tomorrow.period_start) == (2 * ALLOWANCE, MIDNIGHT)  # would open so
     assert len(periods(url)) == 1  # but nothing opened, nothing closed
     assert admit_all(today, "today") == ALLOWANCE  # today still admits its allowance
     later = host(url, MIDNIGHT + timedelta(hours=1))
-    assert later.open_period("daily").cap == ALLOWANCE  # nothing left to carry
+    assert later.upkeep.open_period("daily").cap == ALLOWANCE  # nothing left to carry
     assert admit_all(later, "tomorrow") == ALLOWANCE
     today.dispose()
     later.dispose()
@@ -221,6 +221,6 @@ def test_the_ledger_keeps_time_by_the_database(url: str, monkeypatch: pytest.Mon
     with ledger.engine.connect() as conn:
         theirs = conn.execute(text("SELECT now()")).scalar_one()
     assert abs(ledger.now() - theirs) < timedelta(seconds=5)
-    reservation = ledger.reserve("daily", "today", 10)
+    reservation = ledger.calls.reserve("daily", "today", 10)
     assert reservation.period_start.date() == theirs.astimezone(UTC).date()
     ledger.dispose()

@@ -25,6 +25,7 @@ from budget_tasks import (
     SideEffectUncertain,
 )
 from budget_tasks.errors import InvalidTransition, OperationInProgress
+from budget_tasks.ledger.core import LedgerCore
 from budget_tasks.providers import estimates, openai_chat, openai_client
 from budget_tasks.testing import FakeProvider
 
@@ -463,10 +464,10 @@ def test_an_attempt_reserved_and_never_sent_is_reused_or_replaced_for_every_call
         ("resend:d", "d", "resend:d#1", {}),
         ("agent:d", "d", "agent:d:step:1", {"label": "step", "step": "agent:d:step:1"}),
     ):
-        dead = ledger.admit(
+        dead = ledger.calls.admit(
             operation, fingerprint=fingerprint, owner=gone_owner(), lease=LEASE, max_runs=5
         )
-        ledger.reserve("team", key, left, operation_id=dead.operation_id, **options)
+        ledger.calls.reserve("team", key, left, operation_id=dead.operation_id, **options)
     assert app.jobs["resend"].delay("d").get() > 0
     assert len(app.jobs["agent"].delay("d").get()["answers"]) == 2
     sent = [s.idempotency_key for s in fake.served_as(ledger) if s.method == "POST"]
@@ -492,17 +493,21 @@ def test_a_dead_runs_labelled_call_is_resent_on_unknown_unless_it_moved(
     later (OperationInProgress, Celery's retry)."""
     one_step = app.jobs["resend_step"]
     ledger = Ledger(backend_url)
-    dead = ledger.admit("moved:t", fingerprint="t", owner=gone_owner(), lease=LEASE, max_runs=5)
+    dead = ledger.calls.admit(
+        "moved:t", fingerprint="t", owner=gone_owner(), lease=LEASE, max_runs=5
+    )
     bound = estimates.openai_chat(request("t")).amount
     step = "moved:t:step:1"
-    ledger.reserve("team", step, bound, operation_id=dead.operation_id, label="step", step=step)
-    ledger.mark_sending(step)
+    ledger.calls.reserve(
+        "team", step, bound, operation_id=dead.operation_id, label="step", step=step
+    )
+    ledger.calls.mark_sending(step)
     if moved:
 
-        def moved_meanwhile(self: Ledger, key: str, *args: Any, **kwargs: Any) -> bool:
+        def moved_meanwhile(self: LedgerCore, key: str, *args: Any, **kwargs: Any) -> bool:
             raise InvalidTransition(key, "settled", "mark it unknown")
 
-        monkeypatch.setattr(Ledger, "mark_unknown", moved_meanwhile)
+        monkeypatch.setattr(LedgerCore, "mark_unknown", moved_meanwhile)
         with pytest.raises(OperationInProgress):
             one_step.delay("t").get()
         assert [s for s in fake.served() if s.method == "POST"] == []

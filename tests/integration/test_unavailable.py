@@ -16,6 +16,7 @@ from celery import Celery
 from budget_tasks import BudgetExceeded, BudgetTask, Ledger, LedgerUnavailable, OutcomeUnknown
 from budget_tasks.config import close_ledgers
 from budget_tasks.delivery import catch_up, owed
+from budget_tasks.ledger.core import LedgerCore
 from budget_tasks.providers.calls import Sent
 from budget_tasks.testing import FakeProvider
 from budget_tasks.testing.harness import FaultProxy
@@ -27,10 +28,10 @@ from ..services import PG_ADMIN_URL
 def test_unreachable_database_refuses_every_call() -> None:
     ledger = Ledger("postgresql+psycopg://postgres@127.0.0.1:1/nowhere")
     calls = [
-        lambda: ledger.reserve("acme", "k", 10),
-        lambda: ledger.mark_sending("k"),
-        lambda: ledger.settle("k", 10),
-        lambda: ledger.release("k", "x"),
+        lambda: ledger.calls.reserve("acme", "k", 10),
+        lambda: ledger.calls.mark_sending("k"),
+        lambda: ledger.calls.settle("k", 10),
+        lambda: ledger.calls.release("k", "x"),
         lambda: ledger.balance("acme"),
         lambda: ledger.create_budget("acme", 10),
         lambda: ledger.audit(),
@@ -44,7 +45,7 @@ def test_unreachable_database_refuses_every_call() -> None:
 def test_unopenable_sqlite_file_refuses(tmp_path: object) -> None:
     ledger = Ledger("sqlite:////nonexistent-dir/ledger.db")
     with pytest.raises(LedgerUnavailable):
-        ledger.reserve("acme", "k", 10)
+        ledger.calls.reserve("acme", "k", 10)
 
 
 @pytest.fixture
@@ -64,22 +65,22 @@ def test_outage_mid_life_refuses_then_recovers(
 ) -> None:
     proxy, ledger = proxied
     pg_ledger.create_budget("acme", 100)
-    ledger.reserve("acme", "before", 10)  # pooled connections now exist
-    ledger.mark_sending("before")
+    ledger.calls.reserve("acme", "before", 10)  # pooled connections now exist
+    ledger.calls.mark_sending("before")
 
     proxy.cut()
     with pytest.raises(LedgerUnavailable):
-        ledger.reserve("acme", "during", 10)
+        ledger.calls.reserve("acme", "during", 10)
     with pytest.raises(LedgerUnavailable):
-        ledger.settle("before", 10)
+        ledger.calls.settle("before", 10)
     # Read through a direct connection: nothing was written during the outage.
     assert [a.key for a in pg_ledger.attempts()] == ["before"]
     assert pg_ledger.balance("acme").held == 10
 
     proxy.restore()
     # The stale pooled connections are replaced without an error reaching the caller.
-    assert ledger.reserve("acme", "after", 10).created
-    assert ledger.settle("before", 10)
+    assert ledger.calls.reserve("acme", "after", 10).created
+    assert ledger.calls.settle("before", 10)
     assert ledger.balance("acme").held == 10
     assert pg_ledger.audit() == []
 
@@ -89,11 +90,11 @@ def test_stale_pool_after_a_restart_is_replaced_transparently(
 ) -> None:
     proxy, ledger = proxied
     pg_ledger.create_budget("acme", 100)
-    ledger.reserve("acme", "a", 10)
+    ledger.calls.reserve("acme", "a", 10)
     ledger.budgets()
     proxy.cut()  # every pooled connection dies, as in a database restart
     proxy.restore()
-    assert ledger.reserve("acme", "b", 10).created
+    assert ledger.calls.reserve("acme", "b", 10).created
     assert [b.name for b in ledger.budgets()] == ["acme"]
     assert ledger.balance("acme").held == 20
 
@@ -332,7 +333,7 @@ def test_a_write_owed_through_an_outage_never_drops_the_hold_of_a_run_that_took_
     pg_ledger.create_budget("acme", 1_000)
     name = f"outage{uuid.uuid4().hex[:8]}"
     # An earlier run died between reserving its main attempt and sending under it.
-    start = pg_ledger.admit(
+    start = pg_ledger.calls.admit(
         "job:1",
         fingerprint="fp",
         owner="gone",
@@ -341,20 +342,20 @@ def test_a_write_owed_through_an_outage_never_drops_the_hold_of_a_run_that_took_
         task=name,
         plan=lambda here: None,
     )
-    pg_ledger.reserve(
+    pg_ledger.calls.reserve(
         "acme", "job:1#1", 600, fingerprint="fp", reason="first", operation_id=start.operation_id
     )
     time.sleep(0.05)
     grants: list[str] = []
-    grant = Ledger.mark_sending
+    grant = LedgerCore.mark_sending
 
-    def grant_then_outage(self: Ledger, key: str, **kwargs: Any) -> None:
+    def grant_then_outage(self: LedgerCore, key: str, **kwargs: Any) -> None:
         grants.append(key)
         if len(grants) == 1:
             proxy.cut()  # run A: the ledger goes away as the send is granted
         grant(self, key, **kwargs)
 
-    monkeypatch.setattr(Ledger, "mark_sending", grant_then_outage)
+    monkeypatch.setattr(LedgerCore, "mark_sending", grant_then_outage)
     seen: dict[str, Any] = {}
 
     def job_of(app: Celery, body: Any) -> Any:
@@ -377,10 +378,10 @@ def test_a_write_owed_through_an_outage_never_drops_the_hold_of_a_run_that_took_
         if b_outlives_its_lease:
             time.sleep(0.6)
         # Meanwhile A's process, the ledger back, writes what it kept back.
-        seen["written"] = catch_up(through_proxy)
+        seen["written"] = catch_up(through_proxy.calls)
         seen["state"] = pg_ledger.attempt("job:1#1").state
         try:
-            pg_ledger.reserve("acme", "other", 900)
+            pg_ledger.calls.reserve("acme", "other", 900)
             seen["other"] = "admitted"
         except BudgetExceeded:
             seen["other"] = "refused"

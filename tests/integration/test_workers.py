@@ -375,7 +375,7 @@ def test_retry_when_budget_frees_works_for_a_step(
 
     start_worker()
     room = pg_ledger.balance("default").available
-    pg_ledger.reserve("default", "blocker", room - ONE_CALL)  # room for one step only
+    pg_ledger.calls.reserve("default", "blocker", room - ONE_CALL)  # room for one step only
     result = client.send_task("tests.agent_steps", args=["budget"])
     wait_for(
         lambda: "steps:budget#1" in {a.key for a in pg_ledger.attempts(states=["released"])},
@@ -383,7 +383,7 @@ def test_retry_when_budget_frees_works_for_a_step(
     )
     assert pg_ledger.operation("steps:budget").status in ("pending", "running")
     assert pg_ledger.attempts(states=["unknown"]) == []  # no hold stranded as unknown
-    pg_ledger.release("blocker", "the budget frees up")
+    pg_ledger.calls.release("blocker", "the budget frees up")
     assert result.get(timeout=60) == ["one done", "two done"]
     assert [s.idempotency_key for s in requests_for(fake, "steps:budget", pg_ledger)] == [
         "steps:budget:one:1",

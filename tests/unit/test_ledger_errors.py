@@ -75,7 +75,7 @@ def test_a_database_without_the_schema_raises_schema_missing(schemaless_url: str
         with pytest.raises(SchemaMissing) as caught:
             ledger.budgets()
         with pytest.raises(SchemaMissing):
-            ledger.reserve("acme", "call-1", 10)
+            ledger.calls.reserve("acme", "call-1", 10)
         # the hot path's statements on the driver connection (statements.Driver)
         with pytest.raises(SchemaMissing), Driver(ledger.engine).transaction() as cur:
             cur.one("SELECT id FROM budgets WHERE name = :name", {"name": "acme"})
