@@ -118,13 +118,15 @@ def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> 
                 "model": None,
                 "timeout_ms": None,
                 "request_digest": None,
+                "input_bound": None,
+                "output_bound": None,
             },
         ).fetchone()
         hold = {"attempt_id": attempt_id, "period_id": period_id, "kind": "hold"}
         conn.execute(
             journal,
             {**hold, "held_delta": 1_000, "spent_delta": 0, "note": "first"}
-            | {"ref": None, "now": now},
+            | {"ref": None, "now": now, "actor": None},
         )
         if (
             conn.execute(
@@ -139,7 +141,7 @@ def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> 
         conn.execute(
             journal,
             {**hold, "kind": "charge", "held_delta": -1_000, "spent_delta": 700, "note": None}
-            | {"ref": None, "now": now},
+            | {"ref": None, "now": now, "actor": None},
         )
         conn.execute(
             resolve,

@@ -62,6 +62,47 @@ def text(value: Any, name: str, *, max_length: int = MAX_KEY_LENGTH) -> str:
     return value
 
 
+def key(value: Any, name: str, *, max_length: int = MAX_KEY_LENGTH) -> str:
+    """Return ``value`` if it is text (see :func:`text`) of printable ASCII only, else
+    raise: a key or a label reaches HTTP headers and log lines, where a line break or a
+    byte outside ASCII fails after money was held, or forges a line (hash such a key
+    first, e.g. ``hashlib.sha256(key.encode()).hexdigest()``)."""
+    checked = text(value, name, max_length=max_length)
+    bad = next((c for c in checked if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise ValueError(
+            f"{name} must be printable ASCII; it holds {bad!r} at {checked.index(bad)} "
+            "(hash a key that is not)"
+        )
+    return checked
+
+
+def printable(value: Any, name: str, *, max_length: int = MAX_KEY_LENGTH) -> str:
+    """Return ``value`` if it is text (see :func:`text`) without control characters
+    (line breaks, escapes), else raise: a name is printed to operators' terminals."""
+    checked = text(value, name, max_length=max_length)
+    if not checked.isprintable():
+        bad = next(c for c in checked if not c.isprintable())
+        raise ValueError(f"{name} must be printable; it holds {bad!r} at {checked.index(bad)}")
+    return checked
+
+
+def actor(value: Any) -> str:
+    """Who did an operator's action: ``value``, or the OS user and host."""
+    if value is None:
+        import getpass
+        import socket
+
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):  # no name for this uid (a container's)
+            import os
+
+            user = f"uid {os.getuid()}"
+        value = f"{user}@{socket.gethostname()}"
+    return printable(value, "actor", max_length=100)
+
+
 def optional_text(value: Any, name: str, *, max_length: int = MAX_KEY_LENGTH) -> str | None:
     return None if value is None else text(value, name, max_length=max_length)
 

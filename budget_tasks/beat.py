@@ -24,11 +24,12 @@ from typing import Any
 from celery import shared_task
 from celery.utils.dispatch import Signal
 
+from ._trust import doubt
 from .config import ledger_of
 from .errors import BudgetTasksError
 from .hooks import hooks
 from .ledger import Attempt, Hold, Ledger, Resolved
-from .ledger.records import NO_TIMEOUT_MS
+from .ledger.records import NO_TIMEOUT_MS, UNTRUSTED_LOOKUP
 from .ledger.states import nothing_sent_under
 from .providers import Found, Lookup, LookupFacts, NotFound, Unknowable, registry, settle_after
 from .providers.clients import DEFAULT_MARGIN
@@ -92,6 +93,10 @@ def look_up(
         return Unknowable("the attempt never recorded which call it was")
     if attempt.lookup == "none":
         return Unknowable("the call was sent without storing it: the provider cannot find it")
+    if attempt.lookup == UNTRUSTED_LOOKUP:
+        return Unknowable(
+            "its answer reported usage past what its request allowed: an operator resolves it"
+        )
     vendor = registry.for_lookup(attempt.lookup)
     if vendor is None:
         return Unknowable(f"no vendor has a lookup named {attempt.lookup!r}")
@@ -146,7 +151,14 @@ def reconcile_unknown(
 
     An attempt that moved meanwhile (an operator, a late run) keeps what they wrote:
     one failure never stops the others."""
-    counts = {"found": 0, "not_found": 0, "pending": 0, "unknowable": 0, "failed": 0}
+    counts = {
+        "found": 0,
+        "not_found": 0,
+        "pending": 0,
+        "unknowable": 0,
+        "untrusted": 0,
+        "failed": 0,
+    }
     for key in ledger.upkeep.mark_orphans_unknown():
         log.warning("attempt %s was left sending by a run that is gone: now unknown", key)
     for attempt in ledger.upkeep.claim_unknown(limit=limit):
@@ -192,6 +204,14 @@ def _reconcile_one(
         attempt, clients, margin, ledger.upkeep.now(), ledger.upkeep.provider_key(attempt.key)
     )
     if isinstance(outcome, Found):
+        why = doubt(outcome.usage, outcome.actual, attempt.bound)
+        if why is not None:
+            # What a provider (or a gateway) claims past what the request allowed is
+            # never charged: the hold stays for an operator, and no later lookup asks.
+            ledger.upkeep.distrust(attempt.key, why)
+            hooks.untrusted(budget=attempt.budget, attempt=attempt.key, reason=why, by="reconcile")
+            log.warning("reconciling %s: found, but not charged: %s", attempt.key, why)
+            return "untrusted"
         actual = max(outcome.actual, recorded)
         done = ledger.upkeep.resolve_attempt(
             attempt.key,

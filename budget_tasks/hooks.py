@@ -41,7 +41,13 @@ class Hooks:
 
     def reconciled(self, *, attempt: str, outcome: str) -> None:
         """A provider lookup of an unknown attempt answered ``outcome`` (found,
-        not_found, pending, unknowable, failed)."""
+        not_found, pending, unknowable, untrusted, failed)."""
+
+    def untrusted(self, *, budget: str, attempt: str, reason: str, by: str) -> None:
+        """An answer reported usage past what its request allowed, or a cost past the
+        ledger's ceiling (``reason``): it was not charged, its hold stays ``unknown``
+        for an operator. ``by`` is who read the answer: ``task`` or ``reconcile``.
+        Alert on it: a provider or a gateway in front of it answered falsely."""
 
 
 _sinks: list[Hooks] = []
@@ -100,6 +106,9 @@ class _Fanout(Hooks):
 
     def reconciled(self, **facts: Any) -> None:
         self._tell("reconciled", facts)
+
+    def untrusted(self, **facts: Any) -> None:
+        self._tell("untrusted", facts)
 
 
 #: What the flow calls: every added sink hears it.

@@ -58,6 +58,11 @@ STALE_HOLDS = Counter(
 RECONCILIATIONS = Counter(
     "budget_tasks_reconciliations_total", "Provider lookups of unknown attempts", ["outcome"]
 )
+UNTRUSTED_ANSWERS = Counter(
+    "budget_tasks_untrusted_answers_total",
+    "Answers whose usage was past what their request allowed: not charged, held unknown",
+    ["budget", "by"],
+)
 
 
 class PrometheusHooks(Hooks):
@@ -86,6 +91,9 @@ class PrometheusHooks(Hooks):
 
     def reconciled(self, *, attempt: str, outcome: str) -> None:
         RECONCILIATIONS.labels(outcome).inc()
+
+    def untrusted(self, *, budget: str, attempt: str, reason: str, by: str) -> None:
+        UNTRUSTED_ANSWERS.labels(budget, by).inc()
 
 
 #: The one Prometheus sink of this process: importing this module starts counting.

@@ -154,7 +154,7 @@ class BudgetTask(Task):  # type: ignore[misc]
 
     def _operation_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         if self.idempotency_key is not None:
-            return check.text(
+            return check.key(
                 self.idempotency_key(*args, **kwargs),
                 "idempotency key",
                 max_length=check.MAX_OPERATION_KEY_LENGTH,

@@ -36,6 +36,7 @@ class Outcome(Protocol):
     used: bool
     in_flight: bool
     awaiting_usage: bool
+    doubted: str | None
 
 
 class ErrorKind(enum.Enum):
@@ -101,10 +102,21 @@ class HoldFate:
     actual: int = 0
     estimate_only: bool = False
     note: str = ""
+    #: (unknown) an answer's usage was past what its request allowed: never charged
+    #: as it is, kept for an operator, and alerted on
+    untrusted: bool = False
+
+
+def _untrusted(call: Outcome) -> HoldFate:
+    return HoldFate(
+        "unknown", call.actual or 0, note=f"untrusted usage: {call.doubted}", untrusted=True
+    )
 
 
 def fate_after_return(call: Outcome) -> HoldFate:
     """What a call's hold becomes when ``run`` returned (whatever happens next)."""
+    if call.doubted is not None:
+        return _untrusted(call)
     if call.awaiting_usage and call.actual is None:
         return HoldFate("unknown", note="answered without usage: settled when it is read")
     if call.actual is None:
@@ -115,6 +127,8 @@ def fate_after_return(call: Outcome) -> HoldFate:
 def fate_after_error(call: Outcome, exc: BaseException) -> HoldFate:
     """What an error out of ``run`` (or a ``spend`` block) means for ``call``'s hold."""
     why = describe_error(exc)
+    if call.doubted is not None:
+        return _untrusted(call)
     if not call.used and call.actual is None:
         return HoldFate("release", note=f"its key was never used: {why}")
     if not call.in_flight:

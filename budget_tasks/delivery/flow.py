@@ -488,7 +488,7 @@ class OperationManager:
         ``BudgetTask.spend``); ``call``, where known, describes it with its admission;
         ``price_version`` names the prices its amount was estimated at (else the
         task's)."""
-        check.text(label, "label", max_length=60)
+        check.key(label, "label", max_length=60)
         check.money(amount)
         facts = call or CallFacts()
         seq = scope.position(label, facts.request)
@@ -516,7 +516,7 @@ class OperationManager:
             raise
         fate = fate_after_return(made)
         self._write_call(scope, made, fate, wait=True, record=site.record, result=made.result)
-        if fate.action == "settle":
+        if fate.action == "settle" or fate.untrusted:
             self.told.ended(scope.budget, made.attempt_key, made.amount, fate)
 
     def _open_call(self, scope: AttemptScope, site: CallSite) -> Call:

@@ -120,7 +120,13 @@ def forget(ledger: CallLedger) -> None:
 def call_end(call: Recorded, fate: HoldFate) -> CallEnd:
     """What ``call`` came to, as the ledger writes it."""
     return CallEnd(
-        call.attempt_key, fate.action, fate.actual, fate.estimate_only, fate.note or None, call.ids
+        call.attempt_key,
+        fate.action,
+        fate.actual,
+        fate.estimate_only,
+        fate.note or None,
+        call.ids,
+        fate.untrusted,
     )
 
 

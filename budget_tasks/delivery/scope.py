@@ -11,6 +11,7 @@ from contextvars import ContextVar
 from typing import Any, Protocol
 
 from .. import _validate as check
+from .._trust import Bound, doubt
 from ..errors import LedgerUnavailable, ResendRefused
 from ..ledger import CallFacts, CallLedger
 from .fates import before_send
@@ -85,6 +86,7 @@ class _Grants(Protocol):
         response_id: str | None = ...,
         timeout: float | None = ...,
         request: str | None = ...,
+        bound: Bound | None = ...,
     ) -> None: ...
 
 
@@ -113,6 +115,9 @@ class Recorded:
         self.in_flight = False
         #: a call answered without its usage (a background response): settled later
         self.awaiting_usage = False
+        #: why an answer's usage cannot be charged as it is (past what its request
+        #: allowed, or the ledger's ceiling): its hold stays unknown for an operator
+        self.doubted: str | None = None
 
     @property
     def key(self) -> str:
@@ -170,13 +175,16 @@ class Recorded:
         response_id: str | None = None,
         timeout: float | None = None,
         request: str | None = None,
+        bound: Bound | None = None,
     ) -> None:
         """Record what the call is, before it is sent, for reconciliation. Where the
         admission described it so already, nothing is written."""
-        facts = CallFacts(lookup, model, timeout, request)
+        facts = CallFacts(lookup, model, timeout, request, bound)
         # Where the admission described the call (describe_call), its request digest
         # alone is not worth a commit of its own: the provider key already keeps another
-        # installation's, or another attempt's, answer from being adopted.
+        # installation's, or another attempt's, answer from being adopted. Nor is its
+        # bound: this run vets its own answer by it (record); reconciliation, without
+        # it, vets a found answer against the money ceiling only.
         described = self._described
         if (
             response_id is None
@@ -193,6 +201,7 @@ class Recorded:
                     response_id=response_id,
                     timeout=timeout,
                     request=request,
+                    bound=bound,
                 )
             except LedgerUnavailable as exc:
                 raise before_send(exc) from None
@@ -201,11 +210,18 @@ class Recorded:
     def record(self, sent: Any) -> None:
         """Keep a guarded call's request id, response id and priced usage for the
         settlement. A call answered without usage (a background response) keeps its hold
-        open until reconciliation reads the usage: its ids are written at once."""
+        open until reconciliation reads the usage: its ids are written at once. Usage
+        past what the request allowed (see :mod:`budget_tasks._trust`) is not kept: the
+        hold stays unknown for an operator."""
         if sent.request_id:
             self.request_id = sent.request_id
         if sent.response_id:
             self.response_id = sent.response_id
+        why = doubt(sent.usage, sent.cost, getattr(sent, "bound", None))
+        if why is not None:
+            self.doubted = why
+            self.in_flight = False
+            return
         if sent.cost is not None:
             self.actual = (self.actual or 0) + sent.cost
         else:

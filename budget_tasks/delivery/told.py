@@ -30,6 +30,8 @@ class Told:
 
     def ended(self, budget: str, attempt: str, amount: int, fate: HoldFate) -> None:
         """What a call's hold came to."""
+        if fate.untrusted:
+            self._sink.untrusted(budget=budget, attempt=attempt, reason=fate.note, by="task")
         if fate.action == "unknown":
             self.unknown(attempt)
         elif fate.action == "settle":

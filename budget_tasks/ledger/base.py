@@ -41,6 +41,7 @@ from .periods import (
     previous_period_start,
 )
 from .records import (
+    UNTRUSTED_LOOKUP,
     Attempt,
     CallFacts,
     Reservation,
@@ -320,6 +321,7 @@ class LedgerBase:
                 "model": call.model if call is not None else None,
                 "timeout_ms": call.timeout_ms if call is not None else None,
                 "request_digest": call.request if call is not None else None,
+                **_bound_params(call),
             },
         )
         if inserted is None:
@@ -386,10 +388,13 @@ class LedgerBase:
         reason: str,
         recorded_actual: int | None,
         ids: tuple[str | None, str | None] = (None, None),
+        *,
+        untrusted: bool = False,
     ) -> bool:
         params = {
             "key": key,
             "note": reason,
+            "lookup": UNTRUSTED_LOOKUP if untrusted else None,
             "recorded": recorded_actual,
             "request_id": ids[0],
             "response_id": ids[1],
@@ -462,6 +467,7 @@ class LedgerBase:
         if_resolved: str = "raise",
         answer: str | None = None,
         ids: tuple[str | None, str | None] = (None, None),
+        actor: str | None = None,
     ) -> _Resolution:
         """Journal and resolve the attempt (compare-and-set on the state read under its
         row lock); the caller applies the counters last. ``if_resolved="top_up"``: an
@@ -490,7 +496,7 @@ class LedgerBase:
         if recorded_usage is not None and actual < recorded_usage:
             raise UsageRecorded(key, recorded_usage, actual)
         for period_id in periods:
-            _journal(cur, attempt_id, period_id, kind, -amount, actual, note, stamp)
+            _journal(cur, attempt_id, period_id, kind, -amount, actual, note, stamp, actor=actor)
         resolved = {"state": state, "actual": actual, "note": note, "answer": answer}
         done = cur.run(
             sql.RESOLVE_ATTEMPT,
@@ -523,6 +529,14 @@ def _ids(request_id: str | None, response_id: str | None) -> tuple[str | None, s
     return request_id, response_id
 
 
+def _bound_params(call: CallFacts | None) -> dict[str, int | None]:
+    bound = call.bound if call is not None else None
+    return {
+        "input_bound": bound.input_tokens if bound is not None else None,
+        "output_bound": bound.output_tokens if bound is not None else None,
+    }
+
+
 def _journal(
     cur: Cursor,
     attempt_id: int,
@@ -533,8 +547,10 @@ def _journal(
     note: str | None,
     stamp: Any,
     ref: str | None = None,
+    actor: str | None = None,
 ) -> None:
-    """Append one journal entry: the only way the counters' history is written."""
+    """Append one journal entry: the only way the counters' history is written
+    (``actor``: who acted, for an operator's action)."""
     cur.run(
         sql.INSERT_JOURNAL,
         {
@@ -546,6 +562,7 @@ def _journal(
             "note": note,
             "ref": ref,
             "now": stamp,
+            "actor": actor,
         },
     )
 
@@ -625,4 +642,6 @@ def _attempt(r: Row[Any]) -> Attempt:
         step=r.step,
         timeout_ms=r.timeout_ms,
         request_digest=r.request_digest,
+        input_bound=r.input_bound,
+        output_bound=r.output_bound,
     )

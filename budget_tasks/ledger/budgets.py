@@ -56,7 +56,7 @@ class Budgets(Reports):
         ``reset`` or ``rollover`` (carry the unused amount, the cap never above
         ``rollover_ceiling``, default 3x ``cap``).
         """
-        check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+        check.printable(name, "budget name", max_length=check.MAX_NAME_LENGTH)
         check.money(cap, "cap")
         if period not in PERIODS:
             raise ValueError(f"period must be one of {PERIODS}, not {period!r}")
@@ -133,15 +133,19 @@ class Budgets(Reports):
             for r in rows
         ]
 
-    def set_cap(self, name: str, cap: int, *, note: str | None = None) -> BudgetInfo:
+    def set_cap(
+        self, name: str, cap: int, *, note: str | None = None, actor: str | None = None
+    ) -> BudgetInfo:
         """Change a budget's cap (its allowance per period). The current open period's
         cap moves by the same amount (what it carried stays); the change is a journal
-        entry (kind ``cap``). Lowering it below what that period has spent and holds is
-        refused (CapBelowCommitted): that money is committed; freeze the budget to stop
-        admissions. A rollover budget's ceiling is never below its cap."""
+        entry (kind ``cap``) naming ``actor`` (default: the OS user and host). Lowering
+        it below what that period has spent and holds is refused (CapBelowCommitted):
+        that money is committed; freeze the budget to stop admissions. A rollover
+        budget's ceiling is never below its cap."""
         check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
         check.money(cap, "cap")
         check.optional_text(note, "note", max_length=10_000)
+        actor = check.actor(actor)
         now = self.now()
         budget_id, _, period = self._chain(name)[0]
         self._period_id(budget_id, period_start(period, now))  # type: ignore[arg-type]
@@ -169,22 +173,44 @@ class Budgets(Reports):
                         "delta": delta,
                         "note": note or f"cap {old} -> {cap}",
                         "now": stamp,
+                        "actor": actor,
                     },
                 )
         log.info("budget %s: cap %d -> %d", name, old, cap)
         return self.budget(name)
 
-    def freeze(self, name: str) -> None:
-        """Stop all admission on this budget and its descendants; settlement goes on."""
-        self._set_frozen(name, True)
+    def freeze(self, name: str, *, note: str | None = None, actor: str | None = None) -> None:
+        """Stop all admission on this budget and its descendants; settlement goes on.
+        A journal row (kind ``freeze``) names ``actor`` (default: the OS user and host)
+        and ``note``."""
+        self._set_frozen(name, True, note, actor)
 
-    def unfreeze(self, name: str) -> None:
-        self._set_frozen(name, False)
+    def unfreeze(self, name: str, *, note: str | None = None, actor: str | None = None) -> None:
+        """Admit again on this budget (a journal row of kind ``unfreeze``, as a freeze)."""
+        self._set_frozen(name, False, note, actor)
 
-    def _set_frozen(self, name: str, frozen: bool) -> None:
+    def _set_frozen(self, name: str, frozen: bool, note: str | None, actor: str | None) -> None:
         check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+        check.optional_text(note, "note", max_length=10_000)
+        actor = check.actor(actor)
+        now = self.now()
+        budget_id, _, period = self._chain(name)[0]
+        period_id, _ = self._period_id(budget_id, period_start(period, now))  # type: ignore[arg-type]
+        kind = "freeze" if frozen else "unfreeze"
         with self._driver.transaction() as cur:
             done = cur.run(sql.SET_FROZEN, {"frozen": frozen, "name": name})
+            if done:
+                cur.run(
+                    sql.INSERT_ACTION,
+                    {
+                        "period_id": period_id,
+                        "kind": kind,
+                        "note": note or kind,
+                        "ref": None,
+                        "now": self._driver.ts(now),
+                        "actor": actor,
+                    },
+                )
         if not done:
             raise UnknownBudget(name)
 

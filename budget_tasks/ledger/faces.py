@@ -102,6 +102,7 @@ class Upkeep(_Face):
     mark_orphans_unknown = _Offer(LedgerCore.mark_orphans_unknown)
     claim_unknown = _Offer(LedgerCore.claim_unknown)
     resolve_attempt = _Offer(LedgerCore.resolve_attempt)
+    distrust = _Offer(LedgerCore.distrust)
     conclude_operation = _Offer(LedgerCore.conclude_operation)
     purge_operations = _Offer(LedgerCore.purge_operations)
 

@@ -38,7 +38,7 @@ def _check_reservation(
     reason: str,
 ) -> None:
     check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
-    check.text(key, "key")
+    check.key(key, "key")
     check.money(amount)
     check.optional_text(fingerprint, "fingerprint")
     check.optional_text(price_version, "price_version", max_length=64)
@@ -282,13 +282,17 @@ class Holds(LedgerBase):
         check.text(reason, "reason", max_length=10_000)
         return self._resolve(key, 0, "released", "release", reason, expected=expected)[0]
 
-    def adjust(self, key: str, delta: int, reason: str, *, ref: str | None = None) -> bool:
+    def adjust(
+        self, key: str, delta: int, reason: str, *, ref: str | None = None, actor: str | None = None
+    ) -> bool:
         """Add a provider correction to a settled or released attempt's charge.
 
         Recorded as a new journal entry, never an overwrite, in the attempt's own
-        periods. ``ref`` (e.g. the provider's invoice line id) makes the correction
-        idempotent: a second call with the same ref returns False.
+        periods, naming ``actor`` (default: the OS user and host). ``ref`` (e.g. the
+        provider's invoice line id) makes the correction idempotent: a second call with
+        the same ref returns False.
         """
+        actor = check.actor(actor)
         check.text(key, "key")
         check.money(delta, "delta", signed=True)
         check.text(reason, "reason", max_length=10_000)
@@ -314,5 +318,7 @@ class Holds(LedgerBase):
                 )
             for *_, period_id in rows:
                 _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id})
-                _journal(cur, attempt_id, period_id, "adjustment", 0, delta, reason, stamp, ref)
+                _journal(
+                    cur, attempt_id, period_id, "adjustment", 0, delta, reason, stamp, ref, actor
+                )
         return True

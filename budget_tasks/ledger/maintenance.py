@@ -14,13 +14,15 @@ from typing import Any
 from sqlalchemy import select
 
 from .. import _validate as check
+from .._trust import Bound
 from ..errors import InvalidTransition, UnknownAttempt, UnknownOperation, UsageRecorded
 from . import statements as sql
+from .base import _bound_params
 from .driver import Cursor
 from .leases import lease_is_live
 from .operations import Operations, RunEnd
 from .oversight import operation_of
-from .records import Attempt, CallFacts, Hold, Operation, Resolved
+from .records import UNTRUSTED_LOOKUP, Attempt, CallFacts, Hold, Operation, Resolved
 from .reports import Reports
 from .schema import operations
 from .states import nothing_sent_under
@@ -48,12 +50,14 @@ class Maintenance(Operations, Reports):
         response_id: str | None = None,
         timeout: float | None = None,
         request: str | None = None,
+        bound: Bound | None = None,
     ) -> None:
         """Record what a call is (which lookup finds it, the model it is priced at, the
         provider's response id, the client timeout it is sent with, its request's
-        digest), for reconciliation if its outcome becomes unknown."""
+        digest, the most tokens it allows), for reconciliation if its outcome becomes
+        unknown."""
         check.text(key, "key")
-        facts = CallFacts(lookup, model, timeout, request)
+        facts = CallFacts(lookup, model, timeout, request, bound)
         timeout_ms = facts.timeout_ms
         values = {
             name: value
@@ -67,7 +71,7 @@ class Maintenance(Operations, Reports):
         }
         if response_id is not None:
             check.text(response_id, "response_id", max_length=255)
-        if not values and timeout_ms is None:
+        if not values and timeout_ms is None and bound is None:
             return
         params = {
             "key": key,
@@ -76,12 +80,27 @@ class Maintenance(Operations, Reports):
             "response_id": None,
             "request_digest": None,
             "timeout_ms": timeout_ms,
+            **_bound_params(facts),
             **values,
         }
         with self._driver.transaction() as cur:
             changed = cur.run(sql.DESCRIBE_ATTEMPT, params)
         if not changed:
             raise UnknownAttempt(key)
+
+    def distrust(self, key: str, reason: str) -> bool:
+        """Keep unknown attempt ``key`` for an operator: what the provider answered for
+        it reports usage past what its request allowed (``reason``). It names no lookup
+        any more, so no reconciliation charges that usage as found. False if the attempt
+        is no longer unknown (resolved meanwhile)."""
+        check.text(key, "key")
+        check.text(reason, "reason", max_length=10_000)
+        params = {"key": key, "note": f"untrusted usage: {reason}", "lookup": UNTRUSTED_LOOKUP}
+        with self._driver.transaction() as cur:
+            done = cur.one(sql.DISTRUST, params)
+            if done is None and cur.one(sql.ATTEMPT_STATE, {"key": key}) is None:
+                raise UnknownAttempt(key)
+        return done is not None
 
     def flag_stale(self, older_than: timedelta) -> list[Hold]:
         """Flag, once, every hold in sending/unknown older than ``older_than``; return
@@ -140,18 +159,22 @@ class Maintenance(Operations, Reports):
         by: str,
         answer: Any = None,
         expected: str | None = None,
+        actor: str | None = None,
     ) -> Resolved:
         """Resolve an attempt from outside its run: settle it at ``actual`` (release it
         at 0), then conclude its operation, in one transaction.
 
-        ``by`` is ``reconcile`` or ``operator``. ``answer`` (reconciliation: what the
-        provider answered) is kept on the attempt for its operation to adopt.
+        ``by`` is ``reconcile`` or ``operator``; an operator's resolution names
+        ``actor`` in the journal (default: the OS user and host). ``answer``
+        (reconciliation: what the provider answered) is kept on the attempt for its
+        operation to adopt.
         ``expected`` is the state the caller read: the resolution applies only from it
         (compare-and-set). The operation is touched only while this attempt is still
         the latest of its call, the operation is unfinished and no live run leases it;
         when its attempts leave it open it becomes retryable, or, for an operator's
         charge without an answer, failed (the answer is lost)."""
         _check_resolution(key, actual, note, by)
+        actor = check.actor(actor) if by == "operator" else None
         encoded = None if answer is None else json.dumps(answer)
         now = self.now()
         stamp = self._driver.ts(now)
@@ -166,7 +189,16 @@ class Maintenance(Operations, Reports):
             if before == "reserved" and state == "settled":
                 raise InvalidTransition(key, before, "charge an attempt that was never sent")
             resolution = self._resolve_in(
-                cur, key, actual, state, kind, recorded, stamp, expected=expected, answer=encoded
+                cur,
+                key,
+                actual,
+                state,
+                kind,
+                recorded,
+                stamp,
+                expected=expected,
+                answer=encoded,
+                actor=actor,
             )
             end = None
             if operation_id is not None and latest:

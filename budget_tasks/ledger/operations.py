@@ -145,7 +145,7 @@ class _Ask:
 
 
 def _check_delivery(ask: _Ask) -> None:
-    check.text(ask.key, "idempotency key")
+    check.key(ask.key, "idempotency key")
     check.text(ask.fingerprint, "fingerprint")
     check.text(ask.owner, "lease owner")
     check.duration(ask.lease, "lease")
@@ -286,7 +286,9 @@ class Operations(Holds):
                 return None  # never granted, or moved on since: nothing of this run's
         if call.action == "unknown":
             note = call.note or "outcome unknown"
-            return None, self._mark_unknown_in(cur, call.key, note, call.actual or None, call.ids)
+            return None, self._mark_unknown_in(
+                cur, call.key, note, call.actual or None, call.ids, untrusted=call.untrusted
+            )
         return None, False  # store: the hold was resolved already
 
     def _release_reserved(

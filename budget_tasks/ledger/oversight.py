@@ -108,7 +108,14 @@ class Oversight(Operations, Reports):
             [_attempt(r) for r in found],
             [
                 JournalEntry(
-                    e.attempt, e.budget, e.kind, e.held_delta, e.spent_delta, e.note, e.created_at
+                    e.attempt,
+                    e.budget,
+                    e.kind,
+                    e.held_delta,
+                    e.spent_delta,
+                    e.note,
+                    e.created_at,
+                    e.actor,
                 )
                 for e in entries
             ],
@@ -118,16 +125,17 @@ class Oversight(Operations, Reports):
             ],
         )
 
-    def reopen_operation(self, key: str, *, reason: str, by: str = "operator") -> Operation:
+    def reopen_operation(self, key: str, *, reason: str, by: str | None = None) -> Operation:
         """Reopen failed operation ``key``: it becomes retryable, its dead runs are no
         longer counted, and its next delivery runs it again (labelled calls whose
         results were stored replay; the rest are sent again, as new attempts). Refused
         (:class:`CannotReopen`) unless it failed and none of its calls holds money
-        (reserved, in flight or unknown). Recorded as an event with ``by`` and
-        ``reason``, in the same transaction."""
+        (reserved, in flight or unknown). Recorded as an event, and a journal row (kind
+        ``reopen``), naming ``by`` (default: the OS user and host) and ``reason``, in
+        the same transaction."""
         check.text(key, "idempotency key")
         check.text(reason, "reason", max_length=10_000)
-        check.text(by, "by", max_length=100)
+        by = check.actor(by)
         stamp = self._driver.ts(self.now())
         with self._driver.transaction() as cur:
             row = self._lock_operation(cur, key=key)
@@ -150,4 +158,17 @@ class Oversight(Operations, Reports):
                     "note": reason,
                 },
             )
+            period = cur.one(sql.LATEST_PERIOD_OF_OPERATION, {"operation_id": row.id})
+            if period is not None:
+                cur.run(
+                    sql.INSERT_ACTION,
+                    {
+                        "period_id": period[0],
+                        "kind": "reopen",
+                        "note": reason,
+                        "ref": key,
+                        "now": stamp,
+                        "actor": by,
+                    },
+                )
         return self.operation_history(key).operation

@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from .. import _validate as check
+from .._trust import Bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,9 @@ NO_TIMEOUT_MS = 0
 
 
 #: What a run may write for one of its calls (see :class:`CallEnd`).
+#: The lookup of an attempt whose answer reported usage past what its request allowed:
+#: none finds it, so nothing charges that usage as found (an operator resolves it).
+UNTRUSTED_LOOKUP = "untrusted"
 CALL_ACTIONS = frozenset({"settle", "release", "unknown", "store", "unsent"})
 
 
@@ -42,7 +46,9 @@ class CallEnd:
     ``store`` (the hold is resolved already) or ``unsent`` (an admission whose answer
     was lost may have granted a send that the run never made: released if it did and
     the attempt is still ``sending`` under the run's lease, else nothing). ``ids`` are
-    the request and response ids its answer carried, written with it."""
+    the request and response ids its answer carried, written with it. ``untrusted``
+    (with ``unknown``): its answer's usage was past what its request allowed, so no
+    lookup charges it as found; an operator resolves it."""
 
     key: str
     action: str
@@ -50,6 +56,7 @@ class CallEnd:
     estimate_only: bool = False
     note: str | None = None
     ids: tuple[str | None, str | None] = (None, None)
+    untrusted: bool = False
 
     def __post_init__(self) -> None:
         check.text(self.key, "key")
@@ -70,6 +77,8 @@ class CallFacts:
     model: str | None = None
     timeout: float | None = None
     request: str | None = None
+    #: the most tokens the request allowed, which its answer's usage is vetted against
+    bound: Bound | None = None
 
     def __post_init__(self) -> None:
         for name, value, limit in (
@@ -105,6 +114,7 @@ class CallFacts:
                 (other.model, self.model),
                 (other.timeout_ms, self.timeout_ms),
                 (other.request, self.request),
+                (other.bound, self.bound),
             )
         )
 
@@ -251,6 +261,16 @@ class Attempt:
     timeout_ms: int | None = None
     #: the digest of the request it sent (a found answer is adopted only for it)
     request_digest: str | None = None
+    #: the most input and output tokens its request allowed (None: not known)
+    input_bound: int | None = None
+    output_bound: int | None = None
+
+    @property
+    def bound(self) -> Bound | None:
+        """What the request allowed, which a found answer's usage is vetted against."""
+        if self.input_bound is None or self.output_bound is None:
+            return None
+        return Bound(self.input_bound, self.output_bound)
 
     @property
     def overrun(self) -> int:
@@ -332,6 +352,8 @@ class JournalEntry:
     spent_delta: int
     note: str | None
     created_at: datetime
+    #: who acted, where an operator did (None: a run or beat)
+    actor: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

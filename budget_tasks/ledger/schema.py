@@ -44,7 +44,12 @@ metadata = MetaData(naming_convention=NAMING)
 ATTEMPT_STATES = ("reserved", "sending", "settled", "released", "unknown")
 HOLDING_STATES = ("reserved", "sending", "unknown")
 ATTEMPT_REASONS = ("first", "redelivery", "rate_limited_retry", "unknown_resend", "manual")
-JOURNAL_KINDS = ("hold", "release", "charge", "adjustment", "cap")
+JOURNAL_KINDS = (
+    "hold", "release", "charge", "adjustment", "cap", "freeze", "unfreeze", "reopen",
+)  # fmt: skip
+#: The journal rows an operator's action writes (with its actor), beside the money
+#: they move: a freeze, an unfreeze or a reopen moves none.
+OPERATOR_KINDS = ("freeze", "unfreeze", "reopen")
 #: What an operator does to an operation (its events are kept as a record of it).
 OPERATION_EVENT_KINDS = ("reopen",)
 
@@ -169,6 +174,10 @@ attempts = Table(
     # Added in migration 0007: the digest of the request the attempt sent; an answer
     # reconciliation finds is adopted only for the same request.
     Column("request_digest", String(64), nullable=True),
+    # Added in migration 0009: the most tokens the request allowed (input however
+    # billed, output with reasoning), which the usage of its answer is vetted against.
+    Column("input_bound", BigInteger, nullable=True),
+    Column("output_bound", BigInteger, nullable=True),
     UniqueConstraint("key"),
     CheckConstraint("amount >= 0", name="amount_not_negative"),
     CheckConstraint("actual IS NULL OR actual >= 0", name="actual_not_negative"),
@@ -256,6 +265,8 @@ journal = Table(
     Column("ref", String(255), nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
     Column("cap_delta", BigInteger, nullable=False, server_default="0"),
+    # Added in migration 0009: who acted, for an operator's action (None: a run or beat).
+    Column("actor", String(255), nullable=True),
     CheckConstraint(f"kind IN ({_in(JOURNAL_KINDS)})", name="kind_known"),
     Index(None, "attempt_id"),
     Index(None, "period_id"),

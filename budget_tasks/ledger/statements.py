@@ -19,11 +19,13 @@ AVAILABLE = "(cap - spent - held)"
 INSERT_ATTEMPT = """
 INSERT INTO attempts
     (key, budget_id, period_id, fingerprint, reason, amount, price_version, operation_id,
-     label, step, state, created_at, sending_at, lookup, model, timeout_ms, request_digest)
+     label, step, state, created_at, sending_at, lookup, model, timeout_ms, request_digest,
+     input_bound, output_bound)
 VALUES
     (:key, :budget_id, :period_id, :fingerprint, :reason, :amount, :price_version,
      :operation_id, :label, :step, :state, :now, :sending_at, :lookup, :model,
-     CAST(:timeout_ms AS BIGINT), :request_digest)
+     CAST(:timeout_ms AS BIGINT), :request_digest, CAST(:input_bound AS BIGINT),
+     CAST(:output_bound AS BIGINT))
 ON CONFLICT (key) DO NOTHING
 RETURNING id"""
 
@@ -50,8 +52,9 @@ JOIN budget_periods p ON p.id = a.period_id
 WHERE a.key = :key"""
 
 INSERT_JOURNAL = """
-INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at)
-VALUES (:attempt_id, :period_id, :kind, :held_delta, :spent_delta, :note, :ref, :now)"""
+INSERT INTO journal
+    (attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at, actor)
+VALUES (:attempt_id, :period_id, :kind, :held_delta, :spent_delta, :note, :ref, :now, :actor)"""
 
 MARK_SENDING = """
 UPDATE attempts
@@ -68,7 +71,9 @@ DESCRIBE_ATTEMPT = """
 UPDATE attempts SET lookup = COALESCE(:lookup, lookup), model = COALESCE(:model, model),
     response_id = COALESCE(:response_id, response_id),
     timeout_ms = COALESCE(CAST(:timeout_ms AS BIGINT), timeout_ms),
-    request_digest = COALESCE(:request_digest, request_digest)
+    request_digest = COALESCE(:request_digest, request_digest),
+    input_bound = COALESCE(CAST(:input_bound AS BIGINT), input_bound),
+    output_bound = COALESCE(CAST(:output_bound AS BIGINT), output_bound)
 WHERE key = :key"""
 
 RECORD_REQUEST_ID = """
@@ -131,8 +136,10 @@ UPDATE attempts SET state = :state, actual = :actual, resolved_at = :now,
 WHERE id = :attempt_id AND state = :expected"""
 
 #: sending -> unknown, compare-and-set; the usage a run recorded stays as proof of billing.
+#: An answer whose usage was past what its request allowed names no lookup any more
+#: (``lookup`` 'untrusted'): beat does not charge it again as found.
 MARK_UNKNOWN = """
-UPDATE attempts SET state = 'unknown', note = :note,
+UPDATE attempts SET state = 'unknown', note = :note, lookup = COALESCE(:lookup, lookup),
     request_id = COALESCE(request_id, :request_id),
     response_id = COALESCE(response_id, :response_id),
     recorded_actual = CASE WHEN CAST(:recorded AS BIGINT) IS NULL THEN recorded_actual
@@ -149,6 +156,12 @@ UPDATE attempts SET request_id = COALESCE(request_id, :request_id),
     recorded_actual = CASE WHEN CAST(:cost AS BIGINT) IS NULL THEN recorded_actual
                            ELSE COALESCE(recorded_actual, 0) + CAST(:cost AS BIGINT) END
 WHERE key = :key AND state IN ('sending', 'unknown')
+RETURNING id"""
+
+#: An unknown attempt whose found answer's usage was past what its request allowed.
+DISTRUST = """
+UPDATE attempts SET lookup = :lookup, note = :note
+WHERE key = :key AND state = 'unknown'
 RETURNING id"""
 
 BALANCE = f"""
@@ -171,8 +184,19 @@ MOVE_PERIOD_CAP = "UPDATE budget_periods SET cap = cap + :delta WHERE id = :peri
 
 INSERT_CAP_CHANGE = """
 INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, cap_delta, note,
-                     created_at)
-VALUES (NULL, :period_id, 'cap', 0, 0, :delta, :note, :now)"""
+                     created_at, actor)
+VALUES (NULL, :period_id, 'cap', 0, 0, :delta, :note, :now, :actor)"""
+
+#: An operator's action that moves no money (a freeze, an unfreeze, a reopen), in the
+#: journal with who did it and why.
+INSERT_ACTION = """
+INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, note, ref,
+                     created_at, actor)
+VALUES (NULL, :period_id, :kind, 0, 0, :note, :ref, :now, :actor)"""
+
+#: The period of an operation's latest attempt (where a reopen is journaled).
+LATEST_PERIOD_OF_OPERATION = """
+SELECT period_id FROM attempts WHERE operation_id = :operation_id ORDER BY id DESC LIMIT 1"""
 
 # -- operations --------------------------------------------------------------------------
 

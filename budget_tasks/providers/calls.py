@@ -16,12 +16,16 @@ from typing import Any, Protocol
 
 from .. import _validate as check
 from .. import bypass
-from ..errors import StreamIncomplete
-from ..pricing import Prices, Usage
+from .._trust import Bound
+from ..errors import BudgetTasksError, StreamIncomplete
+from ..pricing import Estimate, Prices, Usage
 from .anthropic import usage as anthropic_usage
 from .anthropic.lookups import message_result
 from .base import Reported, as_json, request_digest
 from .clients import client_timeout, require_no_retries
+from .estimates import anthropic_message as estimate_message
+from .estimates import openai_chat as estimate_chat
+from .estimates import openai_response as estimate_response
 from .openai import usage as openai_usage
 from .openai.lookups import ATTEMPT_METADATA_KEY, REQUEST_METADATA_KEY, chat_result
 
@@ -42,6 +46,9 @@ class Sent:
     #: the SDK's own response object; for a stream, the list of the SDK's own events
     #: (chunks) in the order they came
     response: Any = None
+    #: the most tokens the request allowed (what its usage is vetted against), where
+    #: its estimate could count them
+    bound: Bound | None = None
 
 
 class AttemptLike(Protocol):
@@ -61,6 +68,7 @@ class AttemptLike(Protocol):
         response_id: str | None = None,
         timeout: float | None = None,
         request: str | None = None,
+        bound: Bound | None = None,
     ) -> None: ...
     def record_request_id(self, request_id: str) -> None: ...
     def record(self, sent: Sent) -> None: ...
@@ -76,6 +84,17 @@ LOOKUP_ANTHROPIC_BATCH = "anthropic.batch"
 LOOKUP_NONE = "none"
 
 
+def bound_of(
+    estimator: Callable[..., Estimate], params: dict[str, Any], prices: Prices | None
+) -> Bound | None:
+    """The most tokens ``params`` allow, by the endpoint's estimator, where it can bound
+    them (a call made under an explicit estimate may send what it cannot)."""
+    try:
+        return Bound.of(estimator(params, prices))
+    except (BudgetTasksError, TypeError, ValueError):
+        return None
+
+
 def _bind(
     client: Any,
     attempt: AttemptLike | None,
@@ -83,6 +102,7 @@ def _bind(
     on_request_id: RequestIdSink | None,
     lookup: str,
     params: dict[str, Any],
+    bound: Bound | None,
 ) -> tuple[str, RequestIdSink | None]:
     """The key the provider is sent and the request-id sink, from ``attempt=`` (its
     provider key: an opaque digest of the ledger's installation and the attempt key),
@@ -94,13 +114,14 @@ def _bind(
     if attempt is None:
         if key is None:
             raise TypeError("give the attempt key: key=... or attempt=self.attempt")
-        return check.text(key, "attempt key"), on_request_id
+        return check.key(key, "attempt key"), on_request_id
     timeout = client_timeout(client)
     attempt.describe(
         lookup,
         params["model"],
         timeout=math.inf if timeout is None else timeout,
         request=request_digest(params),
+        bound=bound,
     )
     return attempt.provider_key, on_request_id or attempt.record_request_id
 
@@ -124,11 +145,14 @@ def _priced(
     result: dict[str, Any],
     prices: Prices | None,
     response: Any = None,
+    bound: Bound | None = None,
 ) -> Sent:
     if reported is None:
         raise StreamIncomplete(provider, "the answer carried no usage")
     cost = reported.cost(prices, provider, None)
-    return Sent(provider, model, request_id, result["id"], reported.usage, cost, result, response)
+    return Sent(
+        provider, model, request_id, result["id"], reported.usage, cost, result, response, bound
+    )
 
 
 def _metered(helper: Callable[..., Sent]) -> Callable[..., Sent]:
@@ -163,7 +187,8 @@ def openai_chat(
     """
     lookup = LOOKUP_OPENAI_CHAT if store_for_lookup else LOOKUP_NONE
     digest = request_digest(params)
-    key, on_request_id = _bind(client, attempt, key, on_request_id, lookup, params)
+    bound = bound_of(estimate_chat, params, prices)
+    key, on_request_id = _bind(client, attempt, key, on_request_id, lookup, params, bound)
     headers = _prepare(client, key, params)
     if store_for_lookup:
         params["store"] = True
@@ -204,7 +229,9 @@ def openai_chat(
             result = {"id": completion_id, "content": "".join(parts), "finish_reason": finish}
             sdk_response = chunks
             reported = openai_usage.chat_stream([as_json(c) for c in chunks], params)
-    sent = _priced("openai", params["model"], request_id, reported, result, prices, sdk_response)
+    sent = _priced(
+        "openai", params["model"], request_id, reported, result, prices, sdk_response, bound
+    )
     return _done(attempt, sent)
 
 
@@ -225,7 +252,10 @@ def openai_response(
     """
     if params.get("stream"):
         raise ValueError("streamed Responses calls are not supported; use background=True")
-    key, on_request_id = _bind(client, attempt, key, on_request_id, LOOKUP_OPENAI_RESPONSES, params)
+    bound = bound_of(estimate_response, params, prices)
+    key, on_request_id = _bind(
+        client, attempt, key, on_request_id, LOOKUP_OPENAI_RESPONSES, params, bound
+    )
     headers = _prepare(client, key, params)
     with client.responses.with_streaming_response.create(extra_headers=headers, **params) as r:
         request_id = r.request_id
@@ -240,10 +270,12 @@ def openai_response(
     model = params["model"]
     if response.usage is None:
         return _done(
-            attempt, Sent("openai", model, request_id, response.id, None, None, result, response)
+            attempt,
+            Sent("openai", model, request_id, response.id, None, None, result, response, bound),
         )
     reported = openai_usage.response(response, params)
-    return _done(attempt, _priced("openai", model, request_id, reported, result, prices, response))
+    sent = _priced("openai", model, request_id, reported, result, prices, response, bound)
+    return _done(attempt, sent)
 
 
 @_metered
@@ -261,8 +293,9 @@ def anthropic_message(
     Anthropic's Messages API has no lookup: an unknown outcome here stays held until an
     operator resolves it.
     """
+    bound = bound_of(estimate_message, params, prices)
     key, on_request_id = _bind(
-        client, attempt, key, on_request_id, LOOKUP_ANTHROPIC_MESSAGES, params
+        client, attempt, key, on_request_id, LOOKUP_ANTHROPIC_MESSAGES, params, bound
     )
     headers = _prepare(client, key, params)
     with client.messages.with_streaming_response.create(extra_headers=headers, **params) as r:
@@ -278,7 +311,9 @@ def anthropic_message(
             result = _read_anthropic_stream(events)
             reported = anthropic_usage.message_stream([as_json(e) for e in events], params)
             message = events
-    sent = _priced("anthropic", params["model"], request_id, reported, result, prices, message)
+    sent = _priced(
+        "anthropic", params["model"], request_id, reported, result, prices, message, bound
+    )
     return _done(attempt, sent)
 
 

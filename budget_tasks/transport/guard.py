@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx2
 
+from .._trust import Bound
 from ..errors import (
     BudgetTasksError,
     CallConflict,
@@ -178,7 +179,9 @@ def prepare(route: Route, request: httpx2.Request, options: Options) -> Metered:
     except BudgetTasksError as exc:
         raise marked(exc) from None
     digest = request_digest(body)
-    facts = CallFacts(endpoint.lookup(body), estimate.model, timeout_of(request), digest)
+    facts = CallFacts(
+        endpoint.lookup(body), estimate.model, timeout_of(request), digest, Bound.of(estimate)
+    )
     return Metered(
         route,
         endpoint,
@@ -291,8 +294,11 @@ def _sent(
     response_id: str | None,
     stored: dict[str, Any],
 ) -> Sent:
+    bound = Bound.of(m.estimate)
     if reported is None:
-        return Sent(m.provider, m.estimate.model, request_id, response_id, None, None, stored)
+        return Sent(
+            m.provider, m.estimate.model, request_id, response_id, None, None, stored, bound=bound
+        )
     cost = reported.cost(m.prices, m.price_provider, datetime.now(UTC))
     model = reported.parts[0].model if reported.parts else m.estimate.model
     return Sent(
@@ -303,6 +309,7 @@ def _sent(
         reported.usage,
         cost,
         stored,
+        bound=bound,
     )
 
 

@@ -277,9 +277,10 @@ class _Described:
         response_id: str | None = None,
         timeout: float | None = None,
         request: str | None = None,
+        bound: Any = None,
     ) -> None:
         self.ledger.calls.describe_attempt(
-            self.key, lookup=lookup, model=model, timeout=timeout, request=request
+            self.key, lookup=lookup, model=model, timeout=timeout, request=request, bound=bound
         )
 
     def record_request_id(self, request_id: str) -> None:
