@@ -32,6 +32,7 @@ from .errors import (
     UnguardedCall,
     UnknownAttempt,
     UnknownBudget,
+    UnusableApiKey,
 )
 from .ledger import (
     Attempt,
@@ -102,5 +103,6 @@ __all__ = [
     "UnguardedCall",
     "UnknownAttempt",
     "UnknownBudget",
+    "UnusableApiKey",
     "configure",
 ]

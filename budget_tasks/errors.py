@@ -404,6 +404,22 @@ class MissingApiKey(BudgetTasksError):
     env: str
 
 
+class UnusableApiKey(BudgetTasksError, ValueError):
+    """An API key holds what no HTTP header may carry: a line break (a key read from a
+    secret file with its last newline), a space or a byte outside ASCII. The HTTP
+    library would refuse the header after money was held, and quote the key in its
+    error; the client is refused as it is built. The message never shows the key."""
+
+    template = (
+        "the {vendor} API key ({source}) holds {what} at position {position}: no HTTP "
+        "header may carry it; strip it (a key read from a file keeps its last newline)"
+    )
+    vendor: str
+    source: str
+    what: str
+    position: int
+
+
 class UnmeteredConnection(BudgetTasksError):
     """A connection to a provider endpoint opened inside a BudgetTask's ``run`` by a
     client that is not guarded: refused before any byte was sent."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 import uuid
 from collections.abc import Callable
@@ -19,10 +20,11 @@ from typing import Any, ClassVar
 
 from celery import Task, current_task
 from celery.exceptions import Retry
-from celery.signals import celeryd_after_setup
+from celery.signals import after_setup_logger, after_setup_task_logger, celeryd_after_setup
 
 from . import _validate as check
 from . import bypass, wiring
+from ._redact import redact_handlers
 from .config import LEDGER_URL_ENV, LEDGER_URL_SETTING, close_ledgers, ledger_for, ledger_of
 from .delivery import (
     PERSIST_DELAYS,
@@ -303,5 +305,14 @@ def _check_wiring(sender: Any = None, instance: Any = None, **_: Any) -> None:
     wiring.warn_at_start(instance, BudgetTask)
 
 
+def _redact_logs(sender: Any = None, logger: logging.Logger | None = None, **_: Any) -> None:
+    if logger is not None:
+        redact_handlers(logger)
+
+
 # A worker that loads any BudgetTask checks its wiring at start, configure() or not.
 celeryd_after_setup.connect(_check_wiring, weak=False)
+# Its logs (and beat's) never show a credential: an HTTP library's error may quote the
+# header it refused, the key in it; Celery logs a failed task's whole traceback.
+after_setup_logger.connect(_redact_logs, weak=False)
+after_setup_task_logger.connect(_redact_logs, weak=False)

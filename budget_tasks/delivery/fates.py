@@ -8,6 +8,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
+from .._redact import redact
 from ..errors import (
     BudgetExceeded,
     BudgetFrozen,
@@ -90,8 +91,9 @@ def error_kind(exc: BaseException) -> ErrorKind:
 
 
 def describe_error(exc: BaseException) -> str:
-    """An error as one line for the ledger and the log."""
-    return f"{type(exc).__name__}: {exc}"[:2000]
+    """An error as one line for the ledger and the log, without the credentials its
+    text may quote (an HTTP library's refusal of a header names its value)."""
+    return redact(f"{type(exc).__name__}: {exc}")[:2000]
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
 from .. import bypass
-from ..errors import RetriesEnabled
+from ..errors import RetriesEnabled, UnusableApiKey
 
 #: How long after a call's own timeout a provider may still be working on it.
 DEFAULT_MARGIN = timedelta(minutes=5)
+
+
+#: Where each vendor's SDK reads its key when none is given.
+KEY_ENV = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
+
+
+def check_api_key(vendor: str, kwargs: dict[str, Any]) -> None:
+    """Refuse (UnusableApiKey) a key, given or in the environment, that no HTTP header
+    may carry, before any call could hold money for it."""
+    names = ("api_key", "auth_token") if vendor == "anthropic" else ("api_key",)
+    candidates = [(f"{name}=", kwargs.get(name)) for name in names]
+    env = KEY_ENV[vendor]
+    candidates.append((env, os.environ.get(env) if kwargs.get("api_key") is None else None))
+    for source, value in candidates:
+        if not isinstance(value, str):
+            continue
+        for position, char in enumerate(value):
+            if not "!" <= char <= "~":
+                what = {"\n": "a line break", "\r": "a carriage return", " ": "a space"}.get(
+                    char, "a control character" if char < " " else "a character outside ASCII"
+                )
+                raise UnusableApiKey(vendor, source, what, position)
 
 
 def openai_client(**kwargs: Any) -> Any:
@@ -17,6 +40,7 @@ def openai_client(**kwargs: Any) -> Any:
     import openai
 
     _refuse_retries("openai.OpenAI(...)", kwargs)
+    check_api_key("openai", kwargs)
     bypass.know(str(kwargs["base_url"]) if kwargs.get("base_url") else None)
     return openai.OpenAI(**{**kwargs, "max_retries": 0})
 
@@ -26,6 +50,7 @@ def anthropic_client(**kwargs: Any) -> Any:
     import anthropic
 
     _refuse_retries("anthropic.Anthropic(...)", kwargs)
+    check_api_key("anthropic", kwargs)
     bypass.know(str(kwargs["base_url"]) if kwargs.get("base_url") else None)
     return anthropic.Anthropic(**{**kwargs, "max_retries": 0})
 

@@ -13,6 +13,11 @@ RATE_LIMITED_STATUS = 429
 RETRY_LATER_STATUSES = frozenset({RATE_LIMITED_STATUS, 529})
 # Transport errors raised before any byte of the request was written.
 _PRE_SEND = frozenset({"ConnectError", "ConnectTimeout", "ConnectionRefusedError"})
+#: h11 (under httpx) refuses a header it cannot write (a key read with its line break)
+#: while it builds the request line and headers: before the first byte is written.
+_REFUSED_HEADER = ("Illegal header value", "Illegal header name")
+#: Where httpx encodes a header value as ASCII, as the request is built.
+_HEADER_ENCODING = frozenset({"_normalize_header_value", "_normalize_header_key"})
 
 
 class ErrorOutcome(enum.Enum):
@@ -49,13 +54,27 @@ def classify(exc: BaseException) -> ErrorOutcome:
 
 
 def never_sent(exc: BaseException) -> bool:
-    """True if the chain of causes shows the connection was never made (refused, no
-    such host, a connect timeout): not a byte of the request left."""
+    """True if the chain of causes shows not a byte of the request left: the connection
+    was never made (refused, no such host, a connect timeout), or the HTTP library
+    refused a header as it built the request (a line break or a byte outside ASCII in
+    a key)."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if type(current).__name__ in _PRE_SEND:
+        if type(current).__name__ in _PRE_SEND or _refused_header(current):
             return True
         current = current.__cause__ or current.__context__
+    return False
+
+
+def _refused_header(exc: BaseException) -> bool:
+    if type(exc).__name__ == "LocalProtocolError":
+        return str(exc).startswith(_REFUSED_HEADER)
+    if isinstance(exc, UnicodeEncodeError):
+        frame = exc.__traceback__
+        innermost = None
+        while frame is not None:
+            innermost, frame = frame, frame.tb_next
+        return innermost is not None and innermost.tb_frame.f_code.co_name in _HEADER_ENCODING
     return False

@@ -15,10 +15,10 @@ import httpx2
 
 from .. import bypass
 from ..errors import RetriesEnabled
-from ..providers.clients import _refuse_retries
+from ..providers.clients import KEY_ENV, _refuse_retries, check_api_key
 from ..providers.registry import registry
 from .async_ import AsyncGuardedTransport
-from .guard import KEY_ENV, MISSING_API_KEY
+from .guard import MISSING_API_KEY
 from .sync import GuardedTransport
 
 
@@ -145,6 +145,7 @@ def _sdk_client(
     """The SDK's client class ``name`` (of module ``vendor``), retries locked off, on a
     guarded http client (its timeout the SDK client's)."""
     _refuse_retries(f"{name}(...)", kwargs)
+    check_api_key(vendor, kwargs)
     bypass.know(str(kwargs["base_url"]) if kwargs.get("base_url") else None)
     build = guarded_async_http_client if asynchronous else guarded_http_client
     http = build(

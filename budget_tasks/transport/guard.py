@@ -41,6 +41,7 @@ from ..ledger import CallFacts
 from ..pricing import Estimate, Prices
 from ..providers.base import Endpoint, Kind, Reported, request_digest
 from ..providers.calls import Sent
+from ..providers.clients import KEY_ENV
 from ..providers.openai.lookups import ATTEMPT_METADATA_KEY, REQUEST_METADATA_KEY
 from ..providers.registry import Route, registry
 from .positions import position_label
@@ -57,10 +58,9 @@ KEPT_HEADERS = ("content-type", "x-request-id", "request-id", "openai-processing
 #: module imports without secrets; a billable request carrying it is refused
 #: (:class:`~budget_tasks.errors.MissingApiKey`).
 MISSING_API_KEY = "budget-tasks-no-api-key"
+
+
 #: The environment variable each vendor's SDK reads its key from.
-KEY_ENV = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
-
-
 def marked(exc: BudgetTasksError) -> BudgetTasksError:
     return mark_raised_by_transport(exc)
 

@@ -6,6 +6,7 @@ blocks), which the reference app itself writes with the guarded client."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 from typing import Any
@@ -373,3 +374,30 @@ def retries_itself(self: BudgetTask, n: int, fault: str | None = None) -> int:
     except openai.RateLimitError as exc:
         raise self.retry(exc=exc, countdown=0) from exc
     return n
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    name="tests.own_client_summary",
+    budget=BUDGET,
+    idempotency_key=lambda document_id, text: f"own-client:{document_id}",
+    estimate_cost=lambda document_id, text: estimates.openai_chat(summary_request(text)).amount,
+)
+def own_client_summary(self: BudgetTask, document_id: str, text: str) -> str:
+    """A call through a client the team built itself (the SDK's own class, retries off),
+    with the key as the deployment hands it over (``LEAK_TEST_KEY``: read from a secret
+    file, it may keep its last newline)."""
+    own = openai.OpenAI(
+        base_url=os.environ.get("OPENAI_BASE_URL"),
+        api_key=os.environ["LEAK_TEST_KEY"],
+        max_retries=0,
+        timeout=30.0,
+    )
+    try:
+        sent = openai_chat(own, attempt=self.attempt, **summary_request(text))
+    except openai.APIConnectionError:
+        # as a team's own code logs a failure: the traceback, with every cause in it
+        logging.getLogger("tests.own_client").exception("the summary call failed")
+        raise
+    return str(sent.result["content"])
