@@ -67,3 +67,6 @@ budget_reconcile_margin = 300
 # requeue the work of a call the provider never received (BUDGET_TASKS_REQUEUE_NOT_FOUND=1)
 budget_requeue_not_found = False
 budget_retention_days = 7  # finished operations kept (BUDGET_TASKS_RETENTION_DAYS)
+# One stored result or answer (what a redelivery replays) past this many bytes keeps only
+# its digest; replaying it is refused (BUDGET_TASKS_MAX_STORED_BYTES).
+budget_max_stored_bytes = 1 << 20

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 from .errors import (
+    AnswerNotKept,
     BudgetExceeded,
     BudgetExists,
     BudgetFrozen,
@@ -70,6 +71,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AnswerNotKept",
     "Attempt",
     "AuditFinding",
     "Balance",

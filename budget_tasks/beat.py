@@ -28,7 +28,7 @@ from ._trust import doubt
 from .config import ledger_of
 from .errors import BudgetTasksError
 from .hooks import hooks
-from .ledger import Attempt, Hold, Ledger, Resolved
+from .ledger import Attempt, Hold, Ledger, Purged, Resolved
 from .ledger.records import NO_TIMEOUT_MS, UNTRUSTED_LOOKUP
 from .ledger.states import nothing_sent_under
 from .providers import Found, Lookup, LookupFacts, NotFound, Unknowable, registry, settle_after
@@ -295,9 +295,13 @@ def renew_periods(ledger: Ledger) -> int:
     return opened
 
 
-def purge_expired_operations(ledger: Ledger, retention: timedelta) -> int:
-    """Drop results and payloads older than ``retention``; attempts and the journal stay."""
-    return ledger.upkeep.purge_operations(retention)
+def purge_expired_operations(ledger: Ledger, retention: timedelta) -> Purged:
+    """Remove user content older than ``retention`` (see ``Ledger.purge_operations``);
+    the money (attempts, the journal) stays."""
+    purged = ledger.upkeep.purge_operations(retention)
+    if purged.total:
+        log.info("purged past %s: %s", retention, purged)
+    return purged
 
 
 # -- the Celery tasks beat schedules ---------------------------------------------------
@@ -340,6 +344,7 @@ def renew_periods_task(self: Any) -> int:
 
 
 @shared_task(bind=True, name="budget_tasks.purge_expired_operations", ignore_result=False)  # type: ignore[untyped-decorator]
-def purge_expired_operations_task(self: Any) -> int:
+def purge_expired_operations_task(self: Any) -> dict[str, int]:
     days = float(self.app.conf.get("budget_retention_days", 7))
-    return purge_expired_operations(_ledger(self), timedelta(days=days))
+    purged = purge_expired_operations(_ledger(self), timedelta(days=days))
+    return {f: getattr(purged, f) for f in ("operations", "unfinished", "side_effects", "attempts")}

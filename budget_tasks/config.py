@@ -17,9 +17,11 @@ from .ledger import Ledger
 #: The Celery setting that names the ledger, and the environment variable it falls
 #: back to.
 LEDGER_URL_SETTING = "budget_ledger_url"
+#: The size cap of one stored result or answer, in bytes (see Ledger).
+MAX_STORED_SETTING = "budget_max_stored_bytes"
 LEDGER_URL_ENV = "BUDGET_TASKS_LEDGER_URL"
 
-_ledgers: dict[str, Ledger] = {}
+_ledgers: dict[tuple[str, int | None], Ledger] = {}
 _ledgers_lock = threading.Lock()
 
 
@@ -35,21 +37,24 @@ def ledger_url_of(app: Any) -> str:
     return str(url)
 
 
-def ledger_for(url: str) -> Ledger:
-    """One Ledger per URL per process (its connections survive fork safely)."""
+def ledger_for(url: str, max_stored_bytes: int | None = None) -> Ledger:
+    """One Ledger per URL (and size cap) per process (its connections survive fork
+    safely)."""
     with _ledgers_lock:
-        ledger = _ledgers.get(url)
+        ledger = _ledgers.get((url, max_stored_bytes))
         if ledger is None:
-            ledger = Ledger(url)
+            ledger = Ledger(url, max_stored_bytes=max_stored_bytes)
             if url.startswith("sqlite"):
                 ledger.create_schema()  # the embedded default needs no migration step
-            _ledgers[url] = ledger
+            _ledgers[(url, max_stored_bytes)] = ledger
         return ledger
 
 
 def ledger_of(app: Any) -> Ledger:
-    """The ledger of a Celery app (see :func:`ledger_url_of`)."""
-    return ledger_for(ledger_url_of(app))
+    """The ledger of a Celery app (see :func:`ledger_url_of`), with its size cap of
+    stored results (``budget_max_stored_bytes``)."""
+    cap = app.conf.get(MAX_STORED_SETTING)
+    return ledger_for(ledger_url_of(app), None if cap is None else int(cap))
 
 
 def close_ledgers() -> None:

@@ -347,6 +347,17 @@ class SideEffectUncertain(BudgetTasksError):
     name: str
 
 
+class AnswerNotKept(BudgetTasksError):
+    """A stored result or answer was past the size cap (``budget_max_stored_bytes``),
+    so only its digest and size were kept, or it was purged after the retention period
+    while its operation was still unfinished: it cannot be replayed. It was paid for
+    once and is not sent again; nothing was reserved or sent for this delivery."""
+
+    template = "{key!r}: its stored answer cannot be replayed: {why}; it is not sent again"
+    key: str
+    why: str
+
+
 class StepNotReplayable(BudgetTasksError):
     """A labelled call of this operation was billed and its result was not stored (its
     run failed after the call): running it again would send it again, so it is not

@@ -36,6 +36,7 @@ from .delivery import (
     RetryLater,
     catch_up,
     current_scope,
+    replayable,
     running,
     running_scopes,
 )
@@ -279,7 +280,7 @@ class BudgetTask(Task):  # type: ignore[misc]
         if not ledger.start_side_effect(scope.operation_id, record):
             stored = ledger.side_effect(scope.operation_id, record)
             if stored is not None and stored[0] == "done":
-                return stored[1]
+                return replayable(f"{scope.operation_key}:{record}", stored[1])
             raise SideEffectUncertain(scope.operation_key, name)
         try:
             value = fn(*args, **kwargs)

@@ -52,6 +52,7 @@ ENV_SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "BUDGET_TASKS_RECONCILE_MARGIN": ("budget_reconcile_margin", float),
     "BUDGET_TASKS_REQUEUE_NOT_FOUND": ("budget_requeue_not_found", _flag),
     "BUDGET_TASKS_RETENTION_DAYS": ("budget_retention_days", float),
+    "BUDGET_TASKS_MAX_STORED_BYTES": ("budget_max_stored_bytes", int),
     "BUDGET_TASKS_METRICS_PORT": ("budget_metrics_port", int),
     "BUDGET_TASKS_METRICS_ADDR": ("budget_metrics_addr", str),
 }

@@ -7,6 +7,10 @@ SDKs to call over HTTP: each request names how to misbehave in ``x-hostile``:
 - ``non-json``: status 200, ``application/json``, and an HTML page as the body;
 - ``huge=BYTES``: a well-formed answer whose text is BYTES long, honest usage;
 - ``truncated-gzip``: a gzip-compressed answer cut off half way;
+- ``reset``: the request read, the connection closed without an answer (it may have
+  billed: the outcome is unknown);
+- ``echo``: a well-formed answer whose text is ``ECHO:`` and the request's last user
+  message (content a test can search for wherever it was stored);
 - nothing: a plain, honest answer.
 
 ``POST /v1/responses`` with ``background`` answers queued, and ``GET /v1/responses/{id}``
@@ -94,6 +98,11 @@ class HostileGateway:
             tokens_in, tokens_out = -10, -5
         elif mode.startswith("huge="):
             text = "x" * int(mode[len("huge=") :])
+        elif mode == "echo":
+            text = "ECHO:" + _last_user_text(body)
+        if mode == "reset":
+            handler.close_connection = True
+            return
         if mode == "non-json":
             page = b"<html><body>502 Bad Gateway</body></html>"
             _raw(handler, 200, page, {"content-type": "application/json"})
@@ -123,6 +132,12 @@ class HostileGateway:
             )
             return
         _send(handler, 200, answer)
+
+
+def _last_user_text(body: dict[str, Any]) -> str:
+    messages = body.get("messages") or [{"role": "user", "content": body.get("input", "")}]
+    content = [m for m in messages if m.get("role") == "user"][-1]["content"]
+    return content if isinstance(content, str) else json.dumps(content)
 
 
 def _send(handler: BaseHTTPRequestHandler, status: int, answer: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from .fates import (
     error_kind,
     fate_after_error,
     fate_after_return,
+    replayable,
 )
 from .flow import MAX_REREADS, Delivery, DeliveryOptions, OperationManager, RetryLater
 from .keys import main_key, step_key
@@ -47,6 +48,7 @@ __all__ = [
     "forget",
     "main_key",
     "owes",
+    "replayable",
     "running",
     "running_scopes",
     "step_key",

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .._redact import redact
 from ..errors import (
+    AnswerNotKept,
     BudgetExceeded,
     BudgetFrozen,
     CallConflict,
@@ -26,6 +27,7 @@ from ..errors import (
     UnknownBudget,
     UnmeteredConnection,
 )
+from ..ledger.records import not_kept
 from ..providers.outcomes import ErrorOutcome, classify, never_sent
 
 
@@ -52,6 +54,7 @@ class ErrorKind(enum.Enum):
 
 #: Errors budget-tasks raises before anything is sent (for the call they concern).
 BEFORE_SEND_ERRORS: tuple[type[BaseException], ...] = (
+    AnswerNotKept,
     BudgetExceeded,
     BudgetFrozen,
     UnknownBudget,
@@ -67,6 +70,15 @@ BEFORE_SEND_ERRORS: tuple[type[BaseException], ...] = (
     ParallelCallsUnlabelled,
     MissingApiKey,
 )
+
+
+def replayable(key: str, value: Any) -> Any:
+    """``value`` (a stored result or answer), to be replayed; AnswerNotKept where only
+    its digest was kept (it was past the size cap)."""
+    marker = not_kept(value)
+    if marker is not None:
+        raise AnswerNotKept(key, str(marker.get("why", "it was not kept")))
+    return value
 
 
 def before_send(exc: BaseException) -> BaseException:

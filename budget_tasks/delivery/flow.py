@@ -57,6 +57,7 @@ from .fates import (
     error_kind,
     fate_after_error,
     fate_after_return,
+    replayable,
 )
 from .keys import step_key
 from .options import DeliveryOptions
@@ -146,7 +147,7 @@ class OperationManager:
             start = self._admit(d, estimate, facts)
             self._decided(d, start)
             if start.decision is Decision.REPLAY:
-                return start.result
+                return replayable(d.key, start.result)
             if estimate is None and failure is None:
                 estimate, facts, failure = self._estimate(d)
             if failure is not None:
@@ -162,7 +163,7 @@ class OperationManager:
             try:
                 opened = self._open_main(d, site, start.call)
             except _Replayed as replayed:
-                return replayed.result
+                return replayable(d.key, replayed.result)
             if opened is not None:
                 return self._run(d, self._scope(d, site, start.call, opened))
         raise RetryLater("in_progress", OperationInProgress(d.key))
@@ -541,7 +542,7 @@ class OperationManager:
                         ask.amount,
                         str(ask.label),
                         replayed=True,
-                        result=here.stored[1],
+                        result=replayable(site.key(0), here.stored[1]),
                     )
                 opened = self.calls.open(site, here)
             except Moved:
@@ -598,7 +599,7 @@ class OperationManager:
 
     def _found_call(self, scope: AttemptScope, site: CallSite, latest: AttemptRef) -> Call:
         """Reconciliation found this call's answer: that is what it replays."""
-        answer = json.loads(latest.answer or "null")
+        answer = replayable(latest.key, json.loads(latest.answer or "null"))
         self.ledger.end_call(
             CallEnd(latest.key, "store"),
             operation_id=scope.operation_id,

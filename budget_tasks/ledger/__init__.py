@@ -17,6 +17,7 @@ from .records import (
     Hold,
     JournalEntry,
     OperationEvent,
+    Purged,
     Reservation,
     Resolved,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "OperationEvent",
     "OperationHistory",
     "Period",
+    "Purged",
     "Renewal",
     "Reservation",
     "Resolved",

@@ -45,6 +45,8 @@ from .records import (
     Attempt,
     CallFacts,
     Reservation,
+    kept,
+    stored_limit,
 )
 from .schema import metadata, new_installation_id
 from .states import attempt_may
@@ -99,7 +101,15 @@ def _utcnow() -> datetime:
 class LedgerBase:
     """What every part of :class:`~budget_tasks.Ledger` shares (see the module)."""
 
-    def __init__(self, url: str, *, clock: Clock | None = None, **engine_options: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        clock: Clock | None = None,
+        max_stored_bytes: int | None = None,
+        **engine_options: Any,
+    ) -> None:
+        self._max_stored = stored_limit(max_stored_bytes)
         self.engine = build_engine(url, **engine_options)
         self.url = self.engine.url.render_as_string(hide_password=True)
         self._clock = clock
@@ -119,6 +129,11 @@ class LedgerBase:
 
     def __repr__(self) -> str:
         return f"Ledger({self.url!r})"
+
+    def _kept(self, encoded: str) -> str:
+        """What is stored of ``encoded`` (a result, an answer, for replay): itself, or
+        past the size cap only its digest and size (see :func:`.records.not_kept`)."""
+        return kept(encoded, self._max_stored)
 
     def dispose(self) -> None:
         """Close this ledger's database connections."""
@@ -419,9 +434,26 @@ class LedgerBase:
         )
 
     def _release_in(
-        self, cur: Cursor, key: str, note: str, stamp: Any, *, expected: str | None = None
+        self,
+        cur: Cursor,
+        key: str,
+        note: str,
+        stamp: Any,
+        *,
+        expected: str | None = None,
+        journal_note: str | None = None,
     ) -> _Resolution:
-        return self._resolve_in(cur, key, 0, "released", "release", note, stamp, expected=expected)
+        return self._resolve_in(
+            cur,
+            key,
+            0,
+            "released",
+            "release",
+            note,
+            stamp,
+            expected=expected,
+            journal_note=journal_note,
+        )
 
     def _resolve(
         self,
@@ -468,6 +500,7 @@ class LedgerBase:
         answer: str | None = None,
         ids: tuple[str | None, str | None] = (None, None),
         actor: str | None = None,
+        journal_note: str | None = None,
     ) -> _Resolution:
         """Journal and resolve the attempt (compare-and-set on the state read under its
         row lock); the caller applies the counters last. ``if_resolved="top_up"``: an
@@ -496,7 +529,17 @@ class LedgerBase:
         if recorded_usage is not None and actual < recorded_usage:
             raise UsageRecorded(key, recorded_usage, actual)
         for period_id in periods:
-            _journal(cur, attempt_id, period_id, kind, -amount, actual, note, stamp, actor=actor)
+            _journal(
+                cur,
+                attempt_id,
+                period_id,
+                kind,
+                -amount,
+                actual,
+                journal_note or note,
+                stamp,
+                actor=actor,
+            )
         resolved = {"state": state, "actual": actual, "note": note, "answer": answer}
         done = cur.run(
             sql.RESOLVE_ATTEMPT,

@@ -113,11 +113,23 @@ class Ledger(_Face):
     beat jobs use; all three share one engine.
 
     ``clock`` returns the current time as an aware datetime; tests pass their own to
-    move between periods. Other keyword arguments go to SQLAlchemy's ``create_engine``.
+    move between periods. ``max_stored_bytes`` caps what one stored result or answer
+    may take (default: ``BUDGET_TASKS_MAX_STORED_BYTES``, else 1 MiB); past it only its
+    digest and size are kept, and a replay of it is refused (AnswerNotKept). Other
+    keyword arguments go to SQLAlchemy's ``create_engine``.
     """
 
-    def __init__(self, url: str, *, clock: Clock | None = None, **engine_options: Any) -> None:
-        super().__init__(LedgerCore(url, clock=clock, **engine_options))
+    def __init__(
+        self,
+        url: str,
+        *,
+        clock: Clock | None = None,
+        max_stored_bytes: int | None = None,
+        **engine_options: Any,
+    ) -> None:
+        super().__init__(
+            LedgerCore(url, clock=clock, max_stored_bytes=max_stored_bytes, **engine_options)
+        )
         self.calls = CallLedger(self._core)
         self.upkeep = Upkeep(self._core)
 

@@ -22,7 +22,17 @@ from .driver import Cursor
 from .leases import lease_is_live
 from .operations import Operations, RunEnd
 from .oversight import operation_of
-from .records import UNTRUSTED_LOOKUP, Attempt, CallFacts, Hold, Operation, Resolved
+from .records import (
+    PURGED,
+    PURGED_ERROR,
+    UNTRUSTED_LOOKUP,
+    Attempt,
+    CallFacts,
+    Hold,
+    Operation,
+    Purged,
+    Resolved,
+)
 from .reports import Reports
 from .schema import operations
 from .states import nothing_sent_under
@@ -175,7 +185,7 @@ class Maintenance(Operations, Reports):
         charge without an answer, failed (the answer is lost)."""
         _check_resolution(key, actual, note, by)
         actor = check.actor(actor) if by == "operator" else None
-        encoded = None if answer is None else json.dumps(answer)
+        encoded = None if answer is None else self._kept(json.dumps(answer))
         now = self.now()
         stamp = self._driver.ts(now)
         state = "released" if actual == 0 and answer is None else "settled"
@@ -283,10 +293,19 @@ class Maintenance(Operations, Reports):
             raise UnknownOperation(key)
         return operation_of(r)
 
-    def purge_operations(self, older_than: timedelta) -> int:
-        """Drop the stored results and payloads of operations completed longer than
-        ``older_than`` ago. Attempts and the journal are kept forever."""
+    def purge_operations(self, older_than: timedelta) -> Purged:
+        """Remove every copy of user content older than ``older_than``: results,
+        arguments and error text of finished operations, the arguments of unfinished
+        ones idle that long, stored answers (labelled calls, ``once``) and resolved
+        attempts' answers and notes (see :class:`Purged`). The money stays: attempts'
+        amounts and states, and the journal, whose entries never carry error text."""
         check.duration(older_than, "older_than", allow_zero=True)
-        cutoff = self.now() - older_than
+        cutoff = self._driver.ts(self.now() - older_than)
+        params = {"cutoff": cutoff, "marker": PURGED, "purged_error": PURGED_ERROR}
         with self._driver.transaction() as cur:
-            return cur.run(sql.PURGE_OPERATIONS, {"cutoff": self._driver.ts(cutoff)})
+            return Purged(
+                operations=cur.run(sql.PURGE_OPERATIONS, params),
+                unfinished=cur.run(sql.PURGE_UNFINISHED_PAYLOADS, params),
+                side_effects=cur.run(sql.PURGE_SIDE_EFFECTS, params),
+                attempts=cur.run(sql.PURGE_ATTEMPTS, params),
+            )

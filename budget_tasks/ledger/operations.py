@@ -277,7 +277,11 @@ class Operations(Holds):
             )
             return resolution, False
         if call.action == "release":
-            return self._release_in(cur, call.key, call.note or "not billed", stamp), False
+            # The error text stays on the attempt (purged with it); the append-only
+            # journal, kept for ever, says only what happened.
+            note = call.note or "not billed"
+            journal = "released by its run: not billed"
+            return self._release_in(cur, call.key, note, stamp, journal_note=journal), False
         if call.action == "unsent":
             note = call.note or "never sent: the ledger went down as it was granted"
             try:
@@ -674,8 +678,7 @@ class Operations(Holds):
         it does not, it is stored only if no live run holds the operation, it is
         unfinished and ``call`` is still its latest main-call attempt."""
         check.row_id(operation_id, "operation_id")
-        if encoded is None:
-            encoded = json.dumps(result)
+        encoded = self._kept(json.dumps(result) if encoded is None else encoded)
         now = self.now()
         stamp = self._driver.ts(now)
         with self._driver.transaction() as cur:

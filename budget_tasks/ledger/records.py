@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,6 +35,47 @@ NO_TIMEOUT_MS = 0
 
 
 #: What a run may write for one of its calls (see :class:`CallEnd`).
+#: What a stored result or answer past the size cap is replaced by: its digest and size.
+NOT_KEPT = "budget_tasks_not_kept"
+#: The default size cap of one stored result or answer (bytes of its JSON).
+DEFAULT_MAX_STORED_BYTES = 1 << 20
+MAX_STORED_ENV = "BUDGET_TASKS_MAX_STORED_BYTES"
+
+
+def stored_limit(value: int | None) -> int:
+    """The size cap: ``value``, else ``BUDGET_TASKS_MAX_STORED_BYTES``, else 1 MiB."""
+    if value is None:
+        raw = os.environ.get(MAX_STORED_ENV)
+        value = DEFAULT_MAX_STORED_BYTES if not raw else int(raw)
+    return check.positive(value, "max_stored_bytes")
+
+
+def kept(encoded: str, limit: int) -> str:
+    """``encoded`` (JSON) as it is stored for replay: itself up to ``limit`` bytes;
+    past it, only its sha256 and its size (``{"budget_tasks_not_kept": {...}}``): a
+    replay of it is refused."""
+    size = len(encoded.encode("utf-8")) if not encoded.isascii() else len(encoded)
+    if size <= limit:
+        return encoded
+    digest = hashlib.sha256(encoded.encode("utf-8")).hexdigest()
+    why = f"it was {size} bytes, past the size cap of {limit}: only its sha256 {digest} was kept"
+    return json.dumps({NOT_KEPT: {"sha256": digest, "bytes": size, "limit": limit, "why": why}})
+
+
+#: What the purge leaves of a stored result an unfinished operation may still replay.
+PURGED = json.dumps({NOT_KEPT: {"why": "it was purged after the retention period"}})
+#: What the purge leaves of a finished operation's error text.
+PURGED_ERROR = "(its error text was purged after the retention period)"
+
+
+def not_kept(value: Any) -> dict[str, Any] | None:
+    """What a stored value past the size cap kept of itself (digest, size), or None."""
+    if isinstance(value, dict) and len(value) == 1 and isinstance(value.get(NOT_KEPT), dict):
+        marker: dict[str, Any] = value[NOT_KEPT]
+        return marker
+    return None
+
+
 #: The lookup of an attempt whose answer reported usage past what its request allowed:
 #: none finds it, so nothing charges that usage as found (an operator resolves it).
 UNTRUSTED_LOOKUP = "untrusted"
@@ -354,6 +398,25 @@ class JournalEntry:
     created_at: datetime
     #: who acted, where an operator did (None: a run or beat)
     actor: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Purged:
+    """What one purge removed, past the retention period: ``operations`` finished
+    whose result, arguments and error text went; ``unfinished`` operations (still
+    unknown or waiting) whose arguments went; ``side_effects`` (labelled calls'
+    answers, ``once`` results) and ``attempts`` (a found answer, the error text of
+    their notes) cleared. An unfinished operation's answers are replaced by a marker:
+    a later run that would replay one is refused (AnswerNotKept), never resends."""
+
+    operations: int = 0
+    unfinished: int = 0
+    side_effects: int = 0
+    attempts: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.operations + self.unfinished + self.side_effects + self.attempts
 
 
 @dataclass(frozen=True, slots=True)

@@ -407,9 +407,37 @@ PUSH_LOOKUP_BACK = """
 UPDATE attempts SET lookups = :lookups, next_lookup_at = :next_lookup_at
 WHERE id = :attempt_id"""
 
+# -- the purge: every copy of user content past its retention ---------------------------
+
+#: A finished operation's result, arguments and error text.
 PURGE_OPERATIONS = """
-UPDATE operations SET result = NULL, payload = NULL
-WHERE completed_at <= :cutoff AND (result IS NOT NULL OR payload IS NOT NULL)"""
+UPDATE operations SET result = NULL, payload = NULL,
+    error = CASE WHEN error IS NULL THEN NULL ELSE :purged_error END
+WHERE completed_at <= :cutoff
+  AND (result IS NOT NULL OR payload IS NOT NULL
+       OR (error IS NOT NULL AND error <> :purged_error))"""
+
+#: An unfinished operation idle past the retention: its arguments (the prompts).
+PURGE_UNFINISHED_PAYLOADS = """
+UPDATE operations SET payload = NULL
+WHERE completed_at IS NULL AND updated_at <= :cutoff AND payload IS NOT NULL"""
+
+#: Stored answers: dropped for a finished operation; for one that may still run, a
+#: marker that refuses their replay.
+PURGE_SIDE_EFFECTS = """
+UPDATE side_effects SET result = CASE
+        WHEN (SELECT completed_at FROM operations o WHERE o.id = operation_id) IS NULL
+        THEN :marker ELSE NULL END
+WHERE completed_at <= :cutoff AND result IS NOT NULL AND result <> :marker"""
+
+#: A resolved attempt's found answer and its note (error text; the journal keeps why).
+PURGE_ATTEMPTS = """
+UPDATE attempts SET note = NULL,
+    answer = CASE WHEN answer IS NULL THEN NULL
+                  WHEN operation_id IN (SELECT id FROM operations WHERE completed_at IS NULL)
+                  THEN :marker ELSE NULL END
+WHERE resolved_at <= :cutoff
+  AND (note IS NOT NULL OR (answer IS NOT NULL AND answer <> :marker))"""
 
 #: A period's counters by its budget and start (a balance read opens nothing).
 BALANCE_AT = f"""

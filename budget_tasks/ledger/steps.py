@@ -80,7 +80,7 @@ class Steps(Operations):
         return row is not None
 
     def finish_side_effect(self, operation_id: int, name: str, result: Any) -> None:
-        encoded = json.dumps(result)
+        encoded = self._kept(json.dumps(result))
         stamp = self._driver.ts(self.now())
         with self._driver.transaction() as cur:
             cur.run(
@@ -113,7 +113,7 @@ class Steps(Operations):
         run has taken the operation, that run or reconciliation decides the hold, and
         False is returned. False too where nothing changed."""
         check.text(owner, "lease owner")
-        encoded = None if record is None else json.dumps(result)
+        encoded = None if record is None else self._kept(json.dumps(result))
         stamp = self._driver.ts(self.now())
         with self._driver.transaction() as cur:
             _, ended = self._call_and_operation_in(cur, call, owner, stamp, op_id=operation_id)

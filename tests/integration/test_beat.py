@@ -324,10 +324,10 @@ def test_purge_drops_payloads_and_keeps_the_journal(
     with pg_ledger.engine.connect() as conn:
         journal_before = conn.execute(text("SELECT * FROM journal ORDER BY id")).all()
     clock.advance(datetime.now(UTC) - clock() + timedelta(days=6))
-    assert purge_expired_operations(pg_ledger, timedelta(days=7)) == 0
+    assert purge_expired_operations(pg_ledger, timedelta(days=7)).total == 0
     assert pg_ledger.operation("doc:p").result is not None
     clock.advance(days=2)
-    assert purge_expired_operations(pg_ledger, timedelta(days=7)) == 1
+    assert purge_expired_operations(pg_ledger, timedelta(days=7)).operations == 1
     op = pg_ledger.operation("doc:p")
     assert (op.result, op.payload, op.status) == (None, None, "succeeded")
     with pg_ledger.engine.connect() as conn:
