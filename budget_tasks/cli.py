@@ -30,7 +30,7 @@ class CommandError(click.ClickException):
     exit_code = 2
 
     def show(self, file: IO[Any] | None = None) -> None:
-        click.echo(f"error: {self.format_message()}", file=file, err=True)
+        click.echo(f"error: {_safe(self.format_message())}", file=file, err=True)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -107,6 +107,13 @@ ledger_url_option = click.option(
     "--ledger-url", callback=_required_ledger_url, help=_LEDGER_URL_HELP
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+by_option = click.option(
+    "--by",
+    "by",
+    default=None,
+    help="Who acts, recorded in the journal (default: your OS user and host).",
+)
+note_option = click.option("--note", default=None, help="Why (recorded in the journal).")
 
 
 def _ledger(url: str) -> Any:
@@ -185,8 +192,24 @@ def _age(delta: timedelta | None) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
+def _safe(text: str) -> str:
+    """``text`` with every character a terminal would act on (line breaks, escape
+    sequences, bidirectional overrides) shown as its escape: a budget name or a key
+    from the ledger never moves the cursor, clears the screen or fakes a row."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _safe_lines(text: str) -> str:
+    """``text`` made safe line by line: the lines this CLI writes stay lines."""
+    return "\n".join(_safe(line) for line in text.split("\n"))
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    cells = [[str(h) for h in headers]] + [
+        ["-" if c is None else _safe(str(c)) for c in r] for r in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = [
         "  ".join(
@@ -211,7 +234,8 @@ def _duration(seconds: float) -> float:
 
 
 def _emit(as_json: bool, data: Any, render: Callable[[], str]) -> None:
-    click.echo(json.dumps(_plain(data), indent=2) if as_json else render())
+    # JSON escapes every control character itself
+    click.echo(json.dumps(_plain(data), indent=2) if as_json else _safe_lines(render()))
 
 
 @click.group()
@@ -394,9 +418,11 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
     )
 
 
-def _set_frozen(ledger_url: str, name: str, frozen: bool, as_json: bool) -> None:
+def _set_frozen(
+    ledger_url: str, name: str, frozen: bool, note: str | None, by: str | None, as_json: bool
+) -> None:
     ledger = _ledger(ledger_url)
-    (ledger.freeze if frozen else ledger.unfreeze)(name)
+    (ledger.freeze if frozen else ledger.unfreeze)(name, note=note, actor=by)
     info = ledger.budget(name)
     _emit(as_json, info, lambda: f"budget {name} {'frozen' if frozen else 'unfrozen'}")
 
@@ -404,32 +430,43 @@ def _set_frozen(ledger_url: str, name: str, frozen: bool, as_json: bool) -> None
 @budget.command("freeze")
 @ledger_url_option
 @click.argument("name")
+@note_option
+@by_option
 @json_option
-def budget_freeze(ledger_url: str, name: str, as_json: bool) -> None:
+def budget_freeze(
+    ledger_url: str, name: str, note: str | None, by: str | None, as_json: bool
+) -> None:
     """Stop all admission on a budget and its descendants."""
-    _set_frozen(ledger_url, name, True, as_json)
+    _set_frozen(ledger_url, name, True, note, by, as_json)
 
 
 @budget.command("unfreeze")
 @ledger_url_option
 @click.argument("name")
+@note_option
+@by_option
 @json_option
-def budget_unfreeze(ledger_url: str, name: str, as_json: bool) -> None:
+def budget_unfreeze(
+    ledger_url: str, name: str, note: str | None, by: str | None, as_json: bool
+) -> None:
     """Admit again."""
-    _set_frozen(ledger_url, name, False, as_json)
+    _set_frozen(ledger_url, name, False, note, by, as_json)
 
 
 @budget.command("set-cap")
 @ledger_url_option
 @click.argument("name")
 @click.option("--cap", type=int, required=True, help="The new cap per period (minor units).")
-@click.option("--note", default=None, help="Why (recorded in the journal).")
+@note_option
+@by_option
 @json_option
-def budget_set_cap(ledger_url: str, name: str, cap: int, note: str | None, as_json: bool) -> None:
+def budget_set_cap(
+    ledger_url: str, name: str, cap: int, note: str | None, by: str | None, as_json: bool
+) -> None:
     """Raise or lower a budget's cap; never below what its period has spent and holds."""
     ledger = _ledger(ledger_url)
     before = ledger.budget(name).cap
-    info = ledger.set_cap(name, cap, note=note)
+    info = ledger.set_cap(name, cap, note=note, actor=by)
     _emit(as_json, info, lambda: f"budget {name}: cap {before} -> {info.cap}")
 
 
@@ -439,13 +476,20 @@ def budget_set_cap(ledger_url: str, name: str, cap: int, note: str | None, as_js
 @click.option("--delta", type=int, required=True, help="Minor units, + charges more, - refunds.")
 @click.option("--reason", required=True, help="Why (recorded in the journal).")
 @click.option("--ref", default=None, help="The provider's reference: the same ref applies once.")
+@by_option
 @json_option
 def adjust(
-    ledger_url: str, attempt: str, delta: int, reason: str, ref: str | None, as_json: bool
+    ledger_url: str,
+    attempt: str,
+    delta: int,
+    reason: str,
+    ref: str | None,
+    by: str | None,
+    as_json: bool,
 ) -> None:
     """A provider's correction to a settled attempt's charge, as a journal entry."""
     ledger = _ledger(ledger_url)
-    applied = ledger.adjust(attempt, delta, reason, ref=ref)
+    applied = ledger.adjust(attempt, delta, reason, ref=ref, actor=by)
     after = ledger.attempt(attempt)
     _emit(
         as_json,
@@ -623,9 +667,11 @@ def operations_show(ledger_url: str, key: str, as_json: bool) -> None:
 @ledger_url_option
 @click.argument("key")
 @click.option("--reason", required=True, help="Why (recorded with the operation).")
-@click.option("--by", "by", default="operator", show_default=True, help="Who reopens it.")
+@by_option
 @json_option
-def operations_reopen(ledger_url: str, key: str, reason: str, by: str, as_json: bool) -> None:
+def operations_reopen(
+    ledger_url: str, key: str, reason: str, by: str | None, as_json: bool
+) -> None:
     """Reopen a failed operation: its next delivery runs it again (calls whose results
     were stored replay; the others are sent again as new attempts). Refused while any of
     its calls holds money."""
@@ -647,8 +693,11 @@ def operations_reopen(ledger_url: str, key: str, reason: str, by: str, as_json: 
     help="What the provider charged, in minor units (0: it charged nothing).",
 )
 @click.option("--note", required=True, help="Why: recorded in the journal.")
+@by_option
 @json_option
-def resolve(ledger_url: str, attempt: str, actual: int, note: str, as_json: bool) -> None:
+def resolve(
+    ledger_url: str, attempt: str, actual: int, note: str, by: str | None, as_json: bool
+) -> None:
     """An operator's settlement (or, with --actual 0, release) of a held attempt."""
     ledger = _ledger(ledger_url)
     before = ledger.attempt(attempt)
@@ -658,7 +707,9 @@ def resolve(ledger_url: str, attempt: str, actual: int, note: str, as_json: bool
         )
     # Compare-and-set on the state shown to the operator: if it moved since, nothing
     # changes and the command says so.
-    done = ledger.resolve_attempt(attempt, actual, note=note, by="operator", expected=before.state)
+    done = ledger.resolve_attempt(
+        attempt, actual, note=note, by="operator", expected=before.state, actor=by
+    )
     if done.applied:
         from .hooks import hooks
 
@@ -695,6 +746,36 @@ def resolve(ledger_url: str, attempt: str, actual: int, note: str, as_json: bool
         "operation_status": done.operation_status,
     }
     _emit(as_json, payload, text)
+
+
+@main.command()
+@ledger_url_option
+@click.option("--budget", "budget_name", default=None, help="Only this budget's periods.")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
+@json_option
+def actions(ledger_url: str, budget_name: str | None, limit: int, as_json: bool) -> None:
+    """What operators did, newest first: who resolved, adjusted, changed a cap,
+    froze, unfroze or reopened what, and why (the journal's own rows)."""
+    done = _ledger(ledger_url).actions(budget=budget_name, limit=limit)
+    _emit(
+        as_json,
+        done,
+        lambda: _table(
+            ["when", "by", "kind", "budget", "attempt", "spent", "note"],
+            [
+                [
+                    e.created_at.isoformat(timespec="seconds"),
+                    e.actor,
+                    e.kind,
+                    e.budget,
+                    e.attempt,
+                    e.spent_delta,
+                    _short(e.note),
+                ]
+                for e in done
+            ],
+        ),
+    )
 
 
 @main.command()
@@ -912,7 +993,7 @@ def run() -> None:
     except click.UsageError as exc:
         where = exc.ctx.command_path if exc.ctx is not None else "budget-tasks"
         message = (exc.format_message().strip().splitlines() or ["bad usage"])[0]
-        click.echo(f"error: {message} (see {where} --help)", err=True)
+        click.echo(f"error: {_safe(message)} (see {_safe(where)} --help)", err=True)
         sys.exit(2)
     except click.ClickException as exc:
         exc.show()
@@ -921,7 +1002,7 @@ def run() -> None:
         click.echo("aborted", err=True)
         sys.exit(1)
     except (BudgetTasksError, ValueError, TypeError) as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {_safe(str(exc))}", err=True)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

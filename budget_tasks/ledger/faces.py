@@ -161,6 +161,7 @@ class Ledger(_Face):
     operation = _Offer(LedgerCore.operation)
     operations = _Offer(LedgerCore.operations)
     operation_history = _Offer(LedgerCore.operation_history)
+    actions = _Offer(LedgerCore.actions)
     reopen_operation = _Offer(LedgerCore.reopen_operation)
     # an outcome resolved by hand, a provider's correction
     resolve_attempt = _Offer(LedgerCore.resolve_attempt)

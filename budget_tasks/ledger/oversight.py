@@ -77,6 +77,26 @@ class Oversight(Operations, Reports):
             rows = cur.execute(query.limit(min(limit, MAX_LISTED))).all()
         return [operation_of(r) for r in rows]
 
+    def actions(self, *, budget: str | None = None, limit: int = 100) -> list[JournalEntry]:
+        """What operators did (journal rows naming an actor: resolutions, cap changes,
+        adjustments, freezes, unfreezes, reopens), the newest first; optionally in
+        one budget's periods."""
+        check.positive(limit, "limit")
+        query = (
+            select(journal, attempts.c.key.label("attempt"), budgets.c.name.label("budget"))
+            .outerjoin(attempts, attempts.c.id == journal.c.attempt_id)
+            .join(budget_periods, budget_periods.c.id == journal.c.period_id)
+            .join(budgets, budgets.c.id == budget_periods.c.budget_id)
+            .where(journal.c.actor.is_not(None))
+            .order_by(journal.c.id.desc())
+            .limit(min(limit, MAX_LISTED))
+        )
+        if budget is not None:
+            query = query.where(budgets.c.name == check.text(budget, "budget name"))
+        with self._driver.transaction() as cur:
+            rows = cur.execute(query).all()
+        return [_entry(e) for e in rows]
+
     def operation_history(self, key: str) -> OperationHistory:
         """Operation ``key``, its attempts (oldest first), their journal entries and what
         operators did to it, read in one transaction."""
@@ -106,19 +126,7 @@ class Oversight(Operations, Reports):
         return OperationHistory(
             operation_of(row),
             [_attempt(r) for r in found],
-            [
-                JournalEntry(
-                    e.attempt,
-                    e.budget,
-                    e.kind,
-                    e.held_delta,
-                    e.spent_delta,
-                    e.note,
-                    e.created_at,
-                    e.actor,
-                )
-                for e in entries
-            ],
+            [_entry(e) for e in entries],
             [
                 OperationEvent(e.kind, e.from_status, e.to_status, e.by, e.note, e.created_at)
                 for e in events
@@ -172,3 +180,9 @@ class Oversight(Operations, Reports):
                     },
                 )
         return self.operation_history(key).operation
+
+
+def _entry(e: Any) -> JournalEntry:
+    return JournalEntry(
+        e.attempt, e.budget, e.kind, e.held_delta, e.spent_delta, e.note, e.created_at, e.actor
+    )

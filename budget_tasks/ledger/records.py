@@ -386,10 +386,11 @@ class OperationEvent:
 
 @dataclass(frozen=True, slots=True)
 class JournalEntry:
-    """One journal row of an attempt: a hold, a charge, a release or an adjustment, in
-    one budget's period (a chain of budgets has one row per budget)."""
+    """One journal row, in one budget's period (a chain of budgets has one row per
+    budget): an attempt's hold, charge, release or adjustment, or an operator's
+    action (``attempt`` None for a cap change, a freeze, an unfreeze, a reopen)."""
 
-    attempt: str
+    attempt: str | None
     budget: str
     kind: str
     held_delta: int

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -526,7 +528,7 @@ def test_operations_list_show_and_reopen_a_failed_one(pg_url: str, pg_ledger: Le
         "reopen",
         "failed",
         "retryable",
-        "operator",
+        f"{getpass.getuser()}@{socket.gethostname()}",  # who ran the command
     )
     assert event["note"] == "bug fixed in 1.2"
     assert deliver(fixed) == "summary"
