@@ -30,6 +30,7 @@ if not all(
     for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "BUDGET_TASKS_LEDGER_URL")
 ):
     # the embedded defaults are SQLite files in this directory
-    Path(settings.home).mkdir(parents=True, exist_ok=True)
+    # ... readable by this user only: they hold prompts, answers and spend
+    Path(settings.home).mkdir(mode=0o700, parents=True, exist_ok=True)
 
 __all__ = ["app"]

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
 from typing import Any
 
@@ -53,6 +55,7 @@ def build_engine(url: str, **options: Any) -> Engine:
         if url.startswith("sqlite"):
             engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S}, **options)
             _sqlite_serialised_writes(engine)
+            _sqlite_private_file(engine)
             return engine
         options.setdefault("pool_size", 2)
         options.setdefault("max_overflow", 8)
@@ -67,6 +70,26 @@ def build_engine(url: str, **options: Any) -> Engine:
     except (ImportError, NoSuchModuleError) as exc:  # e.g. postgresql+asyncpg://
         driver = make_url(url).drivername
         raise LedgerConfigError(f"no driver for {driver!r} is installed: {exc}") from exc
+
+
+def _sqlite_private_file(engine: Engine) -> None:
+    """Make a new SQLite ledger readable by its owner only: its folder 0700 and the
+    file 0600 (SQLite gives its journal files the file's own mode). The ledger holds
+    prompts, answers and spend; the process umask would leave them readable by every
+    local user. A file that exists is left as it is."""
+    path = engine.url.database or ""
+    if path in ("", ":memory:") or path.startswith("file:"):
+        return
+
+    @event.listens_for(engine, "do_connect")
+    def _private(dialect: Any, record: Any, cargs: Any, cparams: Any) -> None:
+        if os.path.exists(path):
+            return
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # another process made it first
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
 
 
 def _sqlite_serialised_writes(engine: Engine) -> None:

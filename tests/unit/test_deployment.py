@@ -65,7 +65,9 @@ def test_environment_uses_the_names_the_code_reads(compose: dict[str, Any]) -> N
     read |= {"BUDGET_TASKS_LEDGER_URL"}  # read through the LEDGER_URL_ENV constant
     read |= set(ENV_SETTINGS) | set(ENV_TRANSPORT)  # read by configure(app)
     for name in APP_SERVICES:
-        env = compose["services"][name]["environment"]
+        env = {**example_env(), **compose["services"][name]["environment"]}
+        env.pop("POSTGRES_PASSWORD")  # the database's, for its service
+        env.pop("FLOWER_BASIC_AUTH")  # Flower's
         unknown = set(env) - read - {"OPENAI_API_KEY", "PYTHONPATH"}
         assert not unknown, (name, unknown)
         assert env["BUDGET_TASKS_LEDGER_URL"].startswith("postgresql+psycopg://")
@@ -73,6 +75,37 @@ def test_environment_uses_the_names_the_code_reads(compose: dict[str, Any]) -> N
         assert int(env["BUDGET_TASKS_VISIBILITY_TIMEOUT"]) > int(
             env["BUDGET_TASKS_PROVIDER_TIMEOUT"]
         )
+
+
+def example_env() -> dict[str, str]:
+    """What budget-tasks.env.example sets (the file a deployment copies and fills)."""
+    lines = (ROOT / "budget-tasks.env.example").read_text().splitlines()
+    pairs = [line.split("=", 1) for line in lines if line and not line.startswith("#")]
+    return {k: v for k, v in pairs}
+
+
+def test_no_credential_is_inline_and_every_port_listens_on_loopback(
+    compose: dict[str, Any],
+) -> None:
+    """The compose file holds no password or key: each service that needs one reads
+    the env file (kept out of git; its example lists every credential); what it
+    publishes (metrics: budget names and spend; Flower: task arguments and results)
+    listens on 127.0.0.1 only; Flower refuses to start without a login."""
+    services = compose["services"]
+    raw = (ROOT / "docker-compose.yml").read_text()
+    for secret in ("POSTGRES_PASSWORD:", "OPENAI_API_KEY:", "sk-", "budget:budget@"):
+        assert secret not in raw, secret
+    for name in (*APP_SERVICES, "postgres", "flower"):
+        assert services[name]["env_file"] == ["budget-tasks.env"], name
+    assert {"POSTGRES_PASSWORD", "BUDGET_TASKS_LEDGER_URL", "OPENAI_API_KEY"} <= set(example_env())
+    assert "budget-tasks.env" in (ROOT / ".gitignore").read_text().splitlines()
+    published = [(name, p) for name, svc in services.items() for p in svc.get("ports", [])]
+    assert published, "the metrics and Flower are published"
+    for name, port in published:
+        assert str(port).startswith("127.0.0.1:"), (name, port)
+    flower = " ".join(services["flower"]["entrypoint"])
+    assert 'test -n "$$FLOWER_BASIC_AUTH"' in flower and "--basic-auth=" in flower
+    assert "FLOWER_BASIC_AUTH" in example_env()
 
 
 def test_every_command_names_something_that_exists(compose: dict[str, Any]) -> None:
@@ -115,7 +148,7 @@ def test_the_worker_exposes_metrics_with_a_shared_multiprocess_directory(
     env = worker["environment"]
     assert env["CELERY_BROKER_URL"].startswith("redis://")  # the shared settings are kept
     port = env["BUDGET_TASKS_METRICS_PORT"]
-    assert f"{port}:{port}" in worker["ports"]
+    assert f"127.0.0.1:{port}:{port}" in worker["ports"]
     assert any(mount.startswith(env["PROMETHEUS_MULTIPROC_DIR"]) for mount in worker["tmpfs"])
 
 
