@@ -63,3 +63,19 @@ def test_quick_run_reports_every_section(tmp_path: Path) -> None:
         for name in ("baseline", "value", "ratio"):
             assert math.isfinite(figure[name]) and figure[name] > 0, figure
         assert f"| {figure['ratio']:.2f} |" in text
+
+
+def test_the_large_answer_benchmark_runs_and_the_cap_keeps_the_row_small() -> None:
+    run = subprocess.run(
+        [sys.executable, "benchmarks/large_answer.py", "--megabytes", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    capped = re.search(r"capped \(1 MiB\) peak .* row ([\d,]+) bytes", run.stdout)
+    whole = re.search(r"stored whole +peak .* row ([\d,]+) bytes", run.stdout)
+    assert capped and whole, run.stdout
+    assert int(capped.group(1).replace(",", "")) < 1_000
+    assert int(whole.group(1).replace(",", "")) > 3_000_000
