@@ -105,7 +105,9 @@ def error_kind(exc: BaseException) -> ErrorKind:
 def describe_error(exc: BaseException) -> str:
     """An error as one line for the ledger and the log, without the credentials its
     text may quote (an HTTP library's refusal of a header names its value)."""
-    return redact(f"{type(exc).__name__}: {exc}")[:2000]
+    text = redact(f"{type(exc).__name__}: {exc}")
+    # one line: a provider's message may carry line breaks that would forge log lines
+    return text.replace("\r", "\\r").replace("\n", "\\n")[:2000]
 
 
 @dataclass(frozen=True)

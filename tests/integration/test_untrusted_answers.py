@@ -19,6 +19,7 @@ from budget_tasks.errors import UsageUnreadable
 from budget_tasks.hooks import Hooks, add_sink, remove_sink
 from budget_tasks.metrics import UNTRUSTED_ANSWERS
 from budget_tasks.providers import Unknowable, openai_client
+from budget_tasks.providers import openai_chat as call_openai_chat
 from budget_tasks.providers.estimates import openai_chat, openai_response
 from budget_tasks.transport import guarded_anthropic_client, guarded_openai_client
 
@@ -119,7 +120,24 @@ def app(backend_url: str, gateway: HostileGateway) -> Any:
         )
         return str(response.id)
 
-    app.jobs = {"chat": chat, "claude": ask_claude, "background": background}
+    plain = openai_client(base_url=gateway.openai_base_url, api_key="x", timeout=5.0)
+    request = {"model": "gpt-4o-mini", "max_completion_tokens": MAX_TOKENS, "messages": PROMPT}
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"{prefix}.helper",
+        budget="team",
+        idempotency_key=lambda mode: f"helper:{mode}",
+        estimate_cost=lambda mode: openai_chat(request).amount,
+    )
+    def helper(self: BudgetTask, mode: str) -> str:
+        sent = call_openai_chat(
+            plain, attempt=self.attempt, extra_headers={"x-hostile": mode}, **request
+        )
+        return str(sent.result["content"])
+
+    app.jobs = {"chat": chat, "claude": ask_claude, "background": background, "helper": helper}
     Ledger(backend_url).create_budget("team", 10_000_000)
     return app
 
@@ -159,6 +177,25 @@ def test_an_absurd_usage_is_never_charged_and_raises_an_alert(
     assert ledger.attempt(call.key).state == "unknown"
     ledger.resolve_attempt(call.key, 40, note="invoice line 7", by="operator", actor="ana")
     assert ledger.attempt(call.key).state == "settled"
+    assert ledger.audit() == []
+
+
+def test_a_main_call_through_a_helper_past_its_bound_is_not_charged(
+    app: Any, gateway: HostileGateway, backend_url: str, alerts: Alerts
+) -> None:
+    """The same rule for the main call (call 0) under ``attempt=self.attempt``: the
+    run returns its answer, the main attempt stays unknown at its estimate, and a
+    redelivery replays the stored result without a second call."""
+    mode = f"usage=10,{MAX_TOKENS + 1}"
+    assert app.jobs["helper"].delay(mode).get() == "fine"
+    ledger = Ledger(backend_url)
+    main = ledger.attempt(f"helper:{mode}#1")
+    assert main.state == "unknown" and main.lookup == "untrusted"
+    assert (ledger.balance("team").spent, ledger.balance("team").held) == (0, main.amount)
+    assert [a["attempt"] for a in alerts.seen] == [main.key]
+    assert app.jobs["helper"].delay(mode).get() == "fine"  # replayed
+    assert len(gateway.posts()) == 1
+    assert ledger.operation(f"helper:{mode}").status == "succeeded"
     assert ledger.audit() == []
 
 

@@ -56,3 +56,11 @@ def test_the_filter_redacts_a_records_message_and_its_whole_traceback() -> None:
     written = logging.Formatter().format(record)
     assert "SECRET" not in written
     assert "Connection error." in written and "sk-[redacted]" in written
+
+
+def test_an_error_is_described_on_one_line_without_its_credentials() -> None:
+    from budget_tasks.delivery.fates import describe_error
+
+    described = describe_error(ValueError("bad\nINFO forged line\r\nBearer abcdefghijk"))
+    assert "\n" not in described and "\r" not in described
+    assert described == "ValueError: bad\\nINFO forged line\\r\\nBearer [redacted]"
