@@ -19,7 +19,7 @@ from ..errors import InvalidTransition, UnknownAttempt, UnknownOperation, UsageR
 from . import statements as sql
 from .base import _bound_params
 from .driver import Cursor
-from .leases import lease_is_live
+from .leases import lease_is_live, this_process
 from .operations import Operations, RunEnd
 from .oversight import operation_of
 from .records import (
@@ -135,8 +135,14 @@ class Maintenance(Operations, Reports):
         keys made unknown."""
         check.positive(limit, "limit")
         now = self.now()
+        params = {"limit": limit, "now": self._driver.ts(now)}
+        here = this_process()
         with self._driver.transaction() as cur:
-            rows = cur.all(sql.ORPHAN_CANDIDATES, {"limit": limit})
+            rows = cur.all(sql.ORPHAN_CANDIDATES, params)
+            if here is not None:
+                # '_' and '%' cannot be in a boot id or an inode number: no escaping
+                proof = f"%@{here.boot}/{here.pidns}/%"
+                rows += cur.all(sql.ORPHAN_CANDIDATES_HERE, {**params, "proof": proof})
         orphans: list[str] = []
         operations_touched: set[str] = set()
         for key, state, op_key, owner, expires, status, label, amount, recorded in rows:

@@ -320,11 +320,27 @@ WHERE a.key = :key"""
 
 #: Attempts held by runs that may be gone: open (sending) or never granted (reserved),
 #: under an operation, with that operation's lease to check.
+#: Attempts a run left reserved or sending whose operation no lease holds by time (not
+#: running, or its lease expired): filtered here, so that live leases, however many,
+#: never hide them behind the limit.
 ORPHAN_CANDIDATES = """
 SELECT a.key, a.state, o.key, o.lease_owner, o.lease_expires_at, o.status, a.label,
        a.amount, a.recorded_actual
 FROM attempts a JOIN operations o ON o.id = a.operation_id
 WHERE a.state IN ('reserved', 'sending')
+  AND (o.status <> 'running' OR o.lease_owner IS NULL OR o.lease_expires_at IS NULL
+       OR o.lease_expires_at <= :now)
+ORDER BY a.id
+LIMIT :limit"""
+
+#: The same, under leases still running by time whose owner names this checker's boot
+#: and PID namespace: only there can "its process is gone" be proved (see leases.py).
+ORPHAN_CANDIDATES_HERE = """
+SELECT a.key, a.state, o.key, o.lease_owner, o.lease_expires_at, o.status, a.label,
+       a.amount, a.recorded_actual
+FROM attempts a JOIN operations o ON o.id = a.operation_id
+WHERE a.state IN ('reserved', 'sending')
+  AND o.status = 'running' AND o.lease_expires_at > :now AND o.lease_owner LIKE :proof
 ORDER BY a.id
 LIMIT :limit"""
 

@@ -122,6 +122,7 @@ def test_timeouts_keep_their_holds_under_load_then_beat_settles_them_at_the_bill
             "not_found": 0,
             "pending": 0,
             "unknowable": 0,
+            "untrusted": 0,
             "failed": 0,
         }
         for attempt in unknown.values():

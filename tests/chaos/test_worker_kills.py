@@ -266,6 +266,7 @@ def test_thirty_sigkills_of_a_pool_child_never_resend_and_lose_no_hold(
             "not_found": len(never_sent),
             "pending": 0,
             "unknowable": len(undescribed),
+            "untrusted": 0,
             "failed": 0,
         }, (counts, unknown)
         # The operator checks with the provider and releases what it never saw.

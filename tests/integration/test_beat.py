@@ -412,6 +412,41 @@ def test_a_send_left_sending_by_a_run_that_is_gone_is_reconciled(
     assert pg_ledger.audit() == []
 
 
+def test_live_leases_past_the_limit_never_hide_the_holds_of_dead_runs(
+    pg_ledger: Ledger, clock: ManualClock
+) -> None:
+    """More live runs than one pass reads (12 against a limit of 10), all older than
+    the dead ones: the dead runs' holds are adopted all the same, on the first pass.
+    Dead by time (their leases expired) and dead by proof (this host and namespace,
+    the process gone, its lease still running by time)."""
+    pg_ledger.create_budget("team", 1_000_000)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    me = this_process()
+    assert me is not None
+    elsewhere = "other-host:4242:tok@boot-of-another-host/4026000001/1"
+
+    def sending(name: str, owner: str, lease: timedelta) -> str:
+        start = pg_ledger.calls.admit(name, fingerprint="f", owner=owner, lease=lease, max_runs=3)
+        key = f"{name}#1"
+        pg_ledger.calls.reserve("team", key, 100, operation_id=start.operation_id)
+        pg_ledger.calls.mark_sending(key, provider="openai")
+        return key
+
+    live = [sending(f"live-{n}", elsewhere, timedelta(minutes=60)) for n in range(12)]
+    expired = [sending(f"expired-{n}", elsewhere, timedelta(minutes=5)) for n in range(2)]
+    proved = sending(
+        "proved",
+        f"{socket.gethostname()}:{gone.pid}:tok@{me.boot}/{me.pidns}/1",
+        timedelta(minutes=60),
+    )
+    clock.advance(timedelta(minutes=6))
+    adopted = pg_ledger.upkeep.mark_orphans_unknown(limit=10)
+    assert sorted(adopted) == sorted([*expired, proved])
+    assert {pg_ledger.attempt(k).state for k in live} == {"sending"}
+    assert pg_ledger.audit() == []
+
+
 def test_not_found_waits_for_the_timeout_the_attempt_was_sent_with(
     pg_ledger: Ledger, fake: FakeProvider, clock: ManualClock
 ) -> None:
