@@ -11,6 +11,12 @@ ledger's own statements (``budget_tasks.ledger.statements``) in the same order i
 same two transactions, on one connection it keeps. Both run in the same
 invocation, alternating, so the machine's load affects both alike. Each process also
 measures its own CPU time, so the report shows the client CPU per cycle of each.
+
+Autovacuum is off on these machines: a hot row's dead versions pile up within
+minutes, so the database is vacuumed before every round. The MultiXacts each cycle
+makes are counted too (``next_multixact_id`` across a CHECKPOINT before and after the
+round): row locks that many transactions share on the hot row, which PostgreSQL pays
+for at every later lock of it.
 """
 
 from __future__ import annotations
@@ -244,6 +250,9 @@ class LedgerRow:
     #: what the backends were doing, shares of the samples of the last round
     raw_waits: dict[str, float] = field(default_factory=dict)
     ledger_waits: dict[str, float] = field(default_factory=dict)
+    #: MultiXacts per cycle, the median of the rounds
+    raw_multixacts: float = 0.0
+    ledger_multixacts: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -254,6 +263,35 @@ class LedgerRow:
 class LedgerResult:
     rows: list[LedgerRow]
     audit: list[str]
+
+
+def _vacuumed(url: str) -> None:
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as conn:
+        conn.autocommit = True
+        conn.execute("VACUUM")
+
+
+def _next_multixact(admin_url: str) -> int:
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute("CHECKPOINT")
+        row = admin.execute("SELECT next_multixact_id FROM pg_control_checkpoint()").fetchone()
+    return int(row[0]) if row is not None else 0
+
+
+def _round(
+    admin_url: str,
+    url: str,
+    worker: Callable[..., tuple[int, float]],
+    n: int,
+    seconds: float,
+    warmup: float,
+) -> tuple[float, float, dict[str, float], float]:
+    """One vacuumed round: its rate, client CPU, waits and MultiXacts per cycle."""
+    _vacuumed(url)
+    before = _next_multixact(admin_url)
+    rate, cpu, waits = measure(url, worker, n, seconds, warmup)
+    made = _next_multixact(admin_url) - before
+    return rate, cpu, waits, made / max(rate * seconds, 1.0)
 
 
 def run(
@@ -278,16 +316,20 @@ def run(
         ledger.upkeep.open_period("hot")  # the period row the raw cycle uses
         rows = []
         for n in procs:
-            raw, lib, raw_cpu, lib_cpu = [], [], [], []
+            raw, lib, raw_cpu, lib_cpu, raw_mx, lib_mx = [], [], [], [], [], []
             raw_waits: dict[str, float] = {}
             lib_waits: dict[str, float] = {}
             for _ in range(rounds):
-                rate, cpu, raw_waits = measure(url, raw_worker, n, seconds, warmup)
+                rate, cpu, raw_waits, mx = _round(admin_url, url, raw_worker, n, seconds, warmup)
                 raw.append(rate)
                 raw_cpu.append(cpu)
-                rate, cpu, lib_waits = measure(url, library_worker, n, seconds, warmup)
+                raw_mx.append(mx)
+                rate, cpu, lib_waits, mx = _round(
+                    admin_url, url, library_worker, n, seconds, warmup
+                )
                 lib.append(rate)
                 lib_cpu.append(cpu)
+                lib_mx.append(mx)
             row = LedgerRow(
                 n,
                 statistics.median(raw),
@@ -298,6 +340,8 @@ def run(
                 statistics.median(lib_cpu),
                 raw_waits,
                 lib_waits,
+                statistics.median(raw_mx),
+                statistics.median(lib_mx),
             )
             rows.append(row)
             if report is not None:
@@ -334,6 +378,10 @@ def main() -> int:
         print(
             f"{row.procs:>9}  {row.raw:>10.0f}/s  {row.ledger:>10.0f}/s  {row.ratio:>6.2f}  "
             f"{row.raw_cpu_ms:.2f} ms, {row.ledger_cpu_ms:.2f} ms"
+        )
+        print(
+            f"{'':>9}  MultiXacts per cycle: raw {row.raw_multixacts:.2f}, "
+            f"Ledger {row.ledger_multixacts:.2f}"
         )
         print(f"{'':>9}  backends, raw: {describe_waits(row.raw_waits)}")
         print(f"{'':>9}  backends, Ledger: {describe_waits(row.ledger_waits)}")

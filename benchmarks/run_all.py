@@ -265,6 +265,11 @@ def ledger_section(report: Report, admin_url: str) -> None:
         )
         report.note(
             1,
+            f"{row.procs} processes, MultiXacts per cycle (vacuumed before each round): "
+            f"raw {row.raw_multixacts:.2f}, Ledger {row.ledger_multixacts:.2f}",
+        )
+        report.note(
+            1,
             f"{row.procs} processes, what the backends were doing (pg_stat_activity every "
             f"20 ms, last round): raw: {ledger_bench.describe_waits(row.raw_waits)}; "
             f"Ledger: {ledger_bench.describe_waits(row.ledger_waits)}",
