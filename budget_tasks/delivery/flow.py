@@ -46,7 +46,7 @@ from ..errors import (
 from ..hooks import Hooks, hooks
 from ..ledger import CallAdmission, CallAsk, CallEnd, CallFacts, CallLedger
 from ..ledger.operations import Decision, OperationStart, RunEnd, owner_id
-from ..ledger.records import AttemptRef
+from ..ledger.records import PURGED_ERROR, AttemptRef
 from ..ledger.states import OperationStatus
 from .calls import CallPath, CallSite, Found, GrantUnanswered, Moved, Opened, Unresolved
 from .fates import (
@@ -174,7 +174,7 @@ class OperationManager:
             log.info("operation %s replayed: no provider call, no charge", d.key)
             self.told.replayed(d.key)
         elif start.decision is Decision.FAILED:
-            raise OperationFailed(d.key, start.error)
+            raise OperationFailed(d.key, start.error or PURGED_ERROR)
         elif start.decision is Decision.POISONED:
             log.error("operation %s stopped as a poison message: %s", d.key, start.error)
             raise PoisonMessage(d.key, start.error)

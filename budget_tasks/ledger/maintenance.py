@@ -24,7 +24,6 @@ from .operations import Operations, RunEnd
 from .oversight import operation_of
 from .records import (
     PURGED,
-    PURGED_ERROR,
     UNTRUSTED_LOOKUP,
     Attempt,
     CallFacts,
@@ -299,19 +298,34 @@ class Maintenance(Operations, Reports):
             raise UnknownOperation(key)
         return operation_of(r)
 
-    def purge_operations(self, older_than: timedelta) -> Purged:
+    def purge_operations(self, older_than: timedelta, *, batch: int = 1_000) -> Purged:
         """Remove every copy of user content older than ``older_than``: results,
         arguments and error text of finished operations, the arguments of unfinished
         ones idle that long, stored answers (labelled calls, ``once``) and resolved
         attempts' answers and notes (see :class:`Purged`). The money stays: attempts'
-        amounts and states, and the journal, whose entries never carry error text."""
+        amounts and states, and the journal, whose entries never carry error text.
+
+        Each statement runs in batches of ``batch`` rows, each its own transaction,
+        through partial indexes of what still holds content: the work grows with what
+        is left to purge, not with the history, and no batch holds many row locks."""
         check.duration(older_than, "older_than", allow_zero=True)
+        check.positive(batch, "batch")
         cutoff = self._driver.ts(self.now() - older_than)
-        params = {"cutoff": cutoff, "marker": PURGED, "purged_error": PURGED_ERROR}
-        with self._driver.transaction() as cur:
-            return Purged(
-                operations=cur.run(sql.PURGE_OPERATIONS, params),
-                unfinished=cur.run(sql.PURGE_UNFINISHED_PAYLOADS, params),
-                side_effects=cur.run(sql.PURGE_SIDE_EFFECTS, params),
-                attempts=cur.run(sql.PURGE_ATTEMPTS, params),
-            )
+        params = {"cutoff": cutoff, "marker": PURGED, "batch": batch}
+        return Purged(
+            operations=self._in_batches(sql.PURGE_OPERATIONS, params),
+            unfinished=self._in_batches(sql.PURGE_UNFINISHED_PAYLOADS, params),
+            side_effects=self._in_batches(sql.PURGE_SIDE_EFFECTS, params),
+            attempts=self._in_batches(sql.PURGE_ATTEMPTS, params),
+        )
+
+    def _in_batches(self, statement: str, params: dict[str, Any]) -> int:
+        """Run ``statement`` (one batch of ``params["batch"]`` rows) until a batch is
+        short, each batch committed; the rows it changed."""
+        done = 0
+        while True:
+            with self._driver.transaction() as cur:
+                changed = cur.run(statement, params)
+            done += changed
+            if changed < params["batch"]:
+                return done

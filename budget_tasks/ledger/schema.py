@@ -27,6 +27,7 @@ from sqlalchemy import (
     UniqueConstraint,
     event,
     false,
+    text,
 )
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.types import TypeDecorator
@@ -41,13 +42,31 @@ NAMING = {
 
 metadata = MetaData(naming_convention=NAMING)
 
-#: The references to the rows every admission and settlement writes (a budget, its
-#: period): checked at COMMIT, not as each row is inserted. Checked at the INSERT, each
-#: check locks the referenced row FOR KEY SHARE before the transaction's own UPDATE of
-#: it, and the lockers of one hot row pile up into MultiXacts (about 9 per cycle);
-#: checked at COMMIT, the transaction already holds that row's update lock, and none
-#: is made. Migration 0010 (PostgreSQL).
-HOT = {"deferrable": True, "initially": "DEFERRED"}
+
+def _hot(target: str) -> ForeignKey:
+    """A reference to a row every admission and settlement writes (a budget, its
+    period), checked at COMMIT, not as each row is inserted. Checked at the INSERT,
+    each check locks the referenced row FOR KEY SHARE before the transaction's own
+    UPDATE of it, and the lockers of one hot row pile up into MultiXacts (about 9 per
+    cycle); checked at COMMIT, the transaction already holds that row's update lock,
+    and none is made. Migration 0010 (PostgreSQL)."""
+    return ForeignKey(target, deferrable=True, initially="DEFERRED")
+
+
+#: What the purge looks for, by table: the rows that still hold users' content. Each
+#: is a partial index (migration 0011), so the hourly purge reads what is left to
+#: purge, not the history.
+PURGEABLE = {
+    "operations": "result IS NOT NULL OR payload IS NOT NULL OR error IS NOT NULL",
+    "waiting": "completed_at IS NULL AND payload IS NOT NULL",
+    "side_effects": "result IS NOT NULL",
+    "attempts": "note IS NOT NULL OR answer IS NOT NULL",
+}
+
+
+def _partial(name: str, column: str, where: str) -> Index:
+    return Index(name, column, postgresql_where=text(where), sqlite_where=text(where))
+
 
 ATTEMPT_STATES = ("reserved", "sending", "settled", "released", "unknown")
 HOLDING_STATES = ("reserved", "sending", "unknown")
@@ -140,8 +159,8 @@ attempts = Table(
     metadata,
     Column("id", Id, primary_key=True, autoincrement=True),
     Column("key", String(255), nullable=False),
-    Column("budget_id", Id, ForeignKey("budgets.id", **HOT), nullable=False),
-    Column("period_id", Id, ForeignKey("budget_periods.id", **HOT), nullable=False),
+    Column("budget_id", Id, _hot("budgets.id"), nullable=False),
+    Column("period_id", Id, _hot("budget_periods.id"), nullable=False),
     Column("fingerprint", String(255), nullable=True),
     Column("reason", String(32), nullable=False),
     Column("amount", BigInteger, nullable=False),
@@ -196,6 +215,8 @@ attempts = Table(
     ),
     Index(None, "state", "created_at"),
     Index(None, "operation_id"),
+    # Added in migration 0011
+    _partial("ix_attempts_purgeable", "resolved_at", PURGEABLE["attempts"]),
 )
 
 OPERATION_STATUSES = ("pending", "running", "succeeded", "failed", "unknown", "retryable")
@@ -224,6 +245,9 @@ operations = Table(
     Column("payload", Text, nullable=True),
     UniqueConstraint("key"),
     CheckConstraint(f"status IN ({_in(OPERATION_STATUSES)})", name="status_known"),
+    # Added in migration 0011
+    _partial("ix_operations_purgeable", "completed_at", PURGEABLE["operations"]),
+    _partial("ix_operations_waiting_payload", "updated_at", PURGEABLE["waiting"]),
 )
 
 # Side effects run at most once per operation (BudgetTask.once), and the stored results
@@ -240,6 +264,8 @@ side_effects = Table(
     Column("completed_at", UTCDateTime, nullable=True),
     UniqueConstraint("operation_id", "name"),
     CheckConstraint("state IN ('started', 'done')", name="state_known"),
+    # Added in migration 0011
+    _partial("ix_side_effects_purgeable", "completed_at", PURGEABLE["side_effects"]),
 )
 
 # Added in migration 0008: what operators did to an operation (reopening a failed one),
@@ -265,7 +291,7 @@ journal = Table(
     Column("id", Id, primary_key=True, autoincrement=True),
     # Migration 0006: no attempt for a change of cap (kind 'cap', its cap_delta).
     Column("attempt_id", Id, ForeignKey("attempts.id"), nullable=True),
-    Column("period_id", Id, ForeignKey("budget_periods.id", **HOT), nullable=False),
+    Column("period_id", Id, _hot("budget_periods.id"), nullable=False),
     Column("kind", String(16), nullable=False),
     Column("held_delta", BigInteger, nullable=False),
     Column("spent_delta", BigInteger, nullable=False),

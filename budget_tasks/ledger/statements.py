@@ -424,36 +424,55 @@ UPDATE attempts SET lookups = :lookups, next_lookup_at = :next_lookup_at
 WHERE id = :attempt_id"""
 
 # -- the purge: every copy of user content past its retention ---------------------------
+# Each statement takes one batch (:batch rows, oldest first) through a partial index
+# that holds only what still has content (see schema.PURGEABLE), and commits: the
+# hourly purge never locks every row it purges at once, and reads what is left to
+# purge, not the history.
 
 #: A finished operation's result, arguments and error text.
 PURGE_OPERATIONS = """
-UPDATE operations SET result = NULL, payload = NULL,
-    error = CASE WHEN error IS NULL THEN NULL ELSE :purged_error END
-WHERE completed_at <= :cutoff
-  AND (result IS NOT NULL OR payload IS NOT NULL
-       OR (error IS NOT NULL AND error <> :purged_error))"""
+UPDATE operations SET result = NULL, payload = NULL, error = NULL
+WHERE id IN (
+    SELECT id FROM operations
+    WHERE completed_at <= :cutoff
+      AND (result IS NOT NULL OR payload IS NOT NULL OR error IS NOT NULL)
+    ORDER BY completed_at LIMIT :batch)"""
 
 #: An unfinished operation idle past the retention: its arguments (the prompts).
 PURGE_UNFINISHED_PAYLOADS = """
 UPDATE operations SET payload = NULL
-WHERE completed_at IS NULL AND updated_at <= :cutoff AND payload IS NOT NULL"""
+WHERE id IN (
+    SELECT id FROM operations
+    WHERE completed_at IS NULL AND payload IS NOT NULL AND updated_at <= :cutoff
+    ORDER BY updated_at LIMIT :batch)"""
 
 #: Stored answers: dropped for a finished operation; for one that may still run, a
 #: marker that refuses their replay.
 PURGE_SIDE_EFFECTS = """
 UPDATE side_effects SET result = CASE
-        WHEN (SELECT completed_at FROM operations o WHERE o.id = operation_id) IS NULL
+        WHEN (SELECT o.completed_at FROM operations o WHERE o.id = side_effects.operation_id)
+             IS NULL
         THEN :marker ELSE NULL END
-WHERE completed_at <= :cutoff AND result IS NOT NULL AND result <> :marker"""
+WHERE id IN (
+    SELECT id FROM side_effects
+    WHERE result IS NOT NULL AND completed_at <= :cutoff AND result <> :marker
+    ORDER BY completed_at LIMIT :batch)"""
 
 #: A resolved attempt's found answer and its note (error text; the journal keeps why).
 PURGE_ATTEMPTS = """
 UPDATE attempts SET note = NULL,
-    answer = CASE WHEN answer IS NULL THEN NULL
-                  WHEN operation_id IN (SELECT id FROM operations WHERE completed_at IS NULL)
-                  THEN :marker ELSE NULL END
-WHERE resolved_at <= :cutoff
-  AND (note IS NOT NULL OR (answer IS NOT NULL AND answer <> :marker))"""
+    answer = CASE
+        WHEN answer IS NULL THEN NULL
+        WHEN operation_id IS NOT NULL AND (
+            SELECT o.completed_at FROM operations o WHERE o.id = attempts.operation_id
+        ) IS NULL THEN :marker
+        ELSE NULL END
+WHERE id IN (
+    SELECT id FROM attempts
+    WHERE resolved_at <= :cutoff
+      AND (note IS NOT NULL OR answer IS NOT NULL)
+      AND (note IS NOT NULL OR answer <> :marker)
+    ORDER BY resolved_at LIMIT :batch)"""
 
 #: A period's counters by its budget and start (a balance read opens nothing).
 BALANCE_AT = f"""
