@@ -20,6 +20,7 @@ from sqlalchemy import (
 )
 
 from .. import _validate as check
+from .._redact import redact
 from ..errors import (
     BudgetExceeded,
     BudgetFrozen,
@@ -408,7 +409,7 @@ class LedgerBase:
     ) -> bool:
         params = {
             "key": key,
-            "note": reason,
+            "note": redact(reason),
             "lookup": UNTRUSTED_LOOKUP if untrusted else None,
             "recorded": recorded_actual,
             "request_id": ids[0],
@@ -507,6 +508,10 @@ class LedgerBase:
         attempt resolved meanwhile (by reconciliation, an operator) keeps its charge,
         raised to ``actual`` by an adjustment entry if that is more; a run's proof of
         billing is never lost to an earlier resolution."""
+        # Whatever a caller says of an attempt is stored without the credentials an
+        # error may quote (the delivery's own errors are redacted already).
+        note = None if note is None else redact(note)
+        journal_note = None if journal_note is None else redact(journal_note)
         rows = cur.all(sql.LOCK_ATTEMPT, {"key": key})
         if not rows:
             raise UnknownAttempt(key)

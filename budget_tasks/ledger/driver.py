@@ -96,7 +96,7 @@ class Driver:
         except BaseException as exc:
             with suppress(Exception):
                 conn.close()
-            if isinstance(exc, DBAPIError | self.unreachable):
+            if isinstance(exc, self.failures):
                 raise unavailable(exc) from exc
             raise
         return conn

@@ -27,6 +27,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from .. import _validate as check
+from .._redact import redact
 from ..errors import (
     BudgetExceeded,
     BudgetFrozen,
@@ -232,7 +233,7 @@ class Operations(Holds):
                 {
                     "status": str(status),
                     "result": result,
-                    "error": error,
+                    "error": None if error is None else redact(error),
                     "next_reason": next_reason,
                     "now": stamp,
                     "completed_at": stamp if status in FINISHED else None,
@@ -388,7 +389,7 @@ class Operations(Holds):
                     "fingerprint": fingerprint,
                     "task": task,
                     "payload": _payload(payload),
-                    "error": error,
+                    "error": redact(error),
                     "now": self._driver.ts(self.now()),
                 },
             )

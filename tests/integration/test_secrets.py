@@ -12,6 +12,7 @@ from typing import Any
 import openai
 import pytest
 from celery import Celery
+from sqlalchemy import text
 
 from budget_tasks import BudgetTask, Ledger, UnusableApiKey
 from budget_tasks.providers import estimates, openai_chat
@@ -71,9 +72,9 @@ def test_a_workers_key_is_nowhere_in_the_database_or_the_worker_log(
     log = worker.log_path.read_text()
     database = dump(pg_url)
     assert "own-client:doc-1" in database  # the dump holds the ledger's rows
-    for text in (database, log):
-        assert KEY not in text
-        assert KEY[len("sk-") :] not in text
+    for written in (database, log):
+        assert KEY not in written
+        assert KEY[len("sk-") :] not in written
     if ending:
         # the refusal was logged, the key in it redacted
         assert "Illegal header value b'[redacted]'" in log
@@ -217,3 +218,21 @@ def test_the_widest_printable_ascii_key_is_accepted(app: Any, backend_url: str) 
     key = "".join(chr(c) for c in range(0x20, 0x7F)).strip()
     assert app.jobs["keyed"].delay(key).get() == key
     assert Ledger(backend_url).operation(key).status == "succeeded"
+
+
+def test_the_ledger_stores_no_credential_whoever_writes_the_note(backend_url: str) -> None:
+    """The ledger's own boundary: a note or an error written through its API (a team's
+    own mark_unknown, an operator's resolve, a refusal) is stored redacted, in the
+    attempt and in the journal."""
+    ledger = Ledger(backend_url)
+    ledger.create_budget("team", 1_000)
+    ledger.calls.reserve("team", "k1", 10)
+    ledger.calls.mark_sending("k1")
+    ledger.calls.mark_unknown("k1", f"Illegal header value b'Bearer {KEY}\\n'")
+    assert "LEAKCHECK" not in (ledger.attempt("k1").note or "")
+    ledger.resolve_attempt("k1", 5, note=f"invoice says api_key={KEY}", by="operator")
+    note = str(ledger.attempt("k1").note)
+    with ledger.engine.connect() as conn:
+        journal = [str(r[0]) for r in conn.execute(text("SELECT note FROM journal"))]
+    assert "LEAKCHECK" not in note + " ".join(journal)
+    assert "[redacted]" in note and any("[redacted]" in n for n in journal)

@@ -84,3 +84,30 @@ def test_a_database_without_the_schema_raises_schema_missing(schemaless_url: str
     assert isinstance(caught.value, LedgerUnavailable)  # callers still fail closed
     assert str(caught.value).startswith("the ledger schema is missing or out of date (")
     assert str(caught.value).endswith("): run `budget-tasks db upgrade`")
+
+
+def test_a_sqlite_ledger_locked_by_another_writer_is_unavailable_not_a_type_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holds SQLite's write lock past the busy timeout: BEGIN IMMEDIATE
+    fails, and the ledger says it is unavailable (fail closed: the task retries), as
+    for any database it cannot reach. It raised TypeError from its own error check."""
+    import sqlite3
+
+    from budget_tasks.ledger import engine
+
+    monkeypatch.setattr(engine, "SQLITE_BUSY_TIMEOUT_S", 0.2)
+    path = tmp_path / "ledger.db"
+    ledger = Ledger(f"sqlite:///{path}")
+    ledger.create_schema()
+    ledger.create_budget("team", 100)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(LedgerUnavailable, match="locked"):
+            ledger.calls.reserve("team", "k", 10)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert ledger.calls.reserve("team", "k", 10).created  # once the lock is gone
+    ledger.dispose()
