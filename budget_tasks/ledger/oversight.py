@@ -92,7 +92,8 @@ class Oversight(Operations, Reports):
             .limit(min(limit, MAX_LISTED))
         )
         if budget is not None:
-            query = query.where(budgets.c.name == check.text(budget, "budget name"))
+            name = check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+            query = query.where(budgets.c.name == name)
         with self._driver.transaction() as cur:
             rows = cur.execute(query).all()
         return [_entry(e) for e in rows]

@@ -362,6 +362,33 @@ SLOTS: list[Slot] = [
     Slot("open_period at", lambda lg, v: lg.upkeep.open_period("child", at=v), bad_datetime),
     Slot("freeze", lambda lg, v: lg.freeze(v), bad_text(NAME) | unknown_budget),
     Slot("unfreeze", lambda lg, v: lg.unfreeze(v), bad_text(NAME) | unknown_budget),
+    Slot("freeze note", lambda lg, v: lg.freeze("child", note=v), bad_text(10_000, optional=True)),
+    Slot(
+        "freeze actor",
+        lambda lg, v: lg.freeze("child", actor=v),
+        bad_text(100, optional=True) | st.sampled_from(["two\nlines", "esc\x1b[2J"]),
+    ),
+    Slot(
+        "set_cap actor",
+        lambda lg, v: lg.set_cap("child", 20, actor=v),
+        bad_text(100, optional=True) | st.just("tab\there"),
+    ),
+    Slot(
+        "actions",
+        lambda lg, v: lg.actions(budget=v),
+        bad_text(NAME, optional=True) | st.booleans(),
+    ),
+    Slot(
+        "actions limit",
+        lambda lg, v: lg.actions(limit=v),
+        st.one_of(st.integers(max_value=0), st.booleans(), st.floats(), st.text(max_size=3)),
+    ),
+    Slot("distrust key", lambda lg, v: lg.upkeep.distrust(v, "why"), bad_text(KEY) | unknown_key),
+    Slot(
+        "distrust reason",
+        lambda lg, v: lg.upkeep.distrust("sent", v),
+        bad_text(10_000),
+    ),
     # reports
     Slot("attempt", lambda lg, v: lg.attempt(v), bad_text(KEY) | unknown_key),
     Slot(
@@ -390,6 +417,11 @@ SLOTS: list[Slot] = [
         "purge_operations",
         lambda lg, v: lg.upkeep.purge_operations(v),
         bad_timedelta | negative_timedelta,
+    ),
+    Slot(
+        "purge_operations batch",
+        lambda lg, v: lg.upkeep.purge_operations(timedelta(0), batch=v),
+        st.one_of(st.integers(max_value=0), st.booleans(), st.floats(), st.text(max_size=3)),
     ),
     # operations (the task's plumbing, public all the same)
     Slot(
