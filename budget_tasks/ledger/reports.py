@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import (
     and_,
     case,
+    false,
     func,
     literal,
     select,
@@ -52,7 +53,21 @@ def _report_query(
     """Each budget with its period at ``starts`` (by its kind of period), the one
     before it (``before``) while still open, and the age of its oldest open hold."""
     b = budgets.c
-    cur, prev = budget_periods.alias("cur"), budget_periods.alias("prev")
+
+    def at_starts(values: Mapping[Period, datetime | None], name: str) -> Any:
+        # Only the rows at these few period starts, read through the index on
+        # period_start: what the report reads stays one row per budget however many
+        # periods the budgets had (a join on the computed start alone scans them all).
+        wanted = sorted({at for at in values.values() if at is not None})
+        if not wanted:  # no kind of period has a start here: match nothing
+            return select(budget_periods).where(false()).subquery(name)
+        return (
+            select(budget_periods)
+            .where(budget_periods.c.period_start.in_([literal(at, UTCDateTime()) for at in wanted]))
+            .subquery(name)
+        )
+
+    cur, prev = at_starts(starts, "cur"), at_starts(before, "prev")
 
     def by_kind(values: Mapping[Period, datetime | None]) -> Any:
         whens = {kind: literal(at, UTCDateTime()) for kind, at in values.items() if at}

@@ -149,6 +149,9 @@ budget_periods = Table(
     # whoever settled (a task, reconciliation, an operator); derived from the journal.
     Column("overrun", BigInteger, nullable=False, server_default="0"),
     UniqueConstraint("budget_id", "period_start"),
+    # Added in migration 0012: the report (the metrics scrape, `status`) reads each
+    # budget's current period by its start: one row per budget, not its history.
+    Index(None, "period_start"),
     CheckConstraint("cap >= 0", name="cap_not_negative"),
     CheckConstraint("held >= 0", name="held_not_negative"),
     CheckConstraint("spent >= 0", name="spent_not_negative"),
