@@ -150,8 +150,10 @@ budget_periods = Table(
     Column("overrun", BigInteger, nullable=False, server_default="0"),
     UniqueConstraint("budget_id", "period_start"),
     # Added in migration 0012: the report (the metrics scrape, `status`) reads each
-    # budget's current period by its start: one row per budget, not its history.
+    # budget's current period by its start, and opening a period closes the open ones
+    # before it: one row per budget each, not its history.
     Index(None, "period_start"),
+    _partial("ix_budget_periods_open", "budget_id", "closed_at IS NULL"),
     CheckConstraint("cap >= 0", name="cap_not_negative"),
     CheckConstraint("held >= 0", name="held_not_negative"),
     CheckConstraint("spent >= 0", name="spent_not_negative"),

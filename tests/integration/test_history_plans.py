@@ -1,0 +1,75 @@
+"""Reads that must cost what is current, not what is past: on a ledger with 90 days of
+closed periods for 1,000 budgets (91,000 periods), PostgreSQL plans each on an index
+that holds one row per budget (after ANALYZE, as it would choose in production)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import text
+from sqlalchemy.dialects.postgresql import psycopg as pg
+
+from budget_tasks import Ledger
+from budget_tasks.ledger import statements as sql
+from budget_tasks.ledger.periods import PERIODS, period_start, previous_period_start
+from budget_tasks.ledger.reports import _report_query
+
+TODAY = datetime(2026, 6, 1, 12, tzinfo=UTC)
+
+
+def _history(ledger: Ledger, budgets: int = 1_000, days: int = 90) -> None:
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO budgets (name, cap, period, renewal, frozen, created_at)"
+                " SELECT 'b' || n, 1000000, 'day', 'reset', false, :today"
+                " FROM generate_series(1, :budgets) AS n"
+            ),
+            {"today": TODAY, "budgets": budgets},
+        )
+        conn.execute(
+            text(
+                "INSERT INTO budget_periods (budget_id, period_start, cap, spent, held,"
+                " opened_at, closed_at)"
+                " SELECT b.id, d, 1000000, 100, 0, d, CASE WHEN d < date_trunc('day',"
+                " CAST(:today AS timestamptz)) THEN d + interval '1 day' END"
+                " FROM budgets b, generate_series(date_trunc('day', CAST(:today AS"
+                " timestamptz)) - make_interval(days => :days), date_trunc('day',"
+                " CAST(:today AS timestamptz)), interval '1 day') AS d"
+            ),
+            {"today": TODAY, "days": days},
+        )
+        conn.execute(text("ANALYZE"))
+
+
+def _plan(ledger: Ledger, statement: str, params: dict[str, object]) -> str:
+    with ledger.engine.connect() as conn:
+        rows = conn.execute(text("EXPLAIN " + statement), params)
+        return "\n".join(r[0] for r in rows)
+
+
+def test_the_report_and_the_closing_of_periods_read_one_row_per_budget(
+    pg_ledger: Ledger,
+) -> None:
+    _history(pg_ledger)
+    starts = {kind: period_start(kind, TODAY) for kind in PERIODS}
+    before = {kind: previous_period_start(kind, s) for kind, s in starts.items()}
+    compiled = _report_query(starts, before).compile(
+        dialect=pg.dialect(), compile_kwargs={"render_postcompile": True}
+    )
+    with pg_ledger.engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        plan = "\n".join(
+            r[0] for r in raw.execute("EXPLAIN " + str(compiled), compiled.params).fetchall()
+        )
+    assert "Seq Scan on budget_periods" not in plan, plan
+    assert "ix_budget_periods_period_start" in plan, plan
+
+    # opening tomorrow's period closes the open one before it: by the partial index
+    plan = _plan(
+        pg_ledger,
+        sql.CLOSE_PERIODS_BEFORE,
+        {"budget_id": 1, "start": datetime(2026, 6, 2, tzinfo=UTC), "now": TODAY},
+    )
+    assert "ix_budget_periods_open" in plan, plan
