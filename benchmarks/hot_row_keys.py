@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import uuid
 from pathlib import Path
 
 import psycopg
@@ -24,7 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.ledger_bench import ADMIN_URL, _round, library_worker  # noqa: E402
+from benchmarks.ledger_bench import (  # noqa: E402
+    ADMIN_URL,
+    _round,
+    library_worker,
+    scratch_database,
+)
 from budget_tasks import Ledger  # noqa: E402
 
 HOT_KEYS = (
@@ -41,12 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
-    name = f"bt_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    url = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    url += "/" + name
-    try:
+    with scratch_database() as url:
         ledger = Ledger(url)
         ledger.create_schema()
         ledger.create_budget("hot", 10**15)
@@ -75,9 +74,6 @@ def main(argv: list[str] | None = None) -> int:
         ledger.dispose()
         print(f"audit after the run: {audit or 'clean'}")
         return 1 if audit else 0
-    finally:
-        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 if __name__ == "__main__":

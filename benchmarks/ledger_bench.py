@@ -30,7 +30,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -265,6 +266,20 @@ class LedgerResult:
     audit: list[str]
 
 
+@contextmanager
+def scratch_database(admin_url: str = ADMIN_URL) -> Iterator[str]:
+    """A database of its own for one benchmark (its SQLAlchemy URL), dropped after."""
+    name = f"bt_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    base = admin_url.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 def _vacuumed(url: str) -> None:
     with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as conn:
         conn.autocommit = True
@@ -304,12 +319,7 @@ def run(
     report: Callable[[LedgerRow], None] | None = None,
 ) -> LedgerResult:
     """Both cycles on a scratch database, alternating, for each process count."""
-    name = f"bt_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    url = admin_url.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    url += "/" + name
-    try:
+    with scratch_database(admin_url) as url:
         ledger = Ledger(url)
         ledger.create_schema()
         ledger.create_budget("hot", 10**15)
@@ -349,9 +359,6 @@ def run(
         audit = [str(finding) for finding in ledger.audit()]
         ledger.dispose()
         return LedgerResult(rows, audit)
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def describe_waits(waits: dict[str, float]) -> str:

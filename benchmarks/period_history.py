@@ -16,7 +16,6 @@ import argparse
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.ledger_bench import ADMIN_URL  # noqa: E402
+from benchmarks.ledger_bench import scratch_database  # noqa: E402
 from budget_tasks import Ledger  # noqa: E402
 from budget_tasks.testing import ManualClock  # noqa: E402
 
@@ -53,12 +52,7 @@ def median_ms(fn: Callable[[], object], samples: int = 15) -> float:
 
 def measure(budgets: int, days: int) -> tuple[int, float, float]:
     """Periods, and the median ms of report() and holds(), on a fresh database."""
-    name = f"bt_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    url = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    url += "/" + name
-    try:
+    with scratch_database() as url:
         ledger = Ledger(url, clock=ManualClock(TODAY))
         ledger.create_schema()
         for n in range(budgets):
@@ -71,9 +65,6 @@ def measure(budgets: int, days: int) -> tuple[int, float, float]:
         report, holds = median_ms(ledger.report), median_ms(ledger.holds)
         ledger.dispose()
         return periods, report, holds
-    finally:
-        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def main(argv: list[str] | None = None) -> int:
