@@ -24,9 +24,11 @@ if TYPE_CHECKING:  # the ledger reads bounds without loading the price tables
 @dataclass(frozen=True, slots=True)
 class Bound:
     """The most tokens a request allowed: ``input_tokens`` however billed (plain,
-    cache reads and writes) and ``output_tokens`` (reasoning included). 0 where the
-    request's estimate counts no tokens of that kind (a speech request is priced per
-    character): a count there is not vetted by tokens, only by the money ceiling."""
+    cache reads and writes) and ``output_tokens`` (reasoning included). A bound whose
+    input is 0 counts no tokens (a speech request is priced per character): only the
+    money ceiling vets it. Every estimate that counts tokens counts input (the
+    request's own overhead at least), and its output bound holds even when it is 0
+    (an embeddings request allows none)."""
 
     input_tokens: int = 0
     output_tokens: int = 0
@@ -39,6 +41,11 @@ class Bound:
         return cls(estimate.input_tokens, estimate.output_tokens)
 
 
+def untrusted_note(why: str) -> str:
+    """The note an attempt keeps when its answer was doubted (by its run or by beat)."""
+    return f"untrusted usage: {why}"
+
+
 def doubt(usage: Usage | None, cost: int | None, bound: Bound | None) -> str | None:
     """Why an answer's usage (priced at ``cost``) cannot be charged as it is, or None.
 
@@ -46,14 +53,14 @@ def doubt(usage: Usage | None, cost: int | None, bound: Bound | None) -> str | N
     where the request's bound is known (``bound``; None: only the ceiling)."""
     if cost is not None and (cost < 0 or cost > MAX_MONEY):
         return f"its cost {cost} is outside what the ledger can charge (0..{MAX_MONEY})"
-    if usage is None or bound is None:
+    if usage is None or bound is None or not bound.input_tokens:
         return None
-    if bound.input_tokens and usage.total_input_tokens > bound.input_tokens:
+    if usage.total_input_tokens > bound.input_tokens:
         return (
             f"it reports {usage.total_input_tokens} input tokens where the request "
             f"allowed at most {bound.input_tokens}"
         )
-    if bound.input_tokens and usage.output_tokens > bound.output_tokens:
+    if usage.output_tokens > bound.output_tokens:
         return (
             f"it reports {usage.output_tokens} output tokens where the request "
             f"allowed at most {bound.output_tokens}"

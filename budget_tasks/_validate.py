@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import getpass
+import os
+import socket
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -90,14 +93,9 @@ def printable(value: Any, name: str, *, max_length: int = MAX_KEY_LENGTH) -> str
 def actor(value: Any) -> str:
     """Who did an operator's action: ``value``, or the OS user and host."""
     if value is None:
-        import getpass
-        import socket
-
         try:
             user = getpass.getuser()
         except (KeyError, OSError):  # no name for this uid (a container's)
-            import os
-
             user = f"uid {os.getuid()}"
         value = f"{user}@{socket.gethostname()}"
     return printable(value, "actor", max_length=100)

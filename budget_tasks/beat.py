@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import datetime, timedelta
 from functools import cache
 from typing import Any
@@ -346,5 +347,4 @@ def renew_periods_task(self: Any) -> int:
 @shared_task(bind=True, name="budget_tasks.purge_expired_operations", ignore_result=False)  # type: ignore[untyped-decorator]
 def purge_expired_operations_task(self: Any) -> dict[str, int]:
     days = float(self.app.conf.get("budget_retention_days", 7))
-    purged = purge_expired_operations(_ledger(self), timedelta(days=days))
-    return {f: getattr(purged, f) for f in ("operations", "unfinished", "side_effects", "attempts")}
+    return asdict(purge_expired_operations(_ledger(self), timedelta(days=days)))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .._redact import redact
+from .._trust import untrusted_note
 from ..errors import (
     AnswerNotKept,
     BudgetExceeded,
@@ -125,7 +126,7 @@ class HoldFate:
 
 def _untrusted(call: Outcome) -> HoldFate:
     return HoldFate(
-        "unknown", call.actual or 0, note=f"untrusted usage: {call.doubted}", untrusted=True
+        "unknown", call.actual or 0, note=untrusted_note(call.doubted or ""), untrusted=True
     )
 
 

@@ -416,7 +416,7 @@ class LedgerBase:
             "response_id": ids[1],
         }
         if cur.one(sql.MARK_UNKNOWN, params) is not None:
-            log.warning("attempt %s outcome unknown, its hold kept: %s", key, reason)
+            log.warning("attempt %s outcome unknown, its hold kept: %s", key, params["note"])
             return True
         state = cur.one(sql.ATTEMPT_STATE, {"key": key})
         if state is None:
@@ -587,7 +587,7 @@ def _bound_params(call: CallFacts | None) -> dict[str, int | None]:
 
 def _journal(
     cur: Cursor,
-    attempt_id: int,
+    attempt_id: int | None,
     period_id: int,
     kind: str,
     held_delta: int,
@@ -598,7 +598,8 @@ def _journal(
     actor: str | None = None,
 ) -> None:
     """Append one journal entry: the only way the counters' history is written
-    (``actor``: who acted, for an operator's action)."""
+    (``attempt_id`` None for an operator's action on a budget or an operation;
+    ``actor``: who acted, for an operator's action)."""
     cur.run(
         sql.INSERT_JOURNAL,
         {

@@ -18,7 +18,7 @@ from ..errors import (
     UnknownBudget,
 )
 from . import statements as sql
-from .base import log
+from .base import _journal, log
 from .periods import (
     PERIODS,
     RENEWALS,
@@ -200,17 +200,8 @@ class Budgets(Reports):
         with self._driver.transaction() as cur:
             done = cur.run(sql.SET_FROZEN, {"frozen": frozen, "name": name})
             if done:
-                cur.run(
-                    sql.INSERT_ACTION,
-                    {
-                        "period_id": period_id,
-                        "kind": kind,
-                        "note": note or kind,
-                        "ref": None,
-                        "now": self._driver.ts(now),
-                        "actor": actor,
-                    },
-                )
+                stamp = self._driver.ts(now)
+                _journal(cur, None, period_id, kind, 0, 0, note or kind, stamp, actor=actor)
         if not done:
             raise UnknownBudget(name)
 

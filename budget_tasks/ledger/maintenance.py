@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import select
 
 from .. import _validate as check
-from .._trust import Bound
+from .._trust import Bound, untrusted_note
 from ..errors import InvalidTransition, UnknownAttempt, UnknownOperation, UsageRecorded
 from . import statements as sql
 from .base import _bound_params
@@ -104,7 +104,7 @@ class Maintenance(Operations, Reports):
         is no longer unknown (resolved meanwhile)."""
         check.text(key, "key")
         check.text(reason, "reason", max_length=10_000)
-        params = {"key": key, "note": f"untrusted usage: {reason}", "lookup": UNTRUSTED_LOOKUP}
+        params = {"key": key, "note": untrusted_note(reason), "lookup": UNTRUSTED_LOOKUP}
         with self._driver.transaction() as cur:
             done = cur.one(sql.DISTRUST, params)
             if done is None and cur.one(sql.ATTEMPT_STATE, {"key": key}) is None:

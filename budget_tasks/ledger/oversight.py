@@ -13,7 +13,7 @@ from sqlalchemy import select
 from .. import _validate as check
 from ..errors import CannotReopen, UnknownOperation
 from . import statements as sql
-from .base import _attempt
+from .base import _attempt, _journal
 from .operations import Operations
 from .records import Attempt, JournalEntry, Operation, OperationEvent
 from .reports import Reports
@@ -169,17 +169,7 @@ class Oversight(Operations, Reports):
             )
             period = cur.one(sql.LATEST_PERIOD_OF_OPERATION, {"operation_id": row.id})
             if period is not None:
-                cur.run(
-                    sql.INSERT_ACTION,
-                    {
-                        "period_id": period[0],
-                        "kind": "reopen",
-                        "note": reason,
-                        "ref": key,
-                        "now": stamp,
-                        "actor": by,
-                    },
-                )
+                _journal(cur, None, period[0], "reopen", 0, 0, reason, stamp, key, by)
         return self.operation_history(key).operation
 
 

@@ -34,7 +34,6 @@ class BudgetInfo:
 NO_TIMEOUT_MS = 0
 
 
-#: What a run may write for one of its calls (see :class:`CallEnd`).
 #: What a stored result or answer past the size cap is replaced by: its digest and size.
 NOT_KEPT = "budget_tasks_not_kept"
 #: The default size cap of one stored result or answer (bytes of its JSON).
@@ -79,6 +78,7 @@ def not_kept(value: Any) -> dict[str, Any] | None:
 #: The lookup of an attempt whose answer reported usage past what its request allowed:
 #: none finds it, so nothing charges that usage as found (an operator resolves it).
 UNTRUSTED_LOOKUP = "untrusted"
+#: What a run may write for one of its calls (see :class:`CallEnd`).
 CALL_ACTIONS = frozenset({"settle", "release", "unknown", "store", "unsent"})
 
 

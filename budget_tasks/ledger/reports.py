@@ -10,7 +10,6 @@ from typing import Any
 from sqlalchemy import (
     and_,
     case,
-    false,
     func,
     literal,
     select,
@@ -59,8 +58,6 @@ def _report_query(
         # period_start: what the report reads stays one row per budget however many
         # periods the budgets had (a join on the computed start alone scans them all).
         wanted = sorted({at for at in values.values() if at is not None})
-        if not wanted:  # no kind of period has a start here: match nothing
-            return select(budget_periods).where(false()).subquery(name)
         return (
             select(budget_periods)
             .where(budget_periods.c.period_start.in_([literal(at, UTCDateTime()) for at in wanted]))

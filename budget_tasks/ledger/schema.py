@@ -74,9 +74,6 @@ ATTEMPT_REASONS = ("first", "redelivery", "rate_limited_retry", "unknown_resend"
 JOURNAL_KINDS = (
     "hold", "release", "charge", "adjustment", "cap", "freeze", "unfreeze", "reopen",
 )  # fmt: skip
-#: The journal rows an operator's action writes (with its actor), beside the money
-#: they move: a freeze, an unfreeze or a reopen moves none.
-OPERATOR_KINDS = ("freeze", "unfreeze", "reopen")
 #: What an operator does to an operation (its events are kept as a record of it).
 OPERATION_EVENT_KINDS = ("reopen",)
 

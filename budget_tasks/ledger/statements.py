@@ -187,13 +187,6 @@ INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, cap_d
                      created_at, actor)
 VALUES (NULL, :period_id, 'cap', 0, 0, :delta, :note, :now, :actor)"""
 
-#: An operator's action that moves no money (a freeze, an unfreeze, a reopen), in the
-#: journal with who did it and why.
-INSERT_ACTION = """
-INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, note, ref,
-                     created_at, actor)
-VALUES (NULL, :period_id, :kind, 0, 0, :note, :ref, :now, :actor)"""
-
 #: The period of an operation's latest attempt (where a reopen is journaled).
 LATEST_PERIOD_OF_OPERATION = """
 SELECT period_id FROM attempts WHERE operation_id = :operation_id ORDER BY id DESC LIMIT 1"""
@@ -319,10 +312,8 @@ FROM attempts a LEFT JOIN operations o ON o.id = a.operation_id
 WHERE a.key = :key"""
 
 #: Attempts held by runs that may be gone: open (sending) or never granted (reserved),
-#: under an operation, with that operation's lease to check.
-#: Attempts a run left reserved or sending whose operation no lease holds by time (not
-#: running, or its lease expired): filtered here, so that live leases, however many,
-#: never hide them behind the limit.
+#: under an operation no lease holds by time (not running, or its lease expired):
+#: filtered here, so that live leases, however many, never hide them behind the limit.
 ORPHAN_CANDIDATES = """
 SELECT a.key, a.state, o.key, o.lease_owner, o.lease_expires_at, o.status, a.label,
        a.amount, a.recorded_actual

@@ -60,7 +60,6 @@ KEPT_HEADERS = ("content-type", "x-request-id", "request-id", "openai-processing
 MISSING_API_KEY = "budget-tasks-no-api-key"
 
 
-#: The environment variable each vendor's SDK reads its key from.
 def marked(exc: BudgetTasksError) -> BudgetTasksError:
     return mark_raised_by_transport(exc)
 
@@ -294,7 +293,7 @@ def _sent(
     response_id: str | None,
     stored: dict[str, Any],
 ) -> Sent:
-    bound = Bound.of(m.estimate)
+    bound = m.facts.bound  # what prepare() counted, written with the admission too
     if reported is None:
         return Sent(
             m.provider, m.estimate.model, request_id, response_id, None, None, stored, bound=bound
