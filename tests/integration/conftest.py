@@ -16,6 +16,7 @@ from budget_tasks import Ledger
 from budget_tasks.testing import FakeProvider
 from budget_tasks.testing.harness import worker_env
 
+from ..hostile_gateway import HostileGateway
 from ..services import REDIS_HOST, REDIS_PORT, check_redis
 from ..workers import Worker
 
@@ -65,3 +66,11 @@ def start_worker(
     yield start
     for worker in started:
         worker.stop()
+
+
+@pytest.fixture
+def gateway() -> Iterator[HostileGateway]:
+    """A gateway that answers as a broken or malicious one (tests/hostile_gateway.py)."""
+    server = HostileGateway().start()
+    yield server
+    server.stop()

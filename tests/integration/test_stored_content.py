@@ -9,7 +9,6 @@ import json
 import sqlite3
 import subprocess
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -27,13 +26,6 @@ from ..hostile_gateway import HostileGateway
 from ..services import pg_conninfo
 
 CAP = 4_096
-
-
-@pytest.fixture
-def gateway() -> Iterator[HostileGateway]:
-    server = HostileGateway().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -44,13 +44,6 @@ class Alerts(Hooks):
 
 
 @pytest.fixture
-def gateway() -> Iterator[HostileGateway]:
-    server = HostileGateway().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
 def alerts() -> Iterator[Alerts]:
     sink = Alerts()
     add_sink(sink)
