@@ -285,9 +285,15 @@ def _because(reason: str) -> str:
     return f" ({reason})" if reason else ""
 
 
+#: An escrowed budget that has not drawn for this long gives back what it holds unused.
+GRANT_IDLE = timedelta(minutes=5)
+
+
 def renew_periods(ledger: Ledger) -> int:
     """Open the current period of every periodic budget with its renewal policy (run
-    it often: a rollover computes its carry when the new period opens)."""
+    it often: a rollover computes its carry when the new period opens), and give back
+    what escrowed budgets drew and leave unused (their period ended, or they are idle)."""
+    ledger.upkeep.return_grants(GRANT_IDLE)
     opened = 0
     for budget in ledger.budgets():
         if budget.period != "none":

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import (
     Row,
@@ -32,7 +32,9 @@ from ..errors import (
     UnknownBudget,
     UsageRecorded,
 )
+from . import escrow
 from . import statements as sql
+from .counters import _apply, _journal
 from .driver import Cursor, Driver
 from .engine import build_engine
 from .periods import (
@@ -57,8 +59,23 @@ log = logging.getLogger("budget_tasks.ledger")
 Clock = Callable[[], datetime]
 #: (id, name, period) of a budget and each ancestor, the budget first
 Chain = tuple[tuple[int, str, str], ...]
-#: each budget's admitting period (id, start), and the (budget, period) pairs to hold in
-Found = tuple[dict[int, tuple[int, datetime]], list[tuple[int, int]]]
+
+
+class Found(NamedTuple):
+    """Where an admission holds, found before its transaction begins."""
+
+    #: each budget's admitting period (id, start)
+    periods: dict[int, tuple[int, datetime]]
+    #: the (budget, period) pairs to hold in, by budget id
+    holds: list[tuple[int, int]]
+    #: the escrowed budget the holds stop at, if any
+    escrow: escrow.Escrow | None
+
+
+def _link(chain: Chain, budget_id: int) -> tuple[int, str, str]:
+    return next(link for link in chain if link[0] == budget_id)
+
+
 T = TypeVar("T")
 
 
@@ -124,6 +141,8 @@ class LedgerBase:
         # their ids are safe to cache for the life of the process.
         self._chains: dict[str, tuple[tuple[int, str, str], ...]] = {}
         self._period_ids: dict[tuple[int, datetime], tuple[int, datetime]] = {}
+        #: escrowed budget id -> its parent's id
+        self._escrowed: dict[int, int] = {}
         self._dialect = self.engine.dialect.name
         self._installation: str | None = None
         self._driver = Driver(self.engine)
@@ -219,19 +238,33 @@ class LedgerBase:
             return chain
         with self._driver.transaction() as cur:
             found: list[tuple[int, str, str]] = []
+            escrowed: list[tuple[int, int]] = []
             row = cur.one(sql.BUDGET_LINK_BY_NAME, {"name": name})
             if row is None:
                 raise UnknownBudget(name)
             while row is not None:
-                budget_id, budget_name, period, parent_id = row
+                budget_id, budget_name, period, parent_id, escrow_on = row
                 found.append((int(budget_id), budget_name, period))
                 if parent_id is None:
                     break
+                if escrow_on:
+                    escrowed.append((int(budget_id), int(parent_id)))
                 row = cur.one(sql.BUDGET_LINK, {"budget_id": parent_id})
         chain = tuple(found)
         with self._lock:
             self._chains[name] = chain
+            # Escrow is chosen when a budget is made and never changes: safe to keep.
+            self._escrowed.update(escrowed)
         return chain
+
+    def _escrow_of(self, chain: Chain) -> escrow.Escrow | None:
+        """Where the chain's holds stop: its first escrowed budget, from the bottom."""
+        for depth, (budget_id, name, _) in enumerate(chain):
+            parent_id = self._escrowed.get(budget_id)
+            if parent_id is not None:
+                above = sorted(chain[depth + 1 :])
+                return escrow.Escrow(budget_id, name, parent_id, tuple(above))
+        return None
 
     def _period_id(self, budget_id: int, start: datetime) -> tuple[int, datetime]:
         """The id and start of the period admission uses when the clock says ``start``:
@@ -262,6 +295,10 @@ class LedgerBase:
         assert renewal is not None  # the chain named it
         period, budget_cap, policy, ceiling = renewal
         closed = cur.all(sql.CLOSE_PERIODS_BEFORE, {**at, "now": ts(self.now())})
+        for period_id, *_ in closed:
+            # A closed escrowed period admits nothing more: what it drew and did not
+            # use goes back to its ancestors (a no-op for any other period).
+            escrow.give_back(cur, int(period_id), ts(self.now()), "the period ended")
         prev_start = previous_period_start(period, start)
         previous = next(
             (r for r in closed if prev_start and self._driver.from_ts(r[1]) == prev_start), None
@@ -278,13 +315,18 @@ class LedgerBase:
         return int(row[0]), start
 
     def _holds(self, chain: Chain, now: datetime) -> Found:
-        """Each budget's admitting period at ``now``, and the (budget, period) pairs to
-        hold in, in budget-id order (the order every writer locks them in)."""
+        """Each budget's admitting period at ``now``, the (budget, period) pairs to hold
+        in, in budget-id order (the order every writer locks them in), and where the
+        holds stop: the first escrowed budget from the bottom, whose ancestors see its
+        grants, not each hold."""
         periods = {
             budget_id: self._period_id(budget_id, period_start(period, now))  # type: ignore[arg-type]
             for budget_id, _, period in chain
         }
-        return periods, sorted((budget_id, found[0]) for budget_id, found in periods.items())
+        stop = self._escrow_of(chain)
+        held = chain if stop is None else chain[: chain.index(_link(chain, stop.budget_id)) + 1]
+        holds = sorted((budget_id, periods[budget_id][0]) for budget_id, _, _ in held)
+        return Found(periods, holds, stop)
 
     def _admitting(
         self, chain: Chain | None, body: Callable[[Cursor, Found | None, datetime], T]
@@ -320,7 +362,7 @@ class LedgerBase:
         With ``call``, the attempt is granted its send at once (state ``sending``) and
         described as ``call``: admission, grant and description are one commit."""
         key, amount, reason = row["key"], row["amount"], row["reason"]
-        periods, holds = found
+        periods, holds = found.periods, found.holds
         names = {budget_id: name for budget_id, name, _ in chain}
         stamp = self._driver.ts(now)
         granted = call is not None
@@ -344,7 +386,7 @@ class LedgerBase:
             return self._existing(cur, key, chain[0][1], amount, row["fingerprint"])
         for _, period_id in holds:
             _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
-        self._admit_in(cur, holds, amount, names)
+        self._admit_in(cur, found, amount, names, stamp)
         start = periods[chain[0][0]][1]
         return Reservation(
             key,
@@ -359,12 +401,17 @@ class LedgerBase:
 
     @staticmethod
     def _admit_in(
-        cur: Cursor, holds: list[tuple[int, int]], amount: int, names: dict[int, str]
+        cur: Cursor, found: Found, amount: int, names: dict[int, str], stamp: Any
     ) -> None:
-        """Admit ``amount`` in each (budget, period) of ``holds``, each checked and
-        written by one conditional UPDATE; a refusal raises (the caller rolls back)."""
+        """Admit ``amount`` in each (budget, period) the admission holds in, each checked
+        and written by one conditional UPDATE (the escrowed one within its grant,
+        drawing first if it is short); a refusal raises (the caller rolls back)."""
         # The budget rows are the contended ones: lock them last, just before COMMIT.
-        for budget_id, period_id in holds:
+        stop = found.escrow
+        for budget_id, period_id in found.holds:
+            if stop is not None and budget_id == stop.budget_id:
+                escrow.admit(cur, stop, found.periods, amount, stamp)
+                continue
             if cur.one(sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}):
                 continue
             refusal = cur.one(sql.REFUSAL, {"period_id": period_id})
@@ -559,7 +606,7 @@ class LedgerBase:
             },
         )
         assert done == 1  # the row is locked (SQLite: the whole database is)
-        return _Resolution(True, int(amount), actual, periods, key)
+        return _Resolution(True, int(amount), actual, periods, key, stamp)
 
 
 def _top_up(
@@ -567,8 +614,8 @@ def _top_up(
 ) -> None:
     """Raise a resolved attempt's charge by ``delta``, as an adjustment in each period."""
     for period_id in periods:
-        _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id})
         _journal(cur, attempt_id, period_id, "adjustment", 0, delta, why, stamp)
+        _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id}, stamp)
 
 
 def _ids(request_id: str | None, response_id: str | None) -> tuple[str | None, str | None]:
@@ -585,37 +632,6 @@ def _bound_params(call: CallFacts | None) -> dict[str, int | None]:
     }
 
 
-def _journal(
-    cur: Cursor,
-    attempt_id: int | None,
-    period_id: int,
-    kind: str,
-    held_delta: int,
-    spent_delta: int,
-    note: str | None,
-    stamp: Any,
-    ref: str | None = None,
-    actor: str | None = None,
-) -> None:
-    """Append one journal entry: the only way the counters' history is written
-    (``attempt_id`` None for an operator's action on a budget or an operation;
-    ``actor``: who acted, for an operator's action)."""
-    cur.run(
-        sql.INSERT_JOURNAL,
-        {
-            "attempt_id": attempt_id,
-            "period_id": period_id,
-            "kind": kind,
-            "held_delta": held_delta,
-            "spent_delta": spent_delta,
-            "note": note,
-            "ref": ref,
-            "now": stamp,
-            "actor": actor,
-        },
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class _Resolution:
     """A settlement written to the journal, whose counters are still to be applied."""
@@ -625,6 +641,7 @@ class _Resolution:
     actual: int
     periods: list[int]
     key: str = ""
+    stamp: Any = None
 
     def apply(self, cur: Cursor) -> None:
         # The budget rows are the contended ones: lock them last, just before COMMIT.
@@ -633,33 +650,8 @@ class _Resolution:
                 cur,
                 sql.APPLY_SETTLEMENT,
                 {"amount": self.amount, "actual": self.actual, "period_id": period_id},
+                self.stamp,
             )
-
-
-def _apply(cur: Cursor, statement: str, params: dict[str, Any]) -> None:
-    """Apply a change to a period's counters. If the period is closed and carried what
-    it left unused, and the change leaves it less unused than it carried (an overrun
-    settled late, a provider correction), the difference comes off the period it
-    carried into: no money is spent in one period and carried into the next too."""
-    row = cur.one(statement, params)
-    period_id = params["period_id"]
-    # A period that carried on what it received passes the take-back on in turn, until
-    # a period that still had room for it (or the open one) absorbs it.
-    while row is not None:
-        carried, available = row[-2], row[-1]
-        if carried <= 0 or available >= carried:
-            return
-        deficit = carried - max(available, 0)
-        cur.run(sql.TAKE_BACK_CARRY, {"period_id": period_id, "deficit": deficit})
-        log.warning(
-            "period %s spent %d of what it carried into the next after closing: "
-            "that amount comes off the next period's cap",
-            period_id,
-            deficit,
-        )
-        row = cur.one(sql.LOWER_NEXT_CAP, {"period_id": period_id, "deficit": deficit})
-        if row is not None:
-            period_id = row[0]
 
 
 def _attempt(r: Row[Any]) -> Attempt:

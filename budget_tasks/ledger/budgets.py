@@ -17,8 +17,11 @@ from ..errors import (
     CapBelowCommitted,
     UnknownBudget,
 )
+from . import escrow
 from . import statements as sql
-from .base import _journal, log
+from .base import log
+from .counters import _journal
+from .driver import Cursor
 from .periods import (
     PERIODS,
     RENEWALS,
@@ -49,12 +52,18 @@ class Budgets(Reports):
         tenant: str | None = None,
         renewal: Renewal = "reset",
         rollover_ceiling: int | None = None,
+        escrow: bool = False,
     ) -> BudgetInfo:
         """Create a budget with ``cap`` minor units per period.
 
         ``renewal`` is the written policy for what is left when a period ends:
         ``reset`` or ``rollover`` (carry the unused amount, the cap never above
-        ``rollover_ceiling``, default 3x ``cap``).
+        ``rollover_ceiling``, default 3x ``cap``). With ``escrow`` (a budget with a
+        parent), it admits against grants drawn from its ancestors instead of writing
+        their period rows on every admission and settlement: for many tenants under one
+        parent. Each ancestor's periods must contain the budget's own (an ancestor's
+        period is ``none``, the same, or the budget's is ``day``); it is chosen here
+        and never changes.
         """
         check.printable(name, "budget name", max_length=check.MAX_NAME_LENGTH)
         check.money(cap, "cap")
@@ -73,12 +82,16 @@ class Budgets(Reports):
             raise ValueError("a budget with period='none' never renews: use renewal='reset'")
         with self._driver.transaction() as cur:
             parent_id = None
+            if escrow and parent is None:
+                raise ValueError(f"budget {name!r}: escrow needs a parent to draw from")
             if parent is not None:
                 check.text(parent, "parent", max_length=check.MAX_NAME_LENGTH)
                 found = cur.one(sql.BUDGET_ID, {"name": parent})
                 if found is None:
                     raise UnknownBudget(parent)
                 parent_id = found[0]
+            if escrow and parent_id is not None:
+                _check_escrow(cur, name, period, int(parent_id))
             created = cur.one(
                 sql.INSERT_BUDGET,
                 {
@@ -91,6 +104,7 @@ class Budgets(Reports):
                     "rollover_ceiling": rollover_ceiling,
                     "false": False,
                     "now": self._driver.ts(self.now()),
+                    "escrow": bool(escrow),
                 },
             )
             if created is None:
@@ -129,6 +143,7 @@ class Budgets(Reports):
                 tenant=r.tenant,
                 parent=r.parent_name,
                 frozen=r.frozen,
+                escrow=bool(r.escrow),
             )
             for r in rows
         ]
@@ -204,6 +219,18 @@ class Budgets(Reports):
                 _journal(cur, None, period_id, kind, 0, 0, note or kind, stamp, actor=actor)
         if not done:
             raise UnknownBudget(name)
+        if frozen:
+            self._return_grants_below(name)
+
+    def _return_grants_below(self, name: str) -> None:
+        # A frozen chain admits nothing (every escrowed admission reads the chain's
+        # flags); what its escrowed budgets hold unused goes back, each passed over
+        # while in the middle of an admission (beat's idle return takes it later).
+        with self._driver.transaction() as cur:
+            found = cur.all(sql.ESCROWED_BELOW, {"name": name, "true": True})
+            stamp = self._driver.ts(self.now())
+            for (period_id,) in found:
+                escrow.give_back(cur, int(period_id), stamp, "frozen", busy_ok=True)
 
     def open_period(self, budget: str, at: datetime | None = None) -> Balance:
         """Open (if not yet open) the budget's period containing ``at`` (default: now),
@@ -214,3 +241,17 @@ class Budgets(Reports):
         budget_id, _, period = self._chain(budget)[0]
         self._period_id(budget_id, period_start(period, at))  # type: ignore[arg-type]
         return self.balance(budget, at=at)
+
+
+def _check_escrow(cur: Cursor, name: str, period: str, parent_id: int) -> None:
+    """An escrowed budget's period must lie within one period of each ancestor, so
+    that each of its periods draws from one period of each."""
+    link = cur.one(sql.BUDGET_LINK, {"budget_id": parent_id})
+    while link is not None:
+        _, ancestor, kind, next_id, _ = link
+        if not (kind == "none" or kind == period or period == "day"):
+            raise ValueError(
+                f"budget {name!r} (period {period!r}) cannot draw grants from {ancestor!r} "
+                f"(period {kind!r}): each ancestor's period must contain the budget's"
+            )
+        link = None if next_id is None else cur.one(sql.BUDGET_LINK, {"budget_id": next_id})

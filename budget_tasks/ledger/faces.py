@@ -99,6 +99,7 @@ class Upkeep(_Face):
     provider_key = _Offer(LedgerCore.provider_key)
     open_period = _Offer(LedgerCore.open_period)
     flag_stale = _Offer(LedgerCore.flag_stale)
+    return_grants = _Offer(LedgerCore.return_grants)
     mark_orphans_unknown = _Offer(LedgerCore.mark_orphans_unknown)
     claim_unknown = _Offer(LedgerCore.claim_unknown)
     resolve_attempt = _Offer(LedgerCore.resolve_attempt)

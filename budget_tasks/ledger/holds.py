@@ -14,7 +14,8 @@ from ..errors import (
     UnknownOperation,
 )
 from . import statements as sql
-from .base import Chain, Found, LedgerBase, _apply, _ids, _journal, attempt_row
+from .base import Chain, Found, LedgerBase, _ids, attempt_row
+from .counters import _apply, _journal
 from .driver import Cursor
 from .records import (
     CallAdmission,
@@ -317,8 +318,8 @@ class Holds(LedgerBase):
                     f"adjustment {delta} would take attempt {key!r} below zero (charged {charged})"
                 )
             for *_, period_id in rows:
-                _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id})
                 _journal(
                     cur, attempt_id, period_id, "adjustment", 0, delta, reason, stamp, ref, actor
                 )
+                _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id}, stamp)
         return True

@@ -16,6 +16,7 @@ from sqlalchemy import select
 from .. import _validate as check
 from .._trust import Bound, untrusted_note
 from ..errors import InvalidTransition, UnknownAttempt, UnknownOperation, UsageRecorded
+from . import escrow
 from . import statements as sql
 from .base import _bound_params
 from .driver import Cursor
@@ -110,6 +111,25 @@ class Maintenance(Operations, Reports):
             if done is None and cur.one(sql.ATTEMPT_STATE, {"key": key}) is None:
                 raise UnknownAttempt(key)
         return done is not None
+
+    def return_grants(self, idle_for: timedelta, *, limit: int = 500) -> int:
+        """Give back what escrowed budgets drew and do not use, where their period is
+        closed or they have not drawn for ``idle_for``: it is the ancestors' to grant
+        again. Each in its own transaction, passing over a budget in the middle of an
+        admission. Returns the amount given back."""
+        check.duration(idle_for, "idle_for", allow_zero=True)
+        check.count(limit, "limit")
+        idle_since = self._driver.ts(self.now() - idle_for)
+        with self._driver.transaction() as cur:
+            found = cur.all(
+                sql.GRANTS_TO_RETURN, {"true": True, "idle_since": idle_since, "limit": limit}
+            )
+        back = 0
+        for (period_id,) in found:
+            with self._driver.transaction() as cur:
+                stamp = self._driver.ts(self.now())
+                back += escrow.give_back(cur, int(period_id), stamp, "idle", busy_ok=True)
+        return back
 
     def flag_stale(self, older_than: timedelta) -> list[Hold]:
         """Flag, once, every hold in sending/unknown older than ``older_than``; return

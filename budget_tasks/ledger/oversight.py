@@ -13,7 +13,8 @@ from sqlalchemy import select
 from .. import _validate as check
 from ..errors import CannotReopen, UnknownOperation
 from . import statements as sql
-from .base import _attempt, _journal
+from .base import _attempt
+from .counters import _journal
 from .operations import Operations
 from .records import Attempt, JournalEntry, Operation, OperationEvent
 from .reports import Reports

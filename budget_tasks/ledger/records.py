@@ -27,6 +27,8 @@ class BudgetInfo:
     tenant: str | None
     parent: str | None
     frozen: bool
+    #: admits against grants drawn from its ancestors (see ``create_budget``)
+    escrow: bool = False
 
 
 #: How an attempt records a call sent with no finite timeout (``timeout_ms`` 0): the
@@ -244,7 +246,12 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class Balance:
-    """A budget's counters for one period. ``available`` may be negative after overruns."""
+    """A budget's counters for one period. ``available`` may be negative after overruns.
+
+    ``granted`` is what the period has granted to escrowed budgets below it (their
+    spending and holds, and what they hold unused), counted against its cap; ``drawn``
+    what an escrowed budget's period holds as grants from its ancestors. ``available``
+    is ``cap - spent - held - granted``."""
 
     budget: str
     cap: int
@@ -252,6 +259,8 @@ class Balance:
     held: int
     available: int
     period_start: datetime
+    granted: int = 0
+    drawn: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +277,9 @@ class BudgetReport:
     oldest_hold: timedelta | None
     #: charged above reservations in this period, by every settler
     overrun: int = 0
+    #: granted to escrowed budgets below, and drawn from the ancestors (see Balance)
+    granted: int = 0
+    drawn: int = 0
 
 
 @dataclass(frozen=True, slots=True)

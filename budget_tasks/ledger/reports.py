@@ -89,8 +89,10 @@ def _report_query(
             cur.c.spent.label("cur_spent"),
             cur.c.held.label("cur_held"),
             cur.c.overrun.label("cur_overrun"),
+            cur.c.granted.label("cur_granted"),
+            cur.c.drawn.label("cur_drawn"),
             prev.c.cap.label("prev_cap"),
-            prev.c.spent.label("prev_spent"),
+            (prev.c.spent + prev.c.granted).label("prev_spent"),
             prev.c.held.label("prev_held"),
             oldest.c.oldest,
         )
@@ -141,8 +143,8 @@ class Reports(LedgerBase):
                 counters = None if prev is None else (prev[0], prev[1], prev[2])
                 cap = opening_cap(allowance, policy, ceiling, counters)
                 return Balance(name, cap, 0, 0, cap, start)
-        cap, spent, held, free = row
-        return Balance(name, cap, spent, held, free, start)
+        cap, spent, held, free, granted, drawn = row
+        return Balance(name, cap, spent, held, free, start, granted, drawn)
 
     def attempt(self, key: str) -> Attempt:
         """One attempt, with its state, amounts and provider ids."""
@@ -237,9 +239,10 @@ class Reports(LedgerBase):
             rows = tx.execute(_report_query(starts, before)).all()
         out = []
         for r in rows:
-            overrun = 0
+            overrun = granted = drawn = 0
             if r.cur_id is not None:
                 cap, spent, held, overrun = r.cur_cap, r.cur_spent, r.cur_held, r.cur_overrun
+                granted, drawn = r.cur_granted, r.cur_drawn
             else:
                 previous = None if r.prev_cap is None else (r.prev_cap, r.prev_spent, r.prev_held)
                 cap = opening_cap(r.cap, r.renewal, r.rollover_ceiling, previous)
@@ -250,11 +253,13 @@ class Reports(LedgerBase):
                     cap=cap,
                     spent=spent,
                     held=held,
-                    available=cap - spent - held,
+                    available=cap - spent - held - granted,
                     period_start=starts[r.period],
                     frozen=bool(r.frozen),
                     oldest_hold=None if r.oldest is None else now - r.oldest,
                     overrun=overrun,
+                    granted=granted,
+                    drawn=drawn,
                 )
             )
         return out
@@ -267,6 +272,8 @@ class Reports(LedgerBase):
                 journal.c.period_id,
                 func.sum(journal.c.held_delta).label("held"),
                 func.sum(journal.c.spent_delta).label("spent"),
+                func.sum(journal.c.drawn_delta).label("drawn"),
+                func.sum(journal.c.granted_delta).label("granted"),
                 func.sum(case((and_(journal.c.kind == "charge", over > 0), over), else_=0)).label(
                     "overrun"
                 ),
@@ -277,6 +284,8 @@ class Reports(LedgerBase):
         journal_held = func.coalesce(sums.c.held, 0)
         journal_spent = func.coalesce(sums.c.spent, 0)
         journal_overrun = func.coalesce(sums.c.overrun, 0)
+        journal_drawn = func.coalesce(sums.c.drawn, 0)
+        journal_granted = func.coalesce(sums.c.granted, 0)
         query = (
             select(
                 budgets.c.name,
@@ -284,6 +293,10 @@ class Reports(LedgerBase):
                 budget_periods.c.held,
                 budget_periods.c.spent,
                 budget_periods.c.overrun,
+                budget_periods.c.drawn,
+                budget_periods.c.granted,
+                journal_drawn.label("journal_drawn"),
+                journal_granted.label("journal_granted"),
                 journal_held.label("journal_held"),
                 journal_spent.label("journal_spent"),
                 journal_overrun.label("journal_overrun"),
@@ -297,6 +310,8 @@ class Reports(LedgerBase):
                             budget_periods.c.held == journal_held,
                             budget_periods.c.spent == journal_spent,
                             budget_periods.c.overrun == journal_overrun,
+                            budget_periods.c.drawn == journal_drawn,
+                            budget_periods.c.granted == journal_granted,
                         ),
                         False,
                     ),
@@ -312,6 +327,8 @@ class Reports(LedgerBase):
                     ("held", r.held, r.journal_held),
                     ("spent", r.spent, r.journal_spent),
                     ("overrun", r.overrun, r.journal_overrun),
+                    ("drawn", r.drawn, r.journal_drawn),
+                    ("granted", r.granted, r.journal_granted),
                 ):
                     if recorded != derived:
                         findings.append(

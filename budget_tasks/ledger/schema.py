@@ -73,6 +73,7 @@ HOLDING_STATES = ("reserved", "sending", "unknown")
 ATTEMPT_REASONS = ("first", "redelivery", "rate_limited_retry", "unknown_resend", "manual")
 JOURNAL_KINDS = (
     "hold", "release", "charge", "adjustment", "cap", "freeze", "unfreeze", "reopen",
+    "grant", "return",
 )  # fmt: skip
 #: What an operator does to an operation (its events are kept as a record of it).
 OPERATION_EVENT_KINDS = ("reopen",)
@@ -120,6 +121,9 @@ budgets = Table(
     Column("rollover_ceiling", BigInteger, nullable=True),
     Column("frozen", Boolean(create_constraint=False), nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
+    # Added in migration 0013: a budget that admits against grants drawn from its
+    # ancestors (escrow), chosen when it is made.
+    Column("escrow", Boolean(create_constraint=False), nullable=False, server_default=false()),
     UniqueConstraint("name"),
     CheckConstraint("cap >= 0", name="cap_not_negative"),
     CheckConstraint(f"period IN ({_in(('none', 'day', 'week', 'month'))})", name="period_known"),
@@ -145,6 +149,13 @@ budget_periods = Table(
     # Added in migration 0006: what settlements charged above their reservations, by
     # whoever settled (a task, reconciliation, an operator); derived from the journal.
     Column("overrun", BigInteger, nullable=False, server_default="0"),
+    # Added in migration 0013 (escrow): ``drawn`` is what this period holds as grants
+    # from its ancestors' periods and has not returned; ``granted`` what it has granted
+    # to escrowed budgets below it and not had back (counted against its cap like a
+    # hold); ``drawn_at`` when it last drew.
+    Column("drawn", BigInteger, nullable=False, server_default="0"),
+    Column("granted", BigInteger, nullable=False, server_default="0"),
+    Column("drawn_at", UTCDateTime, nullable=True),
     UniqueConstraint("budget_id", "period_start"),
     # Added in migration 0012: the report (the metrics scrape, `status`) reads each
     # budget's current period by its start, and opening a period closes the open ones
@@ -154,6 +165,8 @@ budget_periods = Table(
     CheckConstraint("cap >= 0", name="cap_not_negative"),
     CheckConstraint("held >= 0", name="held_not_negative"),
     CheckConstraint("spent >= 0", name="spent_not_negative"),
+    CheckConstraint("drawn >= 0", name="drawn_not_negative"),
+    CheckConstraint("granted >= 0", name="granted_not_negative"),
 )
 
 attempts = Table(
@@ -303,6 +316,10 @@ journal = Table(
     Column("cap_delta", BigInteger, nullable=False, server_default="0"),
     # Added in migration 0009: who acted, for an operator's action (None: a run or beat).
     Column("actor", String(255), nullable=True),
+    # Added in migration 0013: a grant or its return, in the period that drew it
+    # (``drawn_delta``) and in each ancestor's period that granted it (``granted_delta``).
+    Column("drawn_delta", BigInteger, nullable=False, server_default="0"),
+    Column("granted_delta", BigInteger, nullable=False, server_default="0"),
     CheckConstraint(f"kind IN ({_in(JOURNAL_KINDS)})", name="kind_known"),
     Index(None, "attempt_id"),
     Index(None, "period_id"),

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 #: The one expression for money still available in a period row. Admission, refusal
 #: messages and balance reports all use it (invariant 10).
-AVAILABLE = "(cap - spent - held)"
+AVAILABLE = "(cap - spent - held - granted)"
+
+#: What an escrowed period may still admit from the grants it drew (what it granted on
+#: below was drawn along the whole chain, so it is not in here).
+GRANT_ROOM = "(drawn - spent - held)"
 
 #: A new attempt, reserved; or, admitted and granted in one transaction, already
 #: sending and described (what the call is, for reconciliation).
@@ -53,8 +57,10 @@ WHERE a.key = :key"""
 
 INSERT_JOURNAL = """
 INSERT INTO journal
-    (attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at, actor)
-VALUES (:attempt_id, :period_id, :kind, :held_delta, :spent_delta, :note, :ref, :now, :actor)"""
+    (attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at, actor,
+     drawn_delta, granted_delta)
+VALUES (:attempt_id, :period_id, :kind, :held_delta, :spent_delta, :note, :ref, :now, :actor,
+        :drawn_delta, :granted_delta)"""
 
 MARK_SENDING = """
 UPDATE attempts
@@ -93,11 +99,17 @@ JOIN budget_periods p ON p.id = j.period_id
 WHERE a.key = :key
 ORDER BY p.budget_id{for_update}"""
 
+# Each change of a period's counters returns, for what must follow it: whether the
+# period is escrowed and its grant room (a charge above its hold draws the rest), what
+# it carried on and what it has left (a closed period that carried too much gives back).
+_AFTER_CHANGE = f"""(SELECT escrow FROM budgets WHERE budgets.id = budget_id), {GRANT_ROOM},
+    carried_out, {AVAILABLE}"""
+
 APPLY_SETTLEMENT = f"""
 UPDATE budget_periods SET held = held - :amount, spent = spent + :actual,
     overrun = overrun + CASE WHEN :actual > :amount THEN :actual - :amount ELSE 0 END
 WHERE id = :period_id
-RETURNING carried_out, {AVAILABLE}"""
+RETURNING {_AFTER_CHANGE}"""
 
 TAKE_BACK_CARRY = """
 UPDATE budget_periods SET carried_out = carried_out - :deficit WHERE id = :period_id"""
@@ -123,7 +135,7 @@ WHERE j.attempt_id = :attempt_id AND j.period_id = a.period_id"""
 
 APPLY_ADJUSTMENT = f"""
 UPDATE budget_periods SET spent = spent + :delta WHERE id = :period_id
-RETURNING carried_out, {AVAILABLE}"""
+RETURNING {_AFTER_CHANGE}"""
 
 #: The resolution, with the call's request and response ids when the run kept them
 #: for it (written with the settlement: one commit).
@@ -354,16 +366,17 @@ DELETE FROM side_effects WHERE operation_id = :operation_id AND name = :name
 
 INSERT_BUDGET = """
 INSERT INTO budgets (name, tenant, parent_id, cap, period, renewal, rollover_ceiling, frozen,
-                     created_at)
-VALUES (:name, :tenant, :parent_id, :cap, :period, :renewal, :rollover_ceiling, :false, :now)
+                     created_at, escrow)
+VALUES (:name, :tenant, :parent_id, :cap, :period, :renewal, :rollover_ceiling, :false, :now,
+        :escrow)
 ON CONFLICT (name) DO NOTHING
 RETURNING id"""
 
 BUDGET_ID = "SELECT id FROM budgets WHERE name = :name"
 
 #: A budget's place in its chain: (id, name, period, parent id).
-BUDGET_LINK_BY_NAME = "SELECT id, name, period, parent_id FROM budgets WHERE name = :name"
-BUDGET_LINK = "SELECT id, name, period, parent_id FROM budgets WHERE id = :budget_id"
+BUDGET_LINK_BY_NAME = "SELECT id, name, period, parent_id, escrow FROM budgets WHERE name = :name"
+BUDGET_LINK = "SELECT id, name, period, parent_id, escrow FROM budgets WHERE id = :budget_id"
 
 SET_FROZEN = "UPDATE budgets SET frozen = :frozen WHERE name = :name"
 
@@ -382,7 +395,7 @@ ORDER BY period_start DESC LIMIT 1"""
 CLOSE_PERIODS_BEFORE = """
 UPDATE budget_periods SET closed_at = :now
 WHERE budget_id = :budget_id AND period_start < :start AND closed_at IS NULL
-RETURNING id, period_start, cap, spent, held"""
+RETURNING id, period_start, cap, spent + granted, held"""
 
 SET_CARRIED_OUT = "UPDATE budget_periods SET carried_out = :carried WHERE id = :period_id"
 
@@ -467,12 +480,12 @@ WHERE id IN (
 
 #: A period's counters by its budget and start (a balance read opens nothing).
 BALANCE_AT = f"""
-SELECT cap, spent, held, {AVAILABLE} FROM budget_periods
+SELECT cap, spent, held, {AVAILABLE}, granted, drawn FROM budget_periods
 WHERE budget_id = :budget_id AND period_start = :start"""
 
 #: An open period's counters, for what it would carry into the next one.
 OPEN_PERIOD_COUNTERS = """
-SELECT cap, spent, held FROM budget_periods
+SELECT cap, spent + granted, held FROM budget_periods
 WHERE budget_id = :budget_id AND period_start = :start AND closed_at IS NULL"""
 
 #: This ledger's installation id (one row, made with the tables).
@@ -494,3 +507,101 @@ WHERE id = :operation_id AND status = :expected"""
 INSERT_OPERATION_EVENT = """
 INSERT INTO operation_events (operation_id, kind, from_status, to_status, by, note, created_at)
 VALUES (:operation_id, :kind, :from_status, :to_status, :by, :note, :now)"""
+
+
+# -- escrow --------------------------------------------------------------------------------
+# An escrowed budget admits on its own period row against what it drew from its
+# ancestors' periods (each counts the grant in ``granted``, against its cap); it draws
+# again when its grant is short, and gives back what it does not use.
+
+
+def _chain_ids(depth: int) -> str:
+    return ", ".join(f":b{i}" for i in range(depth))
+
+
+def escrow_admit(depth: int) -> str:
+    """Admit within the period's own cap and its grant room, in one statement; no
+    budget of the chain (``:b0`` .. its ``depth``) may be frozen, so that a grant is
+    never a way around an ancestor's freeze."""
+    return f"""
+UPDATE budget_periods SET held = held + :amount
+WHERE id = :period_id
+  AND {AVAILABLE} >= :amount
+  AND {GRANT_ROOM} >= :amount
+  AND closed_at IS NULL
+  AND NOT EXISTS (SELECT 1 FROM budgets WHERE frozen = :true AND id IN ({_chain_ids(depth)}))
+RETURNING id"""
+
+
+def frozen_in_chain(depth: int) -> str:
+    """The frozen budgets of a chain, the nearest first by id."""
+    return f"SELECT name FROM budgets WHERE frozen = :true AND id IN ({_chain_ids(depth)})"
+
+
+#: The escrowed period, locked, before it draws: what it has left under its own cap,
+#: its grant room and whether it is closed.
+LOCK_FOR_DRAW = f"""
+SELECT {AVAILABLE}, {GRANT_ROOM}, closed_at FROM budget_periods
+WHERE id = :period_id{{for_update_plain}}"""
+
+#: What an ancestor's period has left, read without a lock to size a grant.
+PERIOD_AVAILABLE = f"SELECT {AVAILABLE} FROM budget_periods WHERE id = :period_id"
+
+#: A grant out of an ancestor's period: compare-and-set like an admission.
+GRANT = f"""
+UPDATE budget_periods SET granted = granted + :amount
+WHERE id = :period_id
+  AND {AVAILABLE} >= :amount
+  AND closed_at IS NULL
+  AND budget_id IN (SELECT id FROM budgets WHERE frozen = :false)
+RETURNING id"""
+
+#: A grant owed whatever the period has left (a charge above a hold drew it already),
+#: or one given back (a negative amount).
+GRANT_OWED = f"""
+UPDATE budget_periods SET granted = granted + :amount WHERE id = :period_id
+RETURNING carried_out, {AVAILABLE}"""
+
+PERIOD_OWNER = "SELECT budget_id, period_start FROM budget_periods WHERE id = :period_id"
+
+DRAW = """
+UPDATE budget_periods SET drawn = drawn + :amount, drawn_at = :now WHERE id = :period_id"""
+
+UNDRAW = "UPDATE budget_periods SET drawn = drawn - :amount WHERE id = :period_id"
+
+#: An escrowed period about to give back what it does not use, locked; where
+#: ``{for_update_skip_locked}``, one in the middle of an admission is passed over.
+LOCK_FOR_RETURN = f"""
+SELECT budget_id, period_start, {GRANT_ROOM} FROM budget_periods
+WHERE id = :period_id{{for_update_plain}}"""
+
+LOCK_FOR_RETURN_UNLESS_BUSY = f"""
+SELECT budget_id, period_start, {GRANT_ROOM} FROM budget_periods
+WHERE id = :period_id{{for_update_skip_locked}}"""
+
+#: The open escrowed periods of a budget's siblings (escrowed under the same parent, so
+#: drawn from the same ancestors) that hold grant money they do not use.
+UNUSED_GRANTS_BESIDE = """
+SELECT p.id FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
+WHERE b.escrow = :true AND b.parent_id = :parent_id AND b.id <> :budget_id
+  AND p.closed_at IS NULL AND p.drawn - p.spent - p.held > 0
+ORDER BY p.id"""
+
+#: Escrowed periods with grant money they do not use that are closed, or that have
+#: not drawn since ``:idle_since``: beat gives it back.
+GRANTS_TO_RETURN = """
+SELECT p.id FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
+WHERE b.escrow = :true AND p.drawn - p.spent - p.held > 0
+  AND (p.closed_at IS NOT NULL OR p.drawn_at < :idle_since)
+ORDER BY p.id LIMIT :limit"""
+
+#: Every escrowed budget below a budget (itself too), by their parent links.
+ESCROWED_BELOW = """
+WITH RECURSIVE below(id) AS (
+    SELECT id FROM budgets WHERE name = :name
+    UNION ALL SELECT b.id FROM budgets b JOIN below ON b.parent_id = below.id
+)
+SELECT p.id FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
+WHERE b.id IN (SELECT id FROM below) AND b.escrow = :true AND p.closed_at IS NULL
+  AND p.drawn - p.spent - p.held > 0
+ORDER BY p.id"""

@@ -214,6 +214,8 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(ORDER), frozen=st.booleans())
     def freeze(self, name: str, frozen: bool) -> None:
+        # the freeze's journal row goes into the budget's current period: it opens it
+        self.open(name)
         if frozen:
             self.ledger.freeze(self.prefix + name)
             self.frozen.add(name)

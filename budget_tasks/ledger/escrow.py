@@ -1,0 +1,162 @@
+"""Escrow (O'Neil's escrow method; leased quotas as in GALE): an escrowed budget
+draws a grant from its ancestors' periods in one write to each, and admits against it
+on its own period row until it runs short; then it draws again. Its ancestors count
+the grant in ``granted``, against their caps, so no cap is ever exceeded by a grant.
+
+A grant is a share of what the ancestors have left (1/``GRANT_SHARE`` of the least of
+them), at least what the admission needs and at most what the budget's own cap leaves:
+large while there is room, shrinking to exactly the admission as an ancestor nears its
+cap. An ancestor short of the need first takes back what its other escrowed children
+hold unused (passing over one in the middle of an admission), so a request that fits
+what is left is admitted. What a grant leaves unused goes back at period end, on a
+freeze, and once the budget has not drawn for a while (beat).
+
+Locks are taken the escrowed period first, then its ancestors' periods by budget id:
+the order of an admission, a settlement and a return alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from ..errors import BudgetExceeded, BudgetFrozen
+from . import statements as sql
+from .counters import _journal, grant_sources, owe_grant
+from .driver import Cursor
+from .periods import PeriodClosed, period_start
+
+#: A grant is this fraction (1/N) of what the ancestors have left.
+GRANT_SHARE = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Escrow:
+    """Where a chain's holds stop: the escrowed budget, and what it draws from."""
+
+    budget_id: int
+    name: str
+    parent_id: int
+    #: (budget id, name, kind of period) of each ancestor, by budget id
+    ancestors: tuple[tuple[int, str, str], ...]
+
+    @property
+    def chain_ids(self) -> tuple[int, ...]:
+        return (self.budget_id, *(budget_id for budget_id, _, _ in self.ancestors))
+
+
+def _ids(escrow: Escrow) -> dict[str, int]:
+    return {f"b{i}": budget_id for i, budget_id in enumerate(escrow.chain_ids)}
+
+
+def admit(
+    cur: Cursor,
+    escrow: Escrow,
+    periods: dict[int, tuple[int, datetime]],
+    amount: int,
+    stamp: Any,
+) -> None:
+    """Hold ``amount`` in the escrowed budget's period, within its own cap and its
+    grant, drawing more first where the grant is short. A refusal raises."""
+    period_id = periods[escrow.budget_id][0]
+    depth = len(escrow.chain_ids)
+    params = {"amount": amount, "period_id": period_id, "true": True, **_ids(escrow)}
+    if cur.one(sql.escrow_admit(depth), params) is not None:
+        return
+    row = cur.one(sql.LOCK_FOR_DRAW, {"period_id": period_id})
+    assert row is not None  # found before the transaction began
+    available, room, closed = int(row[0]), int(row[1]), row[2]
+    if closed is not None:
+        raise PeriodClosed(period_id)
+    frozen = cur.one(sql.frozen_in_chain(depth), {"true": True, **_ids(escrow)})
+    if frozen is not None:
+        raise BudgetFrozen(frozen[0])
+    if available < amount:
+        raise BudgetExceeded(escrow.name, amount, available)
+    _draw(cur, escrow, periods, amount, room, available - room, stamp)
+    admitted = cur.one(sql.escrow_admit(depth), params)
+    assert admitted is not None  # the period is locked and now holds the grant
+
+
+def _draw(
+    cur: Cursor,
+    escrow: Escrow,
+    periods: dict[int, tuple[int, datetime]],
+    amount: int,
+    room: int,
+    headroom: int,
+    stamp: Any,
+) -> None:
+    # A room below 0 (never left so: a charge above the grant draws at once) is owed too.
+    need = amount - room
+    start = periods[escrow.budget_id][1]
+    for budget_id, _, kind in escrow.ancestors:
+        if periods[budget_id][1] != period_start(kind, start):  # type: ignore[arg-type]
+            # This host admits in a period its ancestors have left behind: admit again.
+            raise PeriodClosed(periods[escrow.budget_id][0])
+    sources = [(periods[budget_id][0], name) for budget_id, name, _ in escrow.ancestors]
+    least = min(_available(cur, source) for source, _ in sources)
+    grant = max(need, min(headroom, least // GRANT_SHARE))
+    done: list[int] = []
+    reclaimed = False
+    for source, name in sources:
+        while cur.one(sql.GRANT, {"amount": grant, "period_id": source, "false": False}) is None:
+            if grant > need:
+                for earlier in done:
+                    cur.one(sql.GRANT_OWED, {"amount": need - grant, "period_id": earlier})
+                grant = need
+                continue
+            if not reclaimed:
+                reclaimed = True
+                if _reclaim(cur, escrow, stamp):
+                    continue
+            refusal = cur.one(sql.REFUSAL, {"period_id": source})
+            left, frozen, closed = refusal or (0, True, None)
+            if closed is not None:
+                raise PeriodClosed(source)
+            if frozen:
+                raise BudgetFrozen(name)
+            raise BudgetExceeded(name, amount, int(left) + max(room, 0))
+        done.append(source)
+    period_id = periods[escrow.budget_id][0]
+    cur.run(sql.DRAW, {"amount": grant, "period_id": period_id, "now": stamp})
+    _journal(cur, None, period_id, "grant", 0, 0, None, stamp, drawn_delta=grant)
+    for source in done:
+        _journal(cur, None, source, "grant", 0, 0, None, stamp, granted_delta=grant)
+
+
+def _available(cur: Cursor, period_id: int) -> int:
+    row = cur.one(sql.PERIOD_AVAILABLE, {"period_id": period_id})
+    return 0 if row is None else max(int(row[0]), 0)
+
+
+def _reclaim(cur: Cursor, escrow: Escrow, stamp: Any) -> bool:
+    """Take back what the budget's escrowed siblings hold unused (they draw from the
+    same ancestors), passing over one in the middle of an admission. True if any."""
+    beside = cur.all(
+        sql.UNUSED_GRANTS_BESIDE,
+        {"true": True, "parent_id": escrow.parent_id, "budget_id": escrow.budget_id},
+    )
+    back = 0
+    for (period_id,) in beside:
+        back += give_back(cur, int(period_id), stamp, "taken back for a sibling", busy_ok=True)
+    return back > 0
+
+
+def give_back(cur: Cursor, period_id: int, stamp: Any, note: str, *, busy_ok: bool = False) -> int:
+    """Return what the escrowed period holds of its grants and does not use, to each
+    ancestor's period it drew from; the amount returned. With ``busy_ok``, a period in
+    the middle of an admission is passed over (0)."""
+    statement = sql.LOCK_FOR_RETURN_UNLESS_BUSY if busy_ok else sql.LOCK_FOR_RETURN
+    row = cur.one(statement, {"period_id": period_id})
+    if row is None:
+        return 0
+    unused = int(row[2])
+    if unused <= 0:
+        return 0
+    owe_grant(cur, period_id, -unused, stamp, note)
+    return unused
+
+
+__all__ = ["GRANT_SHARE", "Escrow", "admit", "give_back", "grant_sources"]
