@@ -535,7 +535,9 @@ RETURNING id"""
 
 def frozen_in_chain(depth: int) -> str:
     """The frozen budgets of a chain, the nearest first by id."""
-    return f"SELECT name FROM budgets WHERE frozen = :true AND id IN ({_chain_ids(depth)})"
+    return f"""
+SELECT name FROM budgets WHERE frozen = :true AND id IN ({_chain_ids(depth)})
+ORDER BY id LIMIT 1"""
 
 
 #: The escrowed period, locked, before it draws: what it has left under its own cap,

@@ -1,7 +1,14 @@
 """A hypothesis state machine drives the ledger through reserve, send, settle, release,
-adjust, freeze and period changes, against a plain model of the same rules: the
-counters always equal the model and the journal, a repeated settle changes nothing, and
-a late settle charges the period of admission."""
+adjust, freeze, grant returns and period changes, against a plain model of the same
+rules: the counters always equal the model and the journal, a repeated settle changes
+nothing, and a late settle charges the period of admission.
+
+One budget (``crew``) is escrowed: it admits against grants drawn from ``tenant``.
+The model knows nothing of grants; it counts every hold and charge in each budget of
+the chain, as the ledger does without escrow. So the ledger must admit and refuse
+exactly as the model does (a grant never makes a refusal or an overspend), and the
+parent's counters plus what it granted, less what grants hold unused, must be the
+model's."""
 
 from __future__ import annotations
 
@@ -30,7 +37,9 @@ BUDGETS: dict[str, tuple[int, str, str | None, str, int | None]] = {
     "tenant": (300, "none", None, "reset", None),
     "team": (120, "day", "tenant", "rollover", 200),
     "solo": (100, "week", None, "reset", None),
+    "crew": (90, "day", "tenant", "reset", None),
 }
+ESCROWED = {"crew"}
 ORDER = list(BUDGETS)
 
 
@@ -57,8 +66,10 @@ class LedgerMachine(RuleBasedStateMachine):
                 parent=None if parent is None else self.prefix + parent,
                 renewal=renewal,
                 rollover_ceiling=ceiling,  # type: ignore[arg-type]
+                escrow=name in ESCROWED,
             )
-        # cap, spent, held, carried_out, closed (0/1)
+        # cap, spent, held, carried_out, closed (0/1), and of spent and held what escrowed
+        # budgets below spent and held (the ledger counts those as granted)
         self.periods: dict[tuple[str, datetime], list[int]] = {}
         self.attempts: dict[str, dict[str, Any]] = {}
         self.frozen: set[str] = set()
@@ -89,7 +100,7 @@ class LedgerMachine(RuleBasedStateMachine):
             for (other, _), row in self.periods.items():
                 if other == name:
                     row[4] = 1
-            self.periods[key] = [cap, 0, 0, 0, 0]
+            self.periods[key] = [cap, 0, 0, 0, 0, 0, 0]
         return self.periods[key]
 
     def changed(self, period: tuple[str, datetime]) -> None:
@@ -115,7 +126,17 @@ class LedgerMachine(RuleBasedStateMachine):
         key = f"{self.prefix}k{self.count}"
         rows = {b: self.open(b) for b in chain(name)}
         refusal: type[Exception] | None = None
-        for b, row in rows.items():
+        # an escrowed budget reads the chain's freezes first, then its own cap, then
+        # (drawing) its ancestors'; any other, budget by budget in id order
+        order = list(rows)
+        if name in ESCROWED:
+            frozen = [b for b in order if b in self.frozen]
+            if frozen:
+                order = [frozen[0]]
+            else:
+                order = [name] + [b for b in order if b != name]
+        for b in order:
+            row = rows[b]
             if b in self.frozen:
                 refusal, limit = BudgetFrozen, b
                 break
@@ -128,8 +149,10 @@ class LedgerMachine(RuleBasedStateMachine):
             assert info.value.budget == self.prefix + limit
             return
         assert self.ledger.calls.reserve(self.prefix + name, key, amount).created
-        for row in rows.values():
+        for b, row in rows.items():
             row[2] += amount
+            if self.granted(name, b):
+                row[6] += amount
         self.attempts[key] = {
             "budget": name,
             "amount": amount,
@@ -163,11 +186,18 @@ class LedgerMachine(RuleBasedStateMachine):
         assert self.ledger.calls.mark_unknown(key, "timeout")
         self.attempts[key]["state"] = "unknown"
 
+    def granted(self, name: str, budget: str) -> bool:
+        """Whether the ledger counts ``name``'s calls in ``budget`` as a grant."""
+        return name in ESCROWED and budget != name
+
     def _resolve(self, key: str, actual: int, state: str) -> None:
         a = self.attempts[key]
         for period in a["periods"]:
             self.periods[period][2] -= a["amount"]
             self.periods[period][1] += actual
+            if self.granted(a["budget"], period[0]):
+                self.periods[period][6] -= a["amount"]
+                self.periods[period][5] += actual
             self.changed(period)
         a.update(state=state, actual=actual, charged=actual)
 
@@ -210,7 +240,14 @@ class LedgerMachine(RuleBasedStateMachine):
         a["charged"] += delta  # the settlement itself stays as it was
         for period in a["periods"]:
             self.periods[period][1] += delta
+            if self.granted(a["budget"], period[0]):
+                self.periods[period][5] += delta
             self.changed(period)
+
+    @rule(idle_minutes=st.sampled_from([0, 5]))
+    def return_grants(self, idle_minutes: int) -> None:
+        # what a grant leaves unused goes back; the model has nothing to change
+        self.ledger.upkeep.return_grants(timedelta(minutes=idle_minutes))
 
     @rule(name=st.sampled_from(ORDER), frozen=st.booleans())
     def freeze(self, name: str, frozen: bool) -> None:
@@ -231,10 +268,19 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def counters_match_the_model_and_the_journal(self) -> None:
-        for (name, start), (cap, spent, held, _, _) in self.periods.items():
+        unused: dict[datetime, int] = {}  # by the parent's period: what grants hold unused
+        for (name, start), row in self.periods.items():
+            if name in ESCROWED:
+                bal = self.ledger.balance(self.prefix + name, at=start)
+                assert bal.drawn >= bal.spent + bal.held  # never admitted past its grant
+                parent = period_start(BUDGETS["tenant"][1], start)  # type: ignore[arg-type]
+                unused[parent] = unused.get(parent, 0) + bal.drawn - bal.spent - bal.held
+        for (name, start), (cap, spent, held, _, _, below_spent, below_held) in self.periods.items():
             bal = self.ledger.balance(self.prefix + name, at=start)
-            assert (bal.cap, bal.spent, bal.held) == (cap, spent, held), (name, start)
-            assert bal.available == cap - spent - held
+            mine = (cap, spent - below_spent, held - below_held)
+            assert (bal.cap, bal.spent, bal.held) == mine, (name, start)
+            assert bal.granted == below_spent + below_held + unused.get(start, 0), (name, start)
+            assert bal.available == cap - spent - held - unused.get(start, 0)
         assert self.ledger.audit() == []
 
     @invariant()
