@@ -325,6 +325,13 @@ def budget() -> None:
     default=None,
     help="The most a rolled-over period may open with (minor units); default: no ceiling.",
 )
+@click.option(
+    "--escrow",
+    is_flag=True,
+    default=False,
+    help="Admit against grants drawn from the parent instead of writing the parent on "
+    "every call (for many tenants under one parent); chosen now, never changed.",
+)
 @json_option
 def budget_create(
     ledger_url: str,
@@ -335,6 +342,7 @@ def budget_create(
     tenant: str | None,
     renewal: str,
     rollover_ceiling: int | None,
+    escrow: bool,
     as_json: bool,
 ) -> None:
     """Create a budget."""
@@ -346,6 +354,7 @@ def budget_create(
         tenant=tenant,
         renewal=renewal,
         rollover_ceiling=rollover_ceiling,
+        escrow=escrow,
     )
     per = ", no period" if info.period == "none" else f" per {info.period}"
     _emit(as_json, info, lambda: f"created budget {info.name}: cap {info.cap}{per}")
@@ -402,6 +411,7 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
                     else f"period {info.period}, renewal {info.renewal}"
                 )
                 + (f", parent {info.parent}" if info.parent else "")
+                + (", escrow" if info.escrow else "")
                 + (", FROZEN" if info.frozen else "")
                 + (f", FROZEN by {frozen_by}" if frozen_by not in (None, name) else "")
                 + ")",
@@ -411,7 +421,9 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
                     else f"period from {bal.period_start.isoformat()}"
                 )
                 + f": cap {bal.cap}, spent {bal.spent}, held {bal.held}, "
-                f"available {bal.available}",
+                + (f"granted below {bal.granted}, " if bal.granted else "")
+                + (f"drawn {bal.drawn}, " if info.escrow else "")
+                + f"available {bal.available}",
                 f"open holds: {len(holds)}",
             ]
         ),
@@ -871,7 +883,8 @@ def price(
 @ledger_url_option
 @json_option
 def status(ledger_url: str, as_json: bool) -> None:
-    """Every budget's current period: cap, spent, held, available, oldest hold."""
+    """Every budget's current period: cap, spent, held, granted to escrowed budgets
+    below, available, oldest hold."""
     ledger = _ledger(ledger_url)
     frozen_by = _frozen_by(ledger.budgets())
     rows = [
@@ -885,6 +898,8 @@ def status(ledger_url: str, as_json: bool) -> None:
             "frozen": r.frozen,
             "frozen_by": frozen_by.get(r.budget),
             "overrun": r.overrun,
+            "granted": r.granted,
+            "drawn": r.drawn,
         }
         for r in ledger.report()
     ]
@@ -892,13 +907,14 @@ def status(ledger_url: str, as_json: bool) -> None:
         as_json,
         rows,
         lambda: _table(
-            ["budget", "cap", "spent", "held", "available", "oldest hold"],
+            ["budget", "cap", "spent", "held", "granted", "available", "oldest hold"],
             [
                 [
                     r["budget"] + _frozen_suffix(r["budget"], r["frozen_by"]),
                     r["cap"],
                     r["spent"],
                     r["held"],
+                    r["granted"],
                     r["available"],
                     _age(r["oldest_hold"]),
                 ]

@@ -113,7 +113,13 @@ class LedgerCollector(Collector):
                 ("cap", "The current period's cap, in minor units"),
                 ("spent", "Spent in the current period, in minor units"),
                 ("held", "Held by open attempts in the current period, in minor units"),
-                ("available", "cap - spent - held in the current period"),
+                ("available", "cap - spent - held - granted in the current period"),
+                (
+                    "granted",
+                    "Granted to escrowed budgets below in the current period (their spending, "
+                    "holds and unused grants), in minor units",
+                ),
+                ("drawn", "Drawn as grants from the ancestors in the current period (escrow)"),
                 ("oldest_hold_seconds", "Age of the oldest open hold"),
                 (
                     "overrun",
@@ -124,7 +130,7 @@ class LedgerCollector(Collector):
         }
         # One set-based query for every budget: a scrape costs the same at 10 or 10,000.
         for row in self.ledger.report():
-            for name in ("cap", "spent", "held", "available", "overrun"):
+            for name in ("cap", "spent", "held", "available", "overrun", "granted", "drawn"):
                 gauges[name].add_metric([row.budget], getattr(row, name))
             age = 0.0 if row.oldest_hold is None else row.oldest_hold.total_seconds()
             gauges["oldest_hold_seconds"].add_metric([row.budget], age)

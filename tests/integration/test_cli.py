@@ -593,3 +593,19 @@ def test_fake_provider_serves_the_official_sdk_offline() -> None:
         server.terminate()
         server.wait(timeout=10)
     assert "RuntimeWarning" not in (server.stderr.read() if server.stderr else "")
+
+
+def test_an_escrowed_budget_is_made_and_its_grants_shown(backend_url: str) -> None:
+    ok(backend_url, "budget", "create", "org", "--cap", "800")
+    ok(backend_url, "budget", "create", "crew", "--cap", "500", "--parent", "org", "--escrow")
+    Ledger(backend_url).calls.reserve("crew", "k1", 10)
+    shown = ok(backend_url, "budget", "show", "crew")
+    assert "parent org, escrow" in shown
+    assert "held 10, drawn 100, available 490" in shown
+    assert "granted below 100, available 700" in ok(backend_url, "budget", "show", "org")
+    rows = {r["budget"]: r for r in as_json(backend_url, "status")}
+    assert (rows["org"]["granted"], rows["org"]["available"]) == (100, 700)
+    assert (rows["crew"]["drawn"], rows["crew"]["held"]) == (100, 10)
+    refused = cli(backend_url, "budget", "create", "solo", "--cap", "5", "--escrow")
+    assert refused.returncode != 0
+    assert "escrow needs a parent" in refused.stderr

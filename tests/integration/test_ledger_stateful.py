@@ -131,10 +131,7 @@ class LedgerMachine(RuleBasedStateMachine):
         order = list(rows)
         if name in ESCROWED:
             frozen = [b for b in order if b in self.frozen]
-            if frozen:
-                order = [frozen[0]]
-            else:
-                order = [name] + [b for b in order if b != name]
+            order = frozen[:1] if frozen else [name] + [b for b in order if b != name]
         for b in order:
             row = rows[b]
             if b in self.frozen:
@@ -269,13 +266,14 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def counters_match_the_model_and_the_journal(self) -> None:
         unused: dict[datetime, int] = {}  # by the parent's period: what grants hold unused
-        for (name, start), row in self.periods.items():
+        for name, start in self.periods:
             if name in ESCROWED:
                 bal = self.ledger.balance(self.prefix + name, at=start)
                 assert bal.drawn >= bal.spent + bal.held  # never admitted past its grant
                 parent = period_start(BUDGETS["tenant"][1], start)  # type: ignore[arg-type]
                 unused[parent] = unused.get(parent, 0) + bal.drawn - bal.spent - bal.held
-        for (name, start), (cap, spent, held, _, _, below_spent, below_held) in self.periods.items():
+        for (name, start), row in self.periods.items():
+            cap, spent, held, _, _, below_spent, below_held = row
             bal = self.ledger.balance(self.prefix + name, at=start)
             mine = (cap, spent - below_spent, held - below_held)
             assert (bal.cap, bal.spent, bal.held) == mine, (name, start)

@@ -1,0 +1,140 @@
+"""Tenants under one parent, with escrow and without, against the same tenants each
+alone, in the same run: admit + settle cycles per second through ``Ledger``.
+
+    .venv/bin/python benchmarks/escrow_tenants.py [--seconds 4] [--procs 8 32] [--rounds 2]
+
+Each process is one tenant and runs reserve (granted) + settle as fast as it can.
+Shapes, each in its own budgets of one scratch database, vacuumed before each round
+(autovacuum is off on these machines):
+
+- alone: each tenant a budget of its own, no parent (the baseline);
+- under a parent: each tenant under one parent, every admission and settlement also
+  writing the parent's period row;
+- escrow: the same, the tenants escrowed (``create_budget(escrow=True)``);
+- escrow, grants of the need: escrowed, each grant exactly what the admission needs,
+  as near a parent's cap (its last money), where every admission draws.
+
+Prints cycles per second, MultiXacts per cycle and client CPU per cycle for each, and
+the ratios to ``alone``; the target is escrow / alone >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.ledger_bench import (  # noqa: E402
+    ADMIN_URL,
+    _next_multixact,
+    _vacuumed,
+    scratch_database,
+    start_together,
+)
+from budget_tasks import CallFacts, Ledger  # noqa: E402
+from budget_tasks.testing.harness import race  # noqa: E402
+
+TARGET = 0.9
+SHAPES = ("alone", "under a parent", "escrow", "escrow, grants of the need")
+PREFIX = dict(zip(SHAPES, ("alone", "direct", "esc", "near"), strict=True))
+
+
+def tenant_worker(
+    url: str, budget: str, tag: str, seconds: float, warmup: float, need_only: bool
+) -> tuple[int, float]:
+    if need_only:
+        # Near a parent's cap a grant is what the admission needs: forced here.
+        import budget_tasks.ledger.escrow as escrow
+
+        escrow.GRANT_SHARE = 10**18
+    released = time.time()
+    ledger = Ledger(url)
+    ledger.calls.reserve(budget, f"{tag}-warm", 1)  # connect, cache the chain and period
+    done = 0
+    deadline = start_together(released, seconds, warmup)
+    cpu = time.process_time()
+    granted = CallFacts()
+    while time.time() < deadline:
+        key = f"{tag}-{done}"
+        ledger.calls.reserve(budget, key, 1_000, grant=granted)
+        ledger.calls.settle(key, 700)
+        done += 1
+    cpu = time.process_time() - cpu
+    ledger.dispose()
+    return done, cpu
+
+
+def make_budgets(ledger: Ledger, procs: int) -> None:
+    money = 10**15
+    ledger.create_budget(f"direct-org-{procs}", money)
+    ledger.create_budget(f"esc-org-{procs}", money)
+    ledger.create_budget(f"near-org-{procs}", money)
+    for i in range(procs):
+        ledger.create_budget(f"alone-{procs}-{i}", money)
+        ledger.create_budget(f"direct-{procs}-{i}", money, parent=f"direct-org-{procs}")
+        ledger.create_budget(f"esc-{procs}-{i}", money, parent=f"esc-org-{procs}", escrow=True)
+        ledger.create_budget(f"near-{procs}-{i}", money, parent=f"near-org-{procs}", escrow=True)
+
+
+def one_round(url: str, shape: str, procs: int, seconds: float) -> tuple[float, float, float]:
+    """Cycles per second, MultiXacts per cycle, client CPU ms per cycle."""
+    _vacuumed(url)
+    before = _next_multixact(ADMIN_URL)
+    tag = uuid.uuid4().hex[:8]
+    calls = [
+        (url, f"{PREFIX[shape]}-{procs}-{i}", f"{tag}-{i}", seconds, 1.0, shape.endswith("need"))
+        for i in range(procs)
+    ]
+    results = race(tenant_worker, calls)
+    cycles = sum(done for done, _ in results)
+    made = _next_multixact(ADMIN_URL) - before
+    cpu = 1000.0 * sum(spent for _, spent in results) / max(cycles, 1)
+    return cycles / seconds, made / max(cycles, 1), cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--procs", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    missed = False
+    with scratch_database() as url:
+        ledger = Ledger(url)
+        ledger.create_schema()
+        for procs in args.procs:
+            make_budgets(ledger, procs)
+        for procs in args.procs:
+            rates: dict[str, list[float]] = {shape: [] for shape in SHAPES}
+            for _ in range(args.rounds):
+                for shape in SHAPES:
+                    rate, multixacts, cpu = one_round(url, shape, procs, args.seconds)
+                    rates[shape].append(rate)
+                    print(
+                        f"{procs:3d} processes, {shape:27s}: {rate:6.0f} cycles/s, "
+                        f"{multixacts:.2f} MultiXacts per cycle, {cpu:.2f} ms client CPU",
+                        flush=True,
+                    )
+            alone = statistics.median(rates["alone"])
+            for shape in SHAPES[1:]:
+                ratio = statistics.median(rates[shape]) / alone
+                print(f"{procs:3d} processes: {shape} / alone = {ratio:.2f}")
+            escrow_ratio = statistics.median(rates["escrow"]) / alone
+            if escrow_ratio < TARGET:
+                missed = True
+                print(f"{procs:3d} processes: escrow / alone {escrow_ratio:.2f} < {TARGET}")
+        audit = ledger.audit()
+        ledger.dispose()
+    print(f"audit after the run: {audit or 'clean'}")
+    return 1 if audit or missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
