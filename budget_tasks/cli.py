@@ -343,6 +343,7 @@ def budget_create(
     renewal: str,
     rollover_ceiling: int | None,
     escrow: bool,
+    slices: int,
     as_json: bool,
 ) -> None:
     """Create a budget."""
@@ -355,6 +356,7 @@ def budget_create(
         renewal=renewal,
         rollover_ceiling=rollover_ceiling,
         escrow=escrow,
+        slices=slices,
     )
     per = ", no period" if info.period == "none" else f" per {info.period}"
     _emit(as_json, info, lambda: f"created budget {info.name}: cap {info.cap}{per}")
@@ -412,6 +414,7 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
                 )
                 + (f", parent {info.parent}" if info.parent else "")
                 + (", escrow" if info.escrow else "")
+                + (f", {info.slices} slices" if info.slices > 1 else "")
                 + (", FROZEN" if info.frozen else "")
                 + (f", FROZEN by {frozen_by}" if frozen_by not in (None, name) else "")
                 + ")",
@@ -480,6 +483,17 @@ def budget_set_cap(
     before = ledger.budget(name).cap
     info = ledger.set_cap(name, cap, note=note, actor=by)
     _emit(as_json, info, lambda: f"budget {name}: cap {before} -> {info.cap}")
+
+
+@budget.command("set-slices")
+@ledger_url_option
+@click.argument("name")
+@click.argument("slices", type=int)
+@json_option
+def budget_set_slices(ledger_url: str, name: str, slices: int, as_json: bool) -> None:
+    """Split a budget's money over SLICES rows that share its cap (1: one row)."""
+    info = _ledger(ledger_url).set_slices(name, slices)
+    _emit(as_json, info, lambda: f"budget {name}: {info.slices} slices")
 
 
 @main.command()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -106,6 +107,21 @@ def attempt_row(
     }
 
 
+#: How often a host reads again how many slices a sliced budget has.
+SLICES_REREAD_SECONDS = 60.0
+#: A slice of budget ``x`` is the budget ``x#slice<k>``; no other budget is so named.
+SLICE_MARK = "#slice"
+
+
+def slice_name(owner: str, index: int) -> str:
+    return f"{owner}{SLICE_MARK}{index}"
+
+
+def is_slice_name(name: str) -> bool:
+    head, mark, tail = name.rpartition(SLICE_MARK)
+    return bool(mark) and bool(head) and tail.isdigit()
+
+
 #: How often the ledger measures this host's clock against the database's.
 CLOCK_CHECK_SECONDS = 60.0
 #: A difference between the clocks smaller than this is taken for none.
@@ -143,6 +159,8 @@ class LedgerBase:
         self._period_ids: dict[tuple[int, datetime], tuple[int, datetime]] = {}
         #: escrowed budget id -> its parent's id
         self._escrowed: dict[int, int] = {}
+        #: a sliced budget's name -> (when read, its slices' names)
+        self._slice_names: dict[str, tuple[float, tuple[str, ...]]] = {}
         self._dialect = self.engine.dialect.name
         self._installation: str | None = None
         self._driver = Driver(self.engine)
@@ -243,7 +261,7 @@ class LedgerBase:
             if row is None:
                 raise UnknownBudget(name)
             while row is not None:
-                budget_id, budget_name, period, parent_id, escrow_on = row
+                budget_id, budget_name, period, parent_id, escrow_on, _ = row
                 found.append((int(budget_id), budget_name, period))
                 if parent_id is None:
                     break
@@ -256,6 +274,36 @@ class LedgerBase:
             # Escrow is chosen when a budget is made and never changes: safe to keep.
             self._escrowed.update(escrowed)
         return chain
+
+    def _admission_chain(self, budget: str) -> Chain:
+        """The chain an admission on ``budget`` holds in: a sliced budget's is one of
+        its slices' at random (each an escrowed budget under it), any other its own."""
+        chain = self._chain(budget)
+        names = self._slices_of(chain[0])
+        return self._chain(random.choice(names)) if names else chain
+
+    def _slices_of(self, link: tuple[int, str, str]) -> tuple[str, ...]:
+        budget_id, name, _ = link
+        cached = self._slice_names.get(name)
+        if cached is not None and time.monotonic() - cached[0] < SLICES_REREAD_SECONDS:
+            return cached[1]
+        with self._driver.transaction() as cur:
+            row = cur.one(sql.BUDGET_LINK, {"budget_id": budget_id})
+            count = 1 if row is None else int(row[5])
+            names: tuple[str, ...] = ()
+            if count > 1:
+                found = cur.all(sql.SLICE_NAMES, {"owner_id": budget_id, "slices": count})
+                names = tuple(str(r[0]) for r in found)
+        with self._lock:
+            self._slice_names[name] = (time.monotonic(), names)
+        return names
+
+    def _owner(self, chain: Chain) -> tuple[int, str]:
+        """The budget an admission on ``chain`` is for: a slice's owner, or its first."""
+        budget_id, name, _ = chain[0]
+        if len(chain) > 1 and is_slice_name(name):
+            return chain[1][0], chain[1][1]
+        return budget_id, name
 
     def _escrow_of(self, chain: Chain) -> escrow.Escrow | None:
         """Where the chain's holds stop: its first escrowed budget, from the bottom."""
@@ -294,6 +342,12 @@ class LedgerBase:
         renewal = cur.one(sql.BUDGET_RENEWAL, {"budget_id": budget_id})
         assert renewal is not None  # the chain named it
         period, budget_cap, policy, ceiling = renewal
+        closing = {**at, "now": ts(self.now()), "true": True}
+        below = cur.all(sql.CLOSE_ESCROWED_BELOW_BEFORE, closing)
+        for (period_id,) in below:
+            # escrowed budgets right under this one (its slices, its escrowed tenants)
+            # end their period with it: what they hold unused comes back before the carry
+            escrow.give_back(cur, int(period_id), ts(self.now()), "the period ended")
         closed = cur.all(sql.CLOSE_PERIODS_BEFORE, {**at, "now": ts(self.now())})
         for period_id, *_ in closed:
             # A closed escrowed period admits nothing more: what it drew and did not
@@ -363,6 +417,8 @@ class LedgerBase:
         described as ``call``: admission, grant and description are one commit."""
         key, amount, reason = row["key"], row["amount"], row["reason"]
         periods, holds = found.periods, found.holds
+        # a slice's attempt is its owner's: reads, replays and conflicts name the owner
+        owner_id, owner = self._owner(chain)
         names = {budget_id: name for budget_id, name, _ in chain}
         stamp = self._driver.ts(now)
         granted = call is not None
@@ -371,6 +427,7 @@ class LedgerBase:
             sql.INSERT_ATTEMPT,
             {
                 **row,
+                "budget_id": owner_id,
                 "period_id": periods[chain[0][0]][0],
                 "now": stamp,
                 "state": "sending" if granted else "reserved",
@@ -383,14 +440,14 @@ class LedgerBase:
             },
         )
         if inserted is None:
-            return self._existing(cur, key, chain[0][1], amount, row["fingerprint"])
+            return self._existing(cur, key, owner, amount, row["fingerprint"])
         for _, period_id in holds:
             _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
         self._admit_in(cur, found, amount, names, stamp)
         start = periods[chain[0][0]][1]
         return Reservation(
             key,
-            chain[0][1],
+            owner,
             amount,
             start,
             "sending" if granted else "reserved",

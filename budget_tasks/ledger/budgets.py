@@ -7,7 +7,6 @@ from datetime import datetime
 
 from sqlalchemy import (
     ColumnElement,
-    literal,
     select,
 )
 
@@ -19,7 +18,7 @@ from ..errors import (
 )
 from . import escrow
 from . import statements as sql
-from .base import log
+from .base import SLICE_MARK, is_slice_name, log, slice_name
 from .counters import _journal
 from .driver import Cursor
 from .periods import (
@@ -53,6 +52,7 @@ class Budgets(Reports):
         renewal: Renewal = "reset",
         rollover_ceiling: int | None = None,
         escrow: bool = False,
+        slices: int = 1,
     ) -> BudgetInfo:
         """Create a budget with ``cap`` minor units per period.
 
@@ -63,9 +63,14 @@ class Budgets(Reports):
         their period rows on every admission and settlement: for many tenants under one
         parent. Each ancestor's periods must contain the budget's own (an ancestor's
         period is ``none``, the same, or the budget's is ``day``); it is chosen here
-        and never changes.
+        and never changes. With ``slices`` above 1, the budget's money is split over
+        that many rows that share its cap (see ``set_slices``): for one budget that many
+        workers admit on at once.
         """
         check.printable(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+        if is_slice_name(name):
+            raise ValueError(f"budget name {name!r}: names ending {SLICE_MARK}<n> are slices'")
+        _check_slices(slices)
         check.money(cap, "cap")
         if period not in PERIODS:
             raise ValueError(f"period must be one of {PERIODS}, not {period!r}")
@@ -105,10 +110,55 @@ class Budgets(Reports):
                     "false": False,
                     "now": self._driver.ts(self.now()),
                     "escrow": bool(escrow),
+                    "slices": 1,
+                    "slice_of": None,
                 },
             )
             if created is None:
                 raise BudgetExists(name)
+        if slices > 1:
+            self.set_slices(name, slices)
+        return self.budget(name)
+
+    def set_slices(self, name: str, slices: int) -> BudgetInfo:
+        """Split the budget's money over ``slices`` rows that share its cap (1: one row,
+        as a budget is made). Each slice is an escrowed budget under it, named
+        ``<name>#slice<k>``: an admission takes one at random and draws from the
+        budget's own row only when that slice is short, taking back what the other
+        slices hold unused before it refuses. Balances, reports and attempts show the
+        budget, never its slices. Fewer slices leave the others unused (beat gives back
+        what they hold); a running host reads the count again within a minute."""
+        check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+        _check_slices(slices)
+        info = self.budget(name)
+        if is_slice_name(name):
+            raise ValueError(f"budget {name!r} is a slice: it is not sliced again")
+        with self._driver.transaction() as cur:
+            made = int((cur.one(sql.SLICE_COUNT, {"owner_id": info.id}) or (0,))[0])
+            if made < slices:
+                _check_escrow(cur, slice_name(name, made), info.period, info.id)
+            for index in range(made, slices):
+                cur.one(
+                    sql.INSERT_BUDGET,
+                    {
+                        "name": slice_name(name, index),
+                        "tenant": info.tenant,
+                        "parent_id": info.id,
+                        # never the limit: the budget's own cap is
+                        "cap": check.MAX_MONEY,
+                        "period": info.period,
+                        "renewal": "reset",
+                        "rollover_ceiling": None,
+                        "false": False,
+                        "now": self._driver.ts(self.now()),
+                        "escrow": True,
+                        "slices": 1,
+                        "slice_of": info.id,
+                    },
+                )
+            cur.run(sql.SET_SLICES, {"slices": slices, "owner_id": info.id})
+        with self._lock:
+            self._slice_names.pop(name, None)
         return self.budget(name)
 
     def budget(self, name: str) -> BudgetInfo:
@@ -119,8 +169,8 @@ class Budgets(Reports):
         raise UnknownBudget(name)
 
     def budgets(self) -> list[BudgetInfo]:
-        """Every budget, by name."""
-        return self._budget_rows(literal(True))
+        """Every budget, by name (a sliced budget's slices are its own: not listed)."""
+        return self._budget_rows(budgets.c.slice_of.is_(None))
 
     def _budget_rows(self, where: ColumnElement[bool]) -> list[BudgetInfo]:
         parent = budgets.alias("parent")
@@ -144,6 +194,7 @@ class Budgets(Reports):
                 parent=r.parent_name,
                 frozen=r.frozen,
                 escrow=bool(r.escrow),
+                slices=int(r.slices),
             )
             for r in rows
         ]
@@ -243,12 +294,21 @@ class Budgets(Reports):
         return self.balance(budget, at=at)
 
 
+def _check_slices(slices: int) -> None:
+    if isinstance(slices, bool) or not isinstance(slices, int) or not 1 <= slices <= MAX_SLICES:
+        raise ValueError(f"slices must be an int from 1 to {MAX_SLICES}, not {slices!r}")
+
+
+#: The most slices one budget may have.
+MAX_SLICES = 64
+
+
 def _check_escrow(cur: Cursor, name: str, period: str, parent_id: int) -> None:
     """An escrowed budget's period must lie within one period of each ancestor, so
     that each of its periods draws from one period of each."""
     link = cur.one(sql.BUDGET_LINK, {"budget_id": parent_id})
     while link is not None:
-        _, ancestor, kind, next_id, _ = link
+        _, ancestor, kind, next_id, _, _ = link
         if not (kind == "none" or kind == period or period == "day"):
             raise ValueError(
                 f"budget {name!r} (period {period!r}) cannot draw grants from {ancestor!r} "

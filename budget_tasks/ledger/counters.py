@@ -94,7 +94,7 @@ def grant_sources(cur: Cursor, period_id: int) -> list[int]:
     while link is not None and link[3] is not None:
         link = cur.one(sql.BUDGET_LINK, {"budget_id": link[3]})
         assert link is not None
-        ancestor, _, kind, _, _ = link
+        ancestor, _, kind, _, _, _ = link
         at = period_start(kind, start)
         source = cur.one(sql.PERIOD_ID, {"budget_id": ancestor, "start": cur.driver.ts(at)})
         if source is not None:

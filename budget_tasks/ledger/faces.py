@@ -149,6 +149,7 @@ class Ledger(_Face):
     budget = _Offer(LedgerCore.budget)
     budgets = _Offer(LedgerCore.budgets)
     set_cap = _Offer(LedgerCore.set_cap)
+    set_slices = _Offer(LedgerCore.set_slices)
     freeze = _Offer(LedgerCore.freeze)
     unfreeze = _Offer(LedgerCore.unfreeze)
     # balances

@@ -120,7 +120,7 @@ class Holds(LedgerBase):
         _check_reservation(budget, key, amount, fingerprint, price_version, label, step, reason)
         if operation_id is not None:
             check.row_id(operation_id, "operation_id")
-        chain = self._chain(budget)
+        chain = self._admission_chain(budget)
         row = attempt_row(
             chain,
             key,

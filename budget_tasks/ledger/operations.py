@@ -358,7 +358,7 @@ class Operations(Holds):
         """The budget chain a delivery's main call is admitted on; None for a budget
         that does not exist (the delivery is decided alone)."""
         try:
-            return self._chain(budget)
+            return self._admission_chain(budget)
         except UnknownBudget:
             return None
 

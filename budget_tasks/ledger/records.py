@@ -29,6 +29,8 @@ class BudgetInfo:
     frozen: bool
     #: admits against grants drawn from its ancestors (see ``create_budget``)
     escrow: bool = False
+    #: how many rows its money is split over (see ``set_slices``)
+    slices: int = 1
 
 
 #: How an attempt records a call sent with no finite timeout (``timeout_ms`` 0): the

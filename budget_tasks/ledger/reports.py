@@ -78,6 +78,8 @@ def _report_query(
     )
     return (
         select(
+            b.id,
+            b.slice_of,
             b.name,
             b.cap,
             b.renewal,
@@ -114,6 +116,14 @@ def _report_query(
     )
 
 
+def _with_slices(
+    spent: int, held: int, granted: int, slices: tuple[int, int, int]
+) -> tuple[int, int, int]:
+    """A sliced budget's spent, held and granted with its slices' (spent, held, drawn)
+    folded in: their spending and holds are its, and grants to them are not grants."""
+    return spent + slices[0], held + slices[1], granted - slices[2]
+
+
 class Reports(LedgerBase):
     """The reading methods of :class:`~budget_tasks.Ledger`."""
 
@@ -143,8 +153,16 @@ class Reports(LedgerBase):
                 counters = None if prev is None else (prev[0], prev[1], prev[2])
                 cap = opening_cap(allowance, policy, ceiling, counters)
                 return Balance(name, cap, 0, 0, cap, start)
-        cap, spent, held, free, granted, drawn = row
-        return Balance(name, cap, spent, held, free, start, granted, drawn)
+        cap, spent, held, _, granted, drawn = row
+        if self._slices_of((budget_id, name, period)):
+            with self._driver.transaction() as cur:
+                sliced = cur.one(sql.SLICE_COUNTERS, at_start)
+            assert sliced is not None  # an aggregate
+            # Its slices are the budget's own rows: what they spend and hold is its,
+            # and what they hold unused is still its to admit (a slice takes it back).
+            folded = (int(sliced[0]), int(sliced[1]), int(sliced[2]))
+            spent, held, granted = _with_slices(spent, held, granted, folded)
+        return Balance(name, cap, spent, held, cap - spent - held - granted, start, granted, drawn)
 
     def attempt(self, key: str) -> Attempt:
         """One attempt, with its state, amounts and provider ids."""
@@ -237,12 +255,26 @@ class Reports(LedgerBase):
         before = {kind: previous_period_start(kind, start) for kind, start in starts.items()}
         with self._driver.transaction() as tx:
             rows = tx.execute(_report_query(starts, before)).all()
+        # A sliced budget's slices are its own rows: folded into it, never listed.
+        slices: dict[int, tuple[int, int, int]] = {}
+        for r in rows:
+            if r.slice_of is not None and r.cur_id is not None:
+                was = slices.get(r.slice_of, (0, 0, 0))
+                slices[r.slice_of] = (
+                    was[0] + r.cur_spent,
+                    was[1] + r.cur_held,
+                    was[2] + r.cur_drawn,
+                )
         out = []
         for r in rows:
+            if r.slice_of is not None:
+                continue
             overrun = granted = drawn = 0
             if r.cur_id is not None:
                 cap, spent, held, overrun = r.cur_cap, r.cur_spent, r.cur_held, r.cur_overrun
                 granted, drawn = r.cur_granted, r.cur_drawn
+                if r.id in slices:
+                    spent, held, granted = _with_slices(spent, held, granted, slices[r.id])
             else:
                 previous = None if r.prev_cap is None else (r.prev_cap, r.prev_spent, r.prev_held)
                 cap = opening_cap(r.cap, r.renewal, r.rollover_ceiling, previous)

@@ -124,12 +124,17 @@ budgets = Table(
     # Added in migration 0013: a budget that admits against grants drawn from its
     # ancestors (escrow), chosen when it is made.
     Column("escrow", Boolean(create_constraint=False), nullable=False, server_default=false()),
+    # Added in migration 0013: a budget split into ``slices`` rows (each an escrowed
+    # budget of its own under it, ``slice_of`` naming their owner) that share its cap.
+    Column("slices", Integer, nullable=False, server_default="1"),
+    Column("slice_of", Id, ForeignKey("budgets.id"), nullable=True),
     UniqueConstraint("name"),
     CheckConstraint("cap >= 0", name="cap_not_negative"),
     CheckConstraint(f"period IN ({_in(('none', 'day', 'week', 'month'))})", name="period_known"),
     CheckConstraint(f"renewal IN ({_in(('reset', 'rollover'))})", name="renewal_known"),
     CheckConstraint("rollover_ceiling IS NULL OR rollover_ceiling >= cap", name="ceiling_ge_cap"),
     CheckConstraint("parent_id IS NULL OR parent_id <> id", name="not_own_parent"),
+    CheckConstraint("slices >= 1", name="slices_positive"),
 )
 
 budget_periods = Table(

@@ -366,17 +366,32 @@ DELETE FROM side_effects WHERE operation_id = :operation_id AND name = :name
 
 INSERT_BUDGET = """
 INSERT INTO budgets (name, tenant, parent_id, cap, period, renewal, rollover_ceiling, frozen,
-                     created_at, escrow)
+                     created_at, escrow, slices, slice_of)
 VALUES (:name, :tenant, :parent_id, :cap, :period, :renewal, :rollover_ceiling, :false, :now,
-        :escrow)
+        :escrow, :slices, :slice_of)
 ON CONFLICT (name) DO NOTHING
 RETURNING id"""
 
 BUDGET_ID = "SELECT id FROM budgets WHERE name = :name"
 
 #: A budget's place in its chain: (id, name, period, parent id).
-BUDGET_LINK_BY_NAME = "SELECT id, name, period, parent_id, escrow FROM budgets WHERE name = :name"
-BUDGET_LINK = "SELECT id, name, period, parent_id, escrow FROM budgets WHERE id = :budget_id"
+BUDGET_LINK_BY_NAME = """
+SELECT id, name, period, parent_id, escrow, slices FROM budgets WHERE name = :name"""
+BUDGET_LINK = """
+SELECT id, name, period, parent_id, escrow, slices FROM budgets WHERE id = :budget_id"""
+
+#: The slices a budget admits in now: the first ``:slices`` made for it.
+SLICE_NAMES = "SELECT name FROM budgets WHERE slice_of = :owner_id ORDER BY id LIMIT :slices"
+
+SLICE_COUNT = "SELECT count(*) FROM budgets WHERE slice_of = :owner_id"
+
+SET_SLICES = "UPDATE budgets SET slices = :slices WHERE id = :owner_id"
+
+#: A sliced budget's slices' counters in one period, summed.
+SLICE_COUNTERS = """
+SELECT COALESCE(SUM(p.spent), 0), COALESCE(SUM(p.held), 0), COALESCE(SUM(p.drawn), 0)
+FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
+WHERE b.slice_of = :budget_id AND p.period_start = :start"""
 
 SET_FROZEN = "UPDATE budgets SET frozen = :frozen WHERE name = :name"
 
@@ -588,6 +603,15 @@ SELECT p.id FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
 WHERE b.escrow = :true AND b.parent_id = :parent_id AND b.id <> :budget_id
   AND p.closed_at IS NULL AND p.drawn - p.spent - p.held > 0
 ORDER BY p.id"""
+
+#: The open periods, begun before ``:start``, of the escrowed budgets right under a
+#: budget, closed: a budget about to open its next period takes back what they hold
+#: unused first, so that what it carries counts it.
+CLOSE_ESCROWED_BELOW_BEFORE = """
+UPDATE budget_periods SET closed_at = :now
+WHERE closed_at IS NULL AND period_start < :start
+  AND budget_id IN (SELECT id FROM budgets WHERE parent_id = :budget_id AND escrow = :true)
+RETURNING id"""
 
 #: Escrowed periods with grant money they do not use that are closed, or that have
 #: not drawn since ``:idle_since``: beat gives it back.

@@ -45,7 +45,7 @@ class Steps(Operations):
         if call.step is None:
             raise ValueError("a labelled call names its step")
         check.text(record, "side effect name")
-        chain = self._chain(call.budget)
+        chain = self._admission_chain(call.budget)
         step = call.step
 
         def admission(cur: Cursor, found: Found | None, now: datetime) -> CallAdmission:

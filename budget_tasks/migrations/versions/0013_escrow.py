@@ -1,7 +1,8 @@
 """Escrow: a budget may admit against grants drawn from its ancestors' periods, so
 that tenants under one parent do not all write the parent's period row. A period row
 keeps what it drew (``drawn``) and what it granted below (``granted``, counted against
-its cap like a hold); the journal records each grant and return in both.
+its cap like a hold); the journal records each grant and return in both. And slices:
+a budget split into rows that share its cap, each an escrowed budget under it.
 
 Revision ID: 0013
 Revises: 0012
@@ -39,6 +40,14 @@ def upgrade() -> None:
                 server_default=sa.false(),
             )
         )
+        batch.add_column(sa.Column("slices", sa.Integer, nullable=False, server_default="1"))
+        batch.add_column(
+            sa.Column("slice_of", sa.BigInteger().with_variant(sa.Integer(), "sqlite"))
+        )
+        batch.create_foreign_key(
+            op.f("fk_budgets_slice_of_budgets"), "budgets", ["slice_of"], ["id"]
+        )
+        batch.create_check_constraint(op.f("ck_budgets_slices_positive"), "slices >= 1")
     with op.batch_alter_table("budget_periods") as batch:
         batch.add_column(sa.Column("drawn", sa.BigInteger, nullable=False, server_default="0"))
         batch.add_column(sa.Column("granted", sa.BigInteger, nullable=False, server_default="0"))
@@ -73,6 +82,10 @@ def downgrade() -> None:
         batch.drop_column("granted")
         batch.drop_column("drawn")
     with op.batch_alter_table("budgets") as batch:
+        batch.drop_constraint(op.f("ck_budgets_slices_positive"), type_="check")
+        batch.drop_constraint(op.f("fk_budgets_slice_of_budgets"), type_="foreignkey")
+        batch.drop_column("slice_of")
+        batch.drop_column("slices")
         batch.drop_column("escrow")
     _triggers()
 
