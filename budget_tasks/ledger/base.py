@@ -469,7 +469,11 @@ class LedgerBase:
             if stop is not None and budget_id == stop.budget_id:
                 escrow.admit(cur, stop, found.periods, amount, stamp)
                 continue
-            if cur.one(sql.ADMIT, {"amount": amount, "period_id": period_id, "false": False}):
+            admit = {"amount": amount, "period_id": period_id, "false": False}
+            if cur.one(sql.ADMIT, admit):
+                continue
+            # what escrowed budgets under it hold unused is its to admit: take it back
+            if escrow.reclaim_under(cur, budget_id, stamp) and cur.one(sql.ADMIT, admit):
                 continue
             refusal = cur.one(sql.REFUSAL, {"period_id": period_id})
             available, frozen, closed = refusal or (0, True, None)

@@ -6,10 +6,11 @@ the grant in ``granted``, against their caps, so no cap is ever exceeded by a gr
 A grant is a share of what the ancestors have left (1/``GRANT_SHARE`` of the least of
 them), at least what the admission needs and at most what the budget's own cap leaves:
 large while there is room, shrinking to exactly the admission as an ancestor nears its
-cap. An ancestor short of the need first takes back what its other escrowed children
-hold unused (passing over one in the middle of an admission), so a request that fits
-what is left is admitted. What a grant leaves unused goes back at period end, on a
-freeze, and once the budget has not drawn for a while (beat).
+cap. A budget short of money, for a grant or for a direct admission, first takes back
+what the escrowed budgets right under it hold unused (passing over one in the middle
+of an admission), so a request that fits what is left is admitted. What a grant
+leaves unused goes back at period end, on a freeze, and once the budget has not drawn
+for a while (beat).
 
 Locks are taken the escrowed period first, then its ancestors' periods by budget id:
 the order of an admission, a settlement and a return alike.
@@ -95,12 +96,12 @@ def _draw(
         if periods[budget_id][1] != period_start(kind, start):  # type: ignore[arg-type]
             # This host admits in a period its ancestors have left behind: admit again.
             raise PeriodClosed(periods[escrow.budget_id][0])
-    sources = [(periods[budget_id][0], name) for budget_id, name, _ in escrow.ancestors]
-    least = min(_available(cur, source) for source, _ in sources)
+    sources = [(periods[budget_id][0], budget_id, name) for budget_id, name, _ in escrow.ancestors]
+    least = min(_available(cur, source) for source, _, _ in sources)
     grant = max(need, min(headroom, least // GRANT_SHARE))
     done: list[int] = []
-    reclaimed = False
-    for source, name in sources:
+    for source, budget_id, name in sources:
+        reclaimed = False
         while cur.one(sql.GRANT, {"amount": grant, "period_id": source, "false": False}) is None:
             if grant > need:
                 for earlier in done:
@@ -109,7 +110,7 @@ def _draw(
                 continue
             if not reclaimed:
                 reclaimed = True
-                if _reclaim(cur, escrow, stamp):
+                if reclaim_under(cur, budget_id, stamp, but=escrow.budget_id):
                     continue
             refusal = cur.one(sql.REFUSAL, {"period_id": source})
             left, frozen, closed = refusal or (0, True, None)
@@ -126,22 +127,20 @@ def _draw(
         _journal(cur, None, source, "grant", 0, 0, None, stamp, granted_delta=grant)
 
 
+def reclaim_under(cur: Cursor, budget_id: int, stamp: Any, *, but: int = 0) -> bool:
+    """Take back what the escrowed budgets right under ``budget_id`` (but ``but``, the
+    one drawing) hold unused, passing over one in the middle of an admission: a
+    budget short of money does this before it refuses. True if any came back."""
+    under = cur.all(sql.UNUSED_GRANTS_UNDER, {"true": True, "parent_id": budget_id, "but": but})
+    back = 0
+    for (period_id,) in under:
+        back += give_back(cur, int(period_id), stamp, "taken back to admit", busy_ok=True)
+    return back > 0
+
+
 def _available(cur: Cursor, period_id: int) -> int:
     row = cur.one(sql.PERIOD_AVAILABLE, {"period_id": period_id})
     return 0 if row is None else max(int(row[0]), 0)
-
-
-def _reclaim(cur: Cursor, escrow: Escrow, stamp: Any) -> bool:
-    """Take back what the budget's escrowed siblings hold unused (they draw from the
-    same ancestors), passing over one in the middle of an admission. True if any."""
-    beside = cur.all(
-        sql.UNUSED_GRANTS_BESIDE,
-        {"true": True, "parent_id": escrow.parent_id, "budget_id": escrow.budget_id},
-    )
-    back = 0
-    for (period_id,) in beside:
-        back += give_back(cur, int(period_id), stamp, "taken back for a sibling", busy_ok=True)
-    return back > 0
 
 
 def give_back(cur: Cursor, period_id: int, stamp: Any, note: str, *, busy_ok: bool = False) -> int:
@@ -159,4 +158,4 @@ def give_back(cur: Cursor, period_id: int, stamp: Any, note: str, *, busy_ok: bo
     return unused
 
 
-__all__ = ["GRANT_SHARE", "Escrow", "admit", "give_back", "grant_sources"]
+__all__ = ["GRANT_SHARE", "Escrow", "admit", "give_back", "grant_sources", "reclaim_under"]

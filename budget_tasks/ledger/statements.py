@@ -596,11 +596,11 @@ LOCK_FOR_RETURN_UNLESS_BUSY = f"""
 SELECT budget_id, period_start, {GRANT_ROOM} FROM budget_periods
 WHERE id = :period_id{{for_update_skip_locked}}"""
 
-#: The open escrowed periods of a budget's siblings (escrowed under the same parent, so
-#: drawn from the same ancestors) that hold grant money they do not use.
-UNUSED_GRANTS_BESIDE = """
+#: The open periods of the escrowed budgets right under a budget (but one) that hold
+#: grant money they do not use.
+UNUSED_GRANTS_UNDER = """
 SELECT p.id FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
-WHERE b.escrow = :true AND b.parent_id = :parent_id AND b.id <> :budget_id
+WHERE b.escrow = :true AND b.parent_id = :parent_id AND b.id <> :but
   AND p.closed_at IS NULL AND p.drawn - p.spent - p.held > 0
 ORDER BY p.id"""
 

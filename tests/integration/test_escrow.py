@@ -299,3 +299,21 @@ def test_churn_with_overruns_and_returns_has_no_deadlock_and_audits_clean(
     # Holds never passed the cap (actuals may overrun it; holds may not).
     tenants_held = sum(a.amount for a in attempts if a.actual is None and a.budget != "org")
     assert org.held + tenants_held <= 6_000
+
+
+def test_a_call_on_the_parent_itself_takes_back_what_its_tenants_do_not_use(
+    ledger: Ledger,
+) -> None:
+    # found by the ledger state machine: a direct admission on the parent was refused
+    # while a tenant held a grant it did not use
+    ledger.create_budget("org", 300)
+    ledger.create_budget("team", 300, parent="org")  # no escrow: holds on org directly
+    ledger.create_budget("crew", 90, parent="org", escrow=True)
+    ledger.calls.reserve("crew", "c1", 48)
+    ledger.calls.release("c1", "not billed")  # crew keeps its 48 of grant, unused
+    ledger.calls.reserve("org", "o1", 133)
+    ledger.calls.reserve("team", "t1", 167)  # exactly what is left in all
+    assert unused(ledger, "crew") == 0
+    org = ledger.balance("org")
+    assert (org.held, org.granted, org.available) == (300, 0, 0)
+    assert ledger.audit() == []

@@ -3,7 +3,8 @@ adjust, freeze, grant returns and period changes, against a plain model of the s
 rules: the counters always equal the model and the journal, a repeated settle changes
 nothing, and a late settle charges the period of admission.
 
-One budget (``crew``) is escrowed: it admits against grants drawn from ``tenant``.
+One budget (``crew``) is escrowed: it admits against grants drawn from ``tenant``;
+one (``pool``, a rollover budget) is split into slices, which must not show at all.
 The model knows nothing of grants; it counts every hold and charge in each budget of
 the chain, as the ledger does without escrow. So the ledger must admit and refuse
 exactly as the model does (a grant never makes a refusal or an overspend), and the
@@ -38,8 +39,10 @@ BUDGETS: dict[str, tuple[int, str, str | None, str, int | None]] = {
     "team": (120, "day", "tenant", "rollover", 200),
     "solo": (100, "week", None, "reset", None),
     "crew": (90, "day", "tenant", "reset", None),
+    "pool": (200, "day", None, "rollover", 400),
 }
 ESCROWED = {"crew"}
+SLICED = {"pool": 3}
 ORDER = list(BUDGETS)
 
 
@@ -67,6 +70,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 renewal=renewal,
                 rollover_ceiling=ceiling,  # type: ignore[arg-type]
                 escrow=name in ESCROWED,
+                slices=SLICED.get(name, 1),
             )
         # cap, spent, held, carried_out, closed (0/1), and of spent and held what escrowed
         # budgets below spent and held (the ledger counts those as granted)
@@ -265,20 +269,24 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def counters_match_the_model_and_the_journal(self) -> None:
-        unused: dict[datetime, int] = {}  # by the parent's period: what grants hold unused
+        # by the parent's period: what grants hold unused
+        unused: dict[tuple[str, datetime], int] = {}
         for name, start in self.periods:
             if name in ESCROWED:
                 bal = self.ledger.balance(self.prefix + name, at=start)
                 assert bal.drawn >= bal.spent + bal.held  # never admitted past its grant
-                parent = period_start(BUDGETS["tenant"][1], start)  # type: ignore[arg-type]
-                unused[parent] = unused.get(parent, 0) + bal.drawn - bal.spent - bal.held
+                parent = BUDGETS[name][2]
+                assert parent is not None
+                at = (parent, period_start(BUDGETS[parent][1], start))  # type: ignore[arg-type]
+                unused[at] = unused.get(at, 0) + bal.drawn - bal.spent - bal.held
         for (name, start), row in self.periods.items():
             cap, spent, held, _, _, below_spent, below_held = row
             bal = self.ledger.balance(self.prefix + name, at=start)
             mine = (cap, spent - below_spent, held - below_held)
             assert (bal.cap, bal.spent, bal.held) == mine, (name, start)
-            assert bal.granted == below_spent + below_held + unused.get(start, 0), (name, start)
-            assert bal.available == cap - spent - held - unused.get(start, 0)
+            left = unused.get((name, start), 0)
+            assert bal.granted == below_spent + below_held + left, (name, start)
+            assert bal.available == cap - spent - held - left
         assert self.ledger.audit() == []
 
     @invariant()
