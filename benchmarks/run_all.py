@@ -47,7 +47,13 @@ import celery  # noqa: E402
 import psycopg  # noqa: E402
 import redis  # noqa: E402
 
-from benchmarks import commit_count, ledger_bench, scrape_bench, task_overhead  # noqa: E402
+from benchmarks import (  # noqa: E402
+    commit_count,
+    hot_budgets,
+    ledger_bench,
+    scrape_bench,
+    task_overhead,
+)
 from benchmarks.task_overhead import Services, latency, run_all_of, services  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
@@ -76,6 +82,9 @@ class Sizes:
     scrape_budgets: int
     scrape_holds: int
     commit_tasks: int
+    hot_procs: tuple[int, ...]
+    hot_seconds: float
+    hot_rounds: int
 
 
 FULL = Sizes(
@@ -97,6 +106,9 @@ FULL = Sizes(
     scrape_budgets=10_000,
     scrape_holds=100_000,
     commit_tasks=100,
+    hot_procs=(8, 32),
+    hot_seconds=4.0,
+    hot_rounds=2,
 )
 QUICK = Sizes(
     ledger_procs=(2,),
@@ -117,6 +129,9 @@ QUICK = Sizes(
     scrape_budgets=200,
     scrape_holds=2_000,
     commit_tasks=5,
+    hot_procs=(2,),
+    hot_seconds=0.5,
+    hot_rounds=1,
 )
 
 
@@ -545,6 +560,54 @@ def commits_section(report: Report) -> None:
     )
 
 
+HOT_READINGS = {
+    "under a parent": "higher is better; what escrow removes",
+    "escrow": f"higher is better; target >= {hot_budgets.TARGET}",
+    "escrow, grants of the need": "higher is better; the cost near a parent's cap",
+    "one budget": "higher is better; what slices remove",
+    "one budget in 8 slices": f"higher is better; target >= {hot_budgets.TARGET}",
+}
+
+
+def hot_section(report: Report) -> None:
+    s = report.sizes
+
+    def show(n: int, shape: str, rate: float, multixacts: float, cpu: float) -> None:
+        print(f"  {n} processes, {shape}: {rate:.0f}/s", flush=True)
+
+    result = hot_budgets.run(list(s.hot_procs), s.hot_seconds, s.hot_rounds, show)
+    for row in result.rows:
+        for shape, reading in HOT_READINGS.items():
+            report.figures.append(
+                Figure(
+                    7,
+                    f"reserve+settle cycles, {row.procs} processes, {shape}",
+                    "cycles/s",
+                    "each alone",
+                    row.rate("alone"),
+                    shape,
+                    row.rate(shape),
+                    reading,
+                )
+            )
+        rounds = "; ".join(
+            f"{shape} {', '.join(f'{v:.0f}' for v in values)}"
+            for shape, values in row.rounds.items()
+        )
+        report.note(7, f"{row.procs} processes, each round (cycles/s): {rounds}")
+        report.note(
+            7,
+            f"{row.procs} processes, MultiXacts per cycle and client CPU per cycle (last "
+            "round): "
+            + "; ".join(
+                f"{shape} {row.multixacts[shape]:.2f}, {row.cpu_ms[shape]:.2f} ms"
+                for shape in row.rounds
+            ),
+        )
+    report.note(7, f"ledger audit after the run: {'; '.join(result.audit) or 'clean'}")
+    report.problems += [f"hot budgets audit: {finding}" for finding in result.audit]
+
+
 # -- output ------------------------------------------------------------------------------
 
 
@@ -664,6 +727,18 @@ SECTIONS = {
         "SDK to the fake provider; a denial is a budget of 1. The baseline is the target "
         "issue 15 sets (2 commits for a first run, 1 for a replay or a denial).",
     ),
+    7: (
+        "Hot budgets: tenants under one parent, one budget shared by every process",
+        "The cycle of section 1 (reserve granted + settle through `Ledger`), each process "
+        "on its own budget alone (the baseline), as a tenant under one parent (every "
+        "admission and settlement also writes the parent's period row), as an escrowed "
+        "tenant under one parent (it draws grants from the parent and admits on its own "
+        "row), as an escrowed tenant whose every grant is exactly what the admission "
+        "needs (as near a parent's cap, where every admission draws), every process on "
+        "one budget, and on one budget split into 8 slices. One scratch database, "
+        "vacuumed before each round (autovacuum is off here); the shapes alternate in "
+        "rounds and the median is shown.",
+    ),
 }
 
 
@@ -686,7 +761,7 @@ def markdown(report: Report) -> str:
         f"- Load average at start: {m['load average at start (1, 5, 15 min)']}; "
         f"HEAD at run time {m['git commit']}",
         "",
-        "Re-run with `make bench` (about 6 minutes; `.venv/bin/python -m benchmarks --quick`",
+        "Re-run with `make bench` (about 10 minutes; `.venv/bin/python -m benchmarks --quick`",
         "is a smoke run). It needs PostgreSQL on 127.0.0.1:5432 (scratch databases) and",
         "Redis on 127.0.0.1:6379 (database 10, flushed).",
         "",
@@ -726,7 +801,9 @@ def markdown(report: Report) -> str:
         f"tasks; memory: checkpoints {s.memory_checkpoints[0]} and "
         f"{s.memory_checkpoints[1]}, batches of {s.memory_batch}; worker concurrency "
         f"{s.concurrency}; scrape: {s.scrape_budgets:,} budgets, {s.scrape_holds:,} holds; "
-        f"commits: {s.commit_tasks} tasks of each kind.",
+        f"commits: {s.commit_tasks} tasks of each kind; hot budgets: "
+        f"{', '.join(map(str, s.hot_procs))} processes, {s.hot_seconds:g} s x "
+        f"{s.hot_rounds} rounds.",
         "",
     ]
     return "\n".join(out)
@@ -802,6 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     report.note(4, f"ledger audit after sections 2-4: {audit or 'clean'}")
     timed(5, lambda: scrape_section(report, admin_url))
     timed(6, lambda: commits_section(report))
+    timed(7, lambda: hot_section(report))
     report.problems += [f"task ledger audit: {finding}" for finding in audit]
     report.total_seconds = time.perf_counter() - begun
 

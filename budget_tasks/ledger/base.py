@@ -298,12 +298,11 @@ class LedgerBase:
             self._slice_names[name] = (time.monotonic(), names)
         return names
 
-    def _owner(self, chain: Chain) -> tuple[int, str]:
+    @staticmethod
+    def _owner(chain: Chain) -> str:
         """The budget an admission on ``chain`` is for: a slice's owner, or its first."""
-        budget_id, name, _ = chain[0]
-        if len(chain) > 1 and is_slice_name(name):
-            return chain[1][0], chain[1][1]
-        return budget_id, name
+        name = chain[0][1]
+        return chain[1][1] if len(chain) > 1 and is_slice_name(name) else name
 
     def _escrow_of(self, chain: Chain) -> escrow.Escrow | None:
         """Where the chain's holds stop: its first escrowed budget, from the bottom."""
@@ -417,8 +416,10 @@ class LedgerBase:
         described as ``call``: admission, grant and description are one commit."""
         key, amount, reason = row["key"], row["amount"], row["reason"]
         periods, holds = found.periods, found.holds
-        # a slice's attempt is its owner's: reads, replays and conflicts name the owner
-        owner_id, owner = self._owner(chain)
+        # A slice's attempt is its owner's: reads, replays and conflicts name the owner.
+        # Its row names the slice, so that concurrent commits check references to
+        # different budget rows (one row's many key-share lockers make MultiXacts).
+        owner = self._owner(chain)
         names = {budget_id: name for budget_id, name, _ in chain}
         stamp = self._driver.ts(now)
         granted = call is not None
@@ -427,7 +428,6 @@ class LedgerBase:
             sql.INSERT_ATTEMPT,
             {
                 **row,
-                "budget_id": owner_id,
                 "period_id": periods[chain[0][0]][0],
                 "now": stamp,
                 "state": "sending" if granted else "reserved",

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from .. import _validate as check
 from ..errors import CannotReopen, UnknownOperation
@@ -112,11 +112,17 @@ class Oversight(Operations, Reports):
                 .where(attempts.c.operation_id == row.id)
                 .order_by(attempts.c.id)
             ).all()
+            owner = budgets.alias("owner")  # a slice's rows are its owner's
             entries = cur.execute(
-                select(journal, attempts.c.key.label("attempt"), budgets.c.name.label("budget"))
+                select(
+                    journal,
+                    attempts.c.key.label("attempt"),
+                    func.coalesce(owner.c.name, budgets.c.name).label("budget"),
+                )
                 .join(attempts, attempts.c.id == journal.c.attempt_id)
                 .join(budget_periods, budget_periods.c.id == journal.c.period_id)
                 .join(budgets, budgets.c.id == budget_periods.c.budget_id)
+                .outerjoin(owner, owner.c.id == budgets.c.slice_of)
                 .where(attempts.c.operation_id == row.id)
                 .order_by(journal.c.id)
             ).all()

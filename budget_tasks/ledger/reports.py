@@ -116,6 +116,12 @@ def _report_query(
     )
 
 
+def _age(now: datetime, *oldest: datetime | None) -> timedelta | None:
+    """The age of the oldest of the holds' creation times given (None: no hold)."""
+    known = [at for at in oldest if at is not None]
+    return now - min(known) if known else None
+
+
 def _with_slices(
     spent: int, held: int, granted: int, slices: tuple[int, int, int]
 ) -> tuple[int, int, int]:
@@ -185,7 +191,8 @@ class Reports(LedgerBase):
         if keys is not None:
             query = query.where(attempts.c.key.in_(list(keys)))
         if budget is not None:
-            query = query.where(budgets.c.name == budget)
+            owner = query.selected_columns.budget
+            query = query.where(owner == budget)
         if states is not None:
             query = query.where(attempts.c.state.in_(list(states)))
         with self._driver.transaction() as cur:
@@ -211,7 +218,8 @@ class Reports(LedgerBase):
             check.duration(older_than, "older_than", allow_zero=True)
             query = query.where(attempts.c.created_at <= now - older_than)
         if budget is not None:
-            query = query.where(budgets.c.name == budget)
+            owner = query.selected_columns.budget
+            query = query.where(owner == budget)
         with self._driver.transaction() as cur:
             rows = cur.execute(query.order_by(attempts.c.created_at, attempts.c.id)).all()
         return [
@@ -233,14 +241,17 @@ class Reports(LedgerBase):
         ]
 
     def _attempt_query(self) -> Any:
+        # a slice's attempt is its owner's
+        owner = budgets.alias("owner")
         return (
             select(
                 attempts,
-                budgets.c.name.label("budget"),
+                func.coalesce(owner.c.name, budgets.c.name).label("budget"),
                 budget_periods.c.period_start,
                 operations.c.key.label("operation_key"),
             )
             .join(budgets, budgets.c.id == attempts.c.budget_id)
+            .outerjoin(owner, owner.c.id == budgets.c.slice_of)
             .join(budget_periods, budget_periods.c.id == attempts.c.period_id)
             .outerjoin(operations, operations.c.id == attempts.c.operation_id)
         )
@@ -257,8 +268,14 @@ class Reports(LedgerBase):
             rows = tx.execute(_report_query(starts, before)).all()
         # A sliced budget's slices are its own rows: folded into it, never listed.
         slices: dict[int, tuple[int, int, int]] = {}
+        oldest: dict[int, datetime] = {}
         for r in rows:
-            if r.slice_of is not None and r.cur_id is not None:
+            if r.slice_of is None:
+                continue
+            if r.oldest is not None:
+                was_oldest = oldest.get(r.slice_of)
+                oldest[r.slice_of] = r.oldest if was_oldest is None else min(was_oldest, r.oldest)
+            if r.cur_id is not None:
                 was = slices.get(r.slice_of, (0, 0, 0))
                 slices[r.slice_of] = (
                     was[0] + r.cur_spent,
@@ -288,7 +305,7 @@ class Reports(LedgerBase):
                     available=cap - spent - held - granted,
                     period_start=starts[r.period],
                     frozen=bool(r.frozen),
-                    oldest_hold=None if r.oldest is None else now - r.oldest,
+                    oldest_hold=_age(now, r.oldest, oldest.get(r.id)),
                     overrun=overrun,
                     granted=granted,
                     drawn=drawn,

@@ -49,9 +49,10 @@ SELECT {AVAILABLE}, (SELECT frozen FROM budgets WHERE budgets.id = budget_id), c
 FROM budget_periods WHERE id = :period_id"""
 
 EXISTING_ATTEMPT = """
-SELECT b.name, a.amount, a.fingerprint, a.state, a.reason, p.period_start
+SELECT COALESCE(o.name, b.name), a.amount, a.fingerprint, a.state, a.reason, p.period_start
 FROM attempts a
 JOIN budgets b ON b.id = a.budget_id
+LEFT JOIN budgets o ON o.id = b.slice_of
 JOIN budget_periods p ON p.id = a.period_id
 WHERE a.key = :key"""
 

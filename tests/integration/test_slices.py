@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 
 from budget_tasks import BudgetExceeded, BudgetFrozen, IdempotencyConflict, Ledger
 from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager
-from budget_tasks.ledger.schema import attempts, budget_periods, budgets
+from budget_tasks.ledger.schema import budget_periods, budgets
 from budget_tasks.testing import ManualClock
 from budget_tasks.testing.harness import race
 
@@ -134,9 +134,10 @@ def test_a_delivery_on_a_sliced_budget_holds_settles_and_replays(pg_ledger: Ledg
     assert len(runs) == 1  # the second delivery replayed
     bal = pg_ledger.balance("team")
     assert (bal.spent, bal.held) == (300, 0)
-    with pg_ledger.engine.connect() as conn:
-        owners = conn.execute(select(attempts.c.budget_id)).scalars().all()
-    assert owners == [pg_ledger.budget("team").id]
+    [attempt] = pg_ledger.attempts()
+    assert attempt.budget == "team"
+    assert [a.key for a in pg_ledger.attempts(budget="team")] == [attempt.key]
+    assert {e.budget for e in pg_ledger.operation_history("doc-1").journal} == {"team"}
     assert pg_ledger.audit() == []
 
 

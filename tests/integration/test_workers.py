@@ -14,7 +14,7 @@ import pytest
 from celery import Celery
 from sqlalchemy import text
 
-from budget_tasks import Ledger
+from budget_tasks import BudgetExceeded, Ledger
 from budget_tasks.testing import FakeProvider
 from budget_tasks.testing.harness import wait_for
 
@@ -556,3 +556,44 @@ def test_a_users_own_app_serves_metrics_from_the_environment(tmp_path: Path, pg_
         _, err = worker.communicate(timeout=30)
     assert scraped, err.decode()[-2000:]
     assert 'budget_tasks_cap{budget="own-budget"} 12345.0' in scraped
+
+
+@pytest.mark.parametrize("shape", ["escrowed tenant", "sliced budget"])
+def test_real_workers_on_a_hot_budget_stop_at_exactly_its_cap(
+    shape: str,
+    client: Celery,
+    start_worker: Callable[..., Worker],
+    fake: FakeProvider,
+    pg_ledger: Ledger,
+) -> None:
+    """Escrow and slices through real workers (prefork, two of two children each): the
+    deliveries admit on a tenant's grants or a budget's slices, and the cap is exact."""
+    from budget_tasks.providers import estimates
+
+    from .worker_tasks import fixed_request
+
+    each = estimates.openai_chat(fixed_request(0)).amount
+    if shape == "escrowed tenant":
+        pg_ledger.create_budget("org", 20 * each)
+        pg_ledger.create_budget("hot", 100 * each, parent="org", escrow=True)
+        limit = "org"
+    else:
+        pg_ledger.create_budget("hot", 20 * each, slices=4)
+        limit = "hot"
+    for name in ("a", "b"):
+        start_worker(name, concurrency=2, BUDGET_TASKS_BUDGET="hot")
+    results = [client.send_task("tests.fixed_cost", args=[n]) for n in range(60)]
+    refused = []
+    for r in results:
+        try:
+            r.get(timeout=180)
+        except BudgetExceeded as exc:
+            refused.append(exc.budget)
+    assert (len(results) - len(refused), set(refused)) == (20, {limit})
+    assert len(requests_for(fake, "fixed:", pg_ledger)) == 20
+    hot, capped = pg_ledger.balance("hot"), pg_ledger.balance(limit)
+    assert hot.spent + hot.held == 20 * each
+    assert capped.available == 0
+    if shape == "escrowed tenant":
+        assert capped.granted == hot.drawn == 20 * each  # org's cap, all granted and used
+    assert pg_ledger.audit() == []
