@@ -332,6 +332,14 @@ def budget() -> None:
     help="Admit against grants drawn from the parent instead of writing the parent on "
     "every call (for many tenants under one parent); chosen now, never changed.",
 )
+@click.option(
+    "--slices",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Split the budget's money over this many rows that share its cap (for one budget "
+    "many workers admit on at once); see budget set-slices.",
+)
 @json_option
 def budget_create(
     ledger_url: str,
@@ -806,10 +814,24 @@ def actions(ledger_url: str, budget_name: str | None, limit: int, as_json: bool)
 
 @main.command()
 @ledger_url_option
+@click.option(
+    "--full",
+    is_flag=True,
+    default=False,
+    help="Read the whole journal and prove every period (default: the open periods and "
+    "those with journal rows since the last audit).",
+)
 @json_option
-def audit(ledger_url: str, as_json: bool) -> None:
-    """Check every counter against the journal; exit 1 on any difference."""
-    findings = _ledger(ledger_url).audit()
+def audit(ledger_url: str, full: bool, as_json: bool) -> None:
+    """Check the counters against the journal; exit 1 on any difference."""
+    ledger = _ledger(ledger_url)
+    reads = ledger.audit_size(full=full)
+    click.echo(
+        f"audit{' (full)' if full else ''}: reading {'about ' if full else ''}{reads:,} "
+        "journal rows",
+        err=True,
+    )
+    findings = ledger.audit(full=full)
     _emit(
         as_json,
         findings,

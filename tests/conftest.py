@@ -11,7 +11,8 @@ from budget_tasks.testing import FakeProvider, ManualClock
 from .services import check_postgres, scratch_database
 
 LEDGER_TABLES = (
-    "journal, operation_events, side_effects, attempts, operations, budget_periods, budgets"
+    "audit_position, audit_checkpoints, journal, operation_events, side_effects, attempts, "
+    "operations, budget_periods, budgets"
 )
 
 

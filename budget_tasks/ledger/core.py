@@ -4,12 +4,13 @@ No Celery here. Every method runs in one short transaction; a failure to reach t
 database raises :class:`LedgerUnavailable` and writes nothing (fail closed). The core
 is put together from its parts, one module each: budgets, holds, operations, steps
 (labelled calls and side effects), maintenance, reports, oversight (an operator's
-view of operations), on a shared base. Callers use it through its faces (see
+view of operations), audits, on a shared base. Callers use it through its faces (see
 :mod:`.faces`), each the API of one kind of caller.
 """
 
 from __future__ import annotations
 
+from .audits import Audits
 from .base import CLOCK_AGREEMENT, CLOCK_CHECK_SECONDS, Clock
 from .budgets import Budgets
 from .maintenance import Maintenance
@@ -19,7 +20,7 @@ from .steps import Steps
 __all__ = ["CLOCK_AGREEMENT", "CLOCK_CHECK_SECONDS", "Clock", "LedgerCore"]
 
 
-class LedgerCore(Budgets, Maintenance, Steps, Oversight):
+class LedgerCore(Budgets, Maintenance, Steps, Oversight, Audits):
     """Every method of a budget ledger on PostgreSQL or SQLite, behind its faces
     (:class:`~.faces.Ledger`, :class:`~.faces.CallLedger`, :class:`~.faces.Upkeep`).
 

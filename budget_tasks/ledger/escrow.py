@@ -47,8 +47,11 @@ class Escrow:
         return (self.budget_id, *(budget_id for budget_id, _, _ in self.ancestors))
 
 
-def _ids(escrow: Escrow) -> dict[str, int]:
-    return {f"b{i}": budget_id for i, budget_id in enumerate(escrow.chain_ids)}
+def _ids(escrow: Escrow, periods: dict[int, tuple[int, datetime]]) -> dict[str, int]:
+    ids = {f"b{i}": budget_id for i, budget_id in enumerate(escrow.chain_ids)}
+    for i, (budget_id, _, _) in enumerate(escrow.ancestors, start=1):
+        ids[f"p{i}"] = periods[budget_id][0]
+    return ids
 
 
 def admit(
@@ -62,7 +65,7 @@ def admit(
     grant, drawing more first where the grant is short. A refusal raises."""
     period_id = periods[escrow.budget_id][0]
     depth = len(escrow.chain_ids)
-    params = {"amount": amount, "period_id": period_id, "true": True, **_ids(escrow)}
+    params = {"amount": amount, "period_id": period_id, "true": True, **_ids(escrow, periods)}
     if cur.one(sql.escrow_admit(depth), params) is not None:
         return
     row = cur.one(sql.LOCK_FOR_DRAW, {"period_id": period_id})
@@ -70,14 +73,43 @@ def admit(
     available, room, closed = int(row[0]), int(row[1]), row[2]
     if closed is not None:
         raise PeriodClosed(period_id)
-    frozen = cur.one(sql.frozen_in_chain(depth), {"true": True, **_ids(escrow)})
+    frozen = cur.one(sql.frozen_in_chain(depth), {"true": True, **_ids(escrow, periods)})
     if frozen is not None:
         raise BudgetFrozen(frozen[0])
     if available < amount:
         raise BudgetExceeded(escrow.name, amount, available)
-    _draw(cur, escrow, periods, amount, room, available - room, stamp)
+    if room < amount:
+        _draw(cur, escrow, periods, amount, room, available - room, stamp)
+    else:
+        _check_overspent(cur, escrow, periods, amount, room, stamp)
     admitted = cur.one(sql.escrow_admit(depth), params)
     assert admitted is not None  # the period is locked and now holds the grant
+
+
+def _check_overspent(
+    cur: Cursor,
+    escrow: Escrow,
+    periods: dict[int, tuple[int, datetime]],
+    amount: int,
+    room: int,
+    stamp: Any,
+) -> None:
+    """The grant covers ``amount``, but an ancestor is past its cap by more than the
+    grant leaves (an overrun under it): admitted only if what its other escrowed
+    children hold unused, taken back, makes up for it, as without escrow."""
+    for budget_id, name, _ in escrow.ancestors:
+        source = periods[budget_id][0]
+        if _left(cur, source) + room - amount >= 0:
+            continue
+        reclaim_under(cur, budget_id, stamp, but=escrow.budget_id)
+        left = _left(cur, source)
+        if left + room - amount < 0:
+            raise BudgetExceeded(name, amount, left + room)
+
+
+def _left(cur: Cursor, period_id: int) -> int:
+    row = cur.one(sql.PERIOD_AVAILABLE, {"period_id": period_id})
+    return 0 if row is None else int(row[0])
 
 
 def _draw(

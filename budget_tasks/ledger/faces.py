@@ -170,3 +170,4 @@ class Ledger(_Face):
     adjust = _Offer(LedgerCore.adjust)
     # the counters against the journal
     audit = _Offer(LedgerCore.audit)
+    audit_size = _Offer(LedgerCore.audit_size)

@@ -30,7 +30,6 @@ from .periods import (
 )
 from .records import (
     Attempt,
-    AuditFinding,
     Balance,
     BudgetReport,
     Hold,
@@ -41,7 +40,6 @@ from .schema import (
     attempts,
     budget_periods,
     budgets,
-    journal,
     operations,
 )
 
@@ -312,75 +310,3 @@ class Reports(LedgerBase):
                 )
             )
         return out
-
-    def audit(self) -> list[AuditFinding]:
-        """Budget periods whose counters differ from their journal; empty when sound."""
-        over = journal.c.spent_delta + journal.c.held_delta  # a charge above its hold
-        sums = (
-            select(
-                journal.c.period_id,
-                func.sum(journal.c.held_delta).label("held"),
-                func.sum(journal.c.spent_delta).label("spent"),
-                func.sum(journal.c.drawn_delta).label("drawn"),
-                func.sum(journal.c.granted_delta).label("granted"),
-                func.sum(case((and_(journal.c.kind == "charge", over > 0), over), else_=0)).label(
-                    "overrun"
-                ),
-            )
-            .group_by(journal.c.period_id)
-            .subquery()
-        )
-        journal_held = func.coalesce(sums.c.held, 0)
-        journal_spent = func.coalesce(sums.c.spent, 0)
-        journal_overrun = func.coalesce(sums.c.overrun, 0)
-        journal_drawn = func.coalesce(sums.c.drawn, 0)
-        journal_granted = func.coalesce(sums.c.granted, 0)
-        query = (
-            select(
-                budgets.c.name,
-                budget_periods.c.period_start,
-                budget_periods.c.held,
-                budget_periods.c.spent,
-                budget_periods.c.overrun,
-                budget_periods.c.drawn,
-                budget_periods.c.granted,
-                journal_drawn.label("journal_drawn"),
-                journal_granted.label("journal_granted"),
-                journal_held.label("journal_held"),
-                journal_spent.label("journal_spent"),
-                journal_overrun.label("journal_overrun"),
-            )
-            .join(budgets, budgets.c.id == budget_periods.c.budget_id)
-            .outerjoin(sums, sums.c.period_id == budget_periods.c.id)
-            .where(
-                case(
-                    (
-                        and_(
-                            budget_periods.c.held == journal_held,
-                            budget_periods.c.spent == journal_spent,
-                            budget_periods.c.overrun == journal_overrun,
-                            budget_periods.c.drawn == journal_drawn,
-                            budget_periods.c.granted == journal_granted,
-                        ),
-                        False,
-                    ),
-                    else_=True,
-                )
-            )
-            .order_by(budgets.c.name, budget_periods.c.period_start)
-        )
-        findings = []
-        with self._driver.transaction() as cur:
-            for r in cur.execute(query):
-                for counter, recorded, derived in (
-                    ("held", r.held, r.journal_held),
-                    ("spent", r.spent, r.journal_spent),
-                    ("overrun", r.overrun, r.journal_overrun),
-                    ("drawn", r.drawn, r.journal_drawn),
-                    ("granted", r.granted, r.journal_granted),
-                ):
-                    if recorded != derived:
-                        findings.append(
-                            AuditFinding(r.name, r.period_start, counter, recorded, int(derived))
-                        )
-        return findings

@@ -330,6 +330,30 @@ journal = Table(
     Index(None, "period_id"),
 )
 
+# Added in migration 0014: what the last audit proved, so that the next one reads only
+# the journal rows after it. ``audit_checkpoints`` holds each period's journal sums up
+# to ``audit_position.journal_id``; every journal row up to that id had committed when
+# it was read (the audit waited for the journal's writers under a SHARE lock).
+audit_checkpoints = Table(
+    "audit_checkpoints",
+    metadata,
+    Column("period_id", Id, ForeignKey("budget_periods.id"), primary_key=True),
+    Column("held", BigInteger, nullable=False),
+    Column("spent", BigInteger, nullable=False),
+    Column("overrun", BigInteger, nullable=False),
+    Column("drawn", BigInteger, nullable=False),
+    Column("granted", BigInteger, nullable=False),
+)
+
+audit_position = Table(
+    "audit_position",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("journal_id", BigInteger, nullable=False),
+    Column("audited_at", UTCDateTime, nullable=False),
+    CheckConstraint("id = 1", name="one_row"),
+)
+
 # Added in migration 0007: this ledger's own id, made once when its tables are made.
 # What the provider is sent as a call's key (Idempotency-Key, stored metadata) is a
 # digest of it and the attempt key: two ledgers sharing an API key (staging and

@@ -538,7 +538,10 @@ def _chain_ids(depth: int) -> str:
 def escrow_admit(depth: int) -> str:
     """Admit within the period's own cap and its grant room, in one statement; no
     budget of the chain (``:b0`` .. its ``depth``) may be frozen, so that a grant is
-    never a way around an ancestor's freeze."""
+    never a way around an ancestor's freeze; and no ancestor's period (``:p1`` ..) may
+    be past its cap by more than the grant leaves after this admission (an overrun
+    elsewhere under it spent what the grant set aside)."""
+    sources = ", ".join(f":p{i}" for i in range(1, depth))
     return f"""
 UPDATE budget_periods SET held = held + :amount
 WHERE id = :period_id
@@ -546,6 +549,11 @@ WHERE id = :period_id
   AND {GRANT_ROOM} >= :amount
   AND closed_at IS NULL
   AND NOT EXISTS (SELECT 1 FROM budgets WHERE frozen = :true AND id IN ({_chain_ids(depth)}))
+  AND NOT EXISTS (
+    SELECT 1 FROM budget_periods a WHERE a.id IN ({sources})
+      AND a.cap - a.spent - a.held - a.granted
+          < :amount - (budget_periods.drawn - budget_periods.spent - budget_periods.held)
+  )
 RETURNING id"""
 
 
@@ -632,3 +640,78 @@ SELECT p.id FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
 WHERE b.id IN (SELECT id FROM below) AND b.escrow = :true AND p.closed_at IS NULL
   AND p.drawn - p.spent - p.held > 0
 ORDER BY p.id"""
+
+
+# -- the audit -----------------------------------------------------------------------------
+# An audit proves each period's counters from the journal. It reads the journal rows
+# after the position the last one reached, added to the sums it proved then; a full one
+# reads them all. The position is only ever one every journal writer before it has
+# passed: a SHARE lock on the journal waits for them (SQLite's writers are serial).
+
+LOCK_JOURNAL = "LOCK TABLE journal IN SHARE MODE"
+
+JOURNAL_END = "SELECT COALESCE(MAX(id), 0) FROM journal"
+
+#: PostgreSQL's estimate of the journal's rows (-1 before its first ANALYZE).
+JOURNAL_ROWS_ESTIMATE = "SELECT CAST(reltuples AS BIGINT) FROM pg_class WHERE relname = 'journal'"
+
+JOURNAL_ROWS = "SELECT COUNT(*) FROM journal"
+
+JOURNAL_ROWS_AFTER = "SELECT COUNT(*) FROM journal WHERE id > :since"
+
+#: The one position row, made if missing, then locked: audits run one at a time.
+MAKE_AUDIT_POSITION = """
+INSERT INTO audit_position (id, journal_id, audited_at) VALUES (1, 0, :now)
+ON CONFLICT (id) DO NOTHING"""
+
+LOCK_AUDIT_POSITION = "SELECT journal_id FROM audit_position WHERE id = 1{for_update_plain}"
+
+AUDIT_SINCE = "SELECT journal_id FROM audit_position WHERE id = 1"
+
+SET_AUDIT_POSITION = "UPDATE audit_position SET journal_id = :upto, audited_at = :now WHERE id = 1"
+
+FORGET_CHECKPOINTS = "DELETE FROM audit_checkpoints"
+
+#: A charge above its hold, the overrun it records.
+_OVERRUN = """CASE WHEN kind = 'charge' AND spent_delta + held_delta > 0
+    THEN spent_delta + held_delta ELSE 0 END"""
+
+_JOURNAL_SUMS = f"""SUM(held_delta), SUM(spent_delta), SUM({_OVERRUN}), SUM(drawn_delta),
+    SUM(granted_delta)"""
+
+#: The periods to prove (the open ones, those with journal rows after ``:since``, and
+#: with ``:everything`` 1 all of them), each with its counters and what the journal
+#: derives them to: the proven sums plus the rows after ``:since``. One statement, so
+#: one snapshot: every counter change commits with its journal row.
+AUDIT_PERIODS = f"""
+WITH recent (period_id, held, spent, overrun, drawn, granted) AS (
+    SELECT period_id, {_JOURNAL_SUMS} FROM journal WHERE id > :since GROUP BY period_id
+), targets (id) AS (
+    SELECT id FROM budget_periods WHERE closed_at IS NULL
+    UNION SELECT period_id FROM recent
+    UNION SELECT id FROM budget_periods WHERE :everything = 1
+)
+SELECT b.name, p.period_start,
+    p.held, COALESCE(c.held, 0) + COALESCE(r.held, 0),
+    p.spent, COALESCE(c.spent, 0) + COALESCE(r.spent, 0),
+    p.overrun, COALESCE(c.overrun, 0) + COALESCE(r.overrun, 0),
+    p.drawn, COALESCE(c.drawn, 0) + COALESCE(r.drawn, 0),
+    p.granted, COALESCE(c.granted, 0) + COALESCE(r.granted, 0)
+FROM targets t
+JOIN budget_periods p ON p.id = t.id
+JOIN budgets b ON b.id = p.budget_id
+LEFT JOIN audit_checkpoints c ON c.period_id = p.id
+LEFT JOIN recent r ON r.period_id = p.id
+ORDER BY b.name, p.period_start"""
+
+#: The proven sums moved on to ``:upto``: journal rows every writer had committed.
+ADVANCE_CHECKPOINTS = f"""
+INSERT INTO audit_checkpoints (period_id, held, spent, overrun, drawn, granted)
+SELECT period_id, {_JOURNAL_SUMS} FROM journal
+WHERE id > :since AND id <= :upto GROUP BY period_id
+ON CONFLICT (period_id) DO UPDATE SET
+    held = audit_checkpoints.held + excluded.held,
+    spent = audit_checkpoints.spent + excluded.spent,
+    overrun = audit_checkpoints.overrun + excluded.overrun,
+    drawn = audit_checkpoints.drawn + excluded.drawn,
+    granted = audit_checkpoints.granted + excluded.granted"""

@@ -609,3 +609,13 @@ def test_an_escrowed_budget_is_made_and_its_grants_shown(backend_url: str) -> No
     refused = cli(backend_url, "budget", "create", "solo", "--cap", "5", "--escrow")
     assert refused.returncode != 0
     assert "escrow needs a parent" in refused.stderr
+
+
+def test_a_sliced_budget_is_made_shown_and_resliced(backend_url: str) -> None:
+    ok(backend_url, "budget", "create", "hot", "--cap", "800", "--slices", "4")
+    assert "4 slices" in ok(backend_url, "budget", "show", "hot")
+    assert [b["name"] for b in as_json(backend_url, "budget", "list")] == ["hot"]
+    assert "hot: 8 slices" in ok(backend_url, "budget", "set-slices", "hot", "8")
+    refused = cli(backend_url, "budget", "set-slices", "hot", "0")
+    assert refused.returncode != 0
+    assert "slices must be" in refused.stderr

@@ -317,3 +317,24 @@ def test_a_call_on_the_parent_itself_takes_back_what_its_tenants_do_not_use(
     org = ledger.balance("org")
     assert (org.held, org.granted, org.available) == (300, 0, 0)
     assert ledger.audit() == []
+
+
+def test_a_parent_past_its_cap_by_an_overrun_stops_a_tenant_with_grant_left(
+    ledger: Ledger,
+) -> None:
+    # found by the ledger state machine: the tenant spent a grant that an overrun on
+    # its parent had already spent
+    ledger.create_budget("org", 300)
+    ledger.create_budget("crew", 90, parent="org", escrow=True)
+    ledger.calls.reserve("crew", "c1", 48)
+    ledger.calls.release("c1", "not billed")  # crew keeps 48 of grant, unused
+    ledger.calls.reserve("org", "o1", 128)
+    ledger.calls.mark_sending("o1")
+    ledger.calls.settle("o1", 287)  # an overrun: org is at 287 + 48 granted = 35 past
+    with pytest.raises(BudgetExceeded) as refused:
+        ledger.calls.reserve("crew", "c2", 43)
+    assert (refused.value.budget, refused.value.available) == ("org", 13)
+    ledger.calls.reserve("crew", "c3", 13)  # what is truly left, exactly
+    with pytest.raises(BudgetExceeded):
+        ledger.calls.reserve("crew", "c4", 1)
+    assert ledger.audit() == []

@@ -81,6 +81,8 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
         Ledger(created).create_schema()
         a, b = describe(migrated), describe(created)
         assert set(a) == {
+            "audit_checkpoints",
+            "audit_position",
             "attempts",
             "budget_periods",
             "budgets",
@@ -95,7 +97,7 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
         assert a["journal"]["checks"], "the comparison must see check constraints"
         assert a["triggers"], "the append-only trigger must exist"
         assert a == b
-        assert current(migrated) == "0013"
+        assert current(migrated) == "0014"
         # each made its own installation id, once
         ids = [LedgerCore(url).installation_id() for url in (migrated, created)]
         assert ids[0] != ids[1] and all(len(i) == 32 for i in ids)
@@ -125,7 +127,7 @@ def test_cli_db_upgrade_then_the_ledger_works() -> None:
             check=False,
         )
         assert done.returncode == 0, done.stderr
-        assert "revision 0013" in done.stdout
+        assert "revision 0014" in done.stdout
         ledger = Ledger(url)
         ledger.create_budget("acme", 10)
         assert ledger.calls.reserve("acme", "k", 10).created
@@ -242,7 +244,7 @@ def _upgrade_with_data(url: str, revision: str) -> None:
     upgrade(url, revision)
     _fill(url, revision)
     upgrade(url)  # to head, over the data
-    assert current(url) == "0013"
+    assert current(url) == "0014"
     ledger = Ledger(url)
     assert ledger.audit() == []
     assert [(a.key, a.state, a.actual) for a in ledger.attempts()] == [
@@ -292,8 +294,8 @@ def test_two_upgrades_at_once_take_turns() -> None:
         outcomes = [(p.wait(120), *p.communicate()) for p in runs]
         for code, out, err in outcomes:
             assert code == 0 and "Traceback" not in err, err
-            assert "revision 0013" in out
-        assert current(url) == "0013"
+            assert "revision 0014" in out
+        assert current(url) == "0014"
         ledger = Ledger(url)
         ledger.create_budget("after", 10)
         assert ledger.audit() == []
