@@ -226,6 +226,9 @@ def _play(run: Run, echo: Echo) -> bool:
     _collect(run, [(slow, _send(run, slow))], "   waiting for the timeout", echo)
     timed_out = ledger.attempt(slow.call_key)
     echo(f"   task failed: {slow.error}")
+    # What the worker raised, as the ledger recorded it: a result backend that cannot
+    # rebuild an SDK error (openai's need their request) hands back a base class.
+    echo(f"   the attempt's record: {timed_out.note}")
     checks.expect(
         f"the timeout released nothing: hold of {timed_out.amount} kept, no SDK retry",
         timed_out.state == "unknown"
