@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,10 +40,10 @@ from benchmarks.ledger_bench import (  # noqa: E402
     ADMIN_URL,
     _next_multixact,
     _vacuumed,
+    library_worker,
     scratch_database,
-    start_together,
 )
-from budget_tasks import CallFacts, Ledger  # noqa: E402
+from budget_tasks import Ledger  # noqa: E402
 from budget_tasks.testing.harness import race  # noqa: E402
 
 TARGET = 0.9
@@ -70,21 +69,7 @@ def tenant_worker(
         import budget_tasks.ledger.escrow as escrow
 
         escrow.GRANT_SHARE = 10**18
-    released = time.time()
-    ledger = Ledger(url)
-    ledger.calls.reserve(budget, f"{tag}-warm", 1)  # connect, cache the chain and period
-    done = 0
-    deadline = start_together(released, seconds, warmup)
-    cpu = time.process_time()
-    granted = CallFacts()
-    while time.time() < deadline:
-        key = f"{tag}-{done}"
-        ledger.calls.reserve(budget, key, 1_000, grant=granted)
-        ledger.calls.settle(key, 700)
-        done += 1
-    cpu = time.process_time() - cpu
-    ledger.dispose()
-    return done, cpu
+    return library_worker(url, tag, seconds, warmup, budget)
 
 
 def make_budgets(ledger: Ledger, procs: int) -> None:

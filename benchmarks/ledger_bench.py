@@ -60,18 +60,18 @@ def start_together(released: float, seconds: float, warmup: float = WARMUP_S) ->
 
 
 def library_worker(
-    url: str, tag: str, seconds: float, warmup: float = WARMUP_S
+    url: str, tag: str, seconds: float, warmup: float = WARMUP_S, budget: str = "hot"
 ) -> tuple[int, float]:
     released = time.time()
     ledger = Ledger(url)
-    ledger.calls.reserve("hot", f"{tag}-warm", 1)  # connect, cache the budget chain and period
+    ledger.calls.reserve(budget, f"{tag}-warm", 1)  # connect, cache the budget chain and period
     done = 0
     deadline = start_together(released, seconds, warmup)
     cpu = time.process_time()
     granted = CallFacts()
     while time.time() < deadline:
         key = f"{tag}-{done}"
-        ledger.calls.reserve("hot", key, 1_000, grant=granted)
+        ledger.calls.reserve(budget, key, 1_000, grant=granted)
         ledger.calls.settle(key, 700)
         done += 1
     cpu = time.process_time() - cpu

@@ -825,7 +825,7 @@ def actions(ledger_url: str, budget_name: str | None, limit: int, as_json: bool)
 def audit(ledger_url: str, full: bool, as_json: bool) -> None:
     """Check the counters against the journal; exit 1 on any difference."""
     ledger = _ledger(ledger_url)
-    reads = ledger.audit_size(full=full)
+    reads = ledger.upkeep.audit_size(full=full)
     click.echo(
         f"audit{' (full)' if full else ''}: reading {'about ' if full else ''}{reads:,} "
         "journal rows",

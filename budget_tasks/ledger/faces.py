@@ -100,6 +100,7 @@ class Upkeep(_Face):
     open_period = _Offer(LedgerCore.open_period)
     flag_stale = _Offer(LedgerCore.flag_stale)
     return_grants = _Offer(LedgerCore.return_grants)
+    audit_size = _Offer(LedgerCore.audit_size)
     mark_orphans_unknown = _Offer(LedgerCore.mark_orphans_unknown)
     claim_unknown = _Offer(LedgerCore.claim_unknown)
     resolve_attempt = _Offer(LedgerCore.resolve_attempt)
@@ -170,4 +171,3 @@ class Ledger(_Face):
     adjust = _Offer(LedgerCore.adjust)
     # the counters against the journal
     audit = _Offer(LedgerCore.audit)
-    audit_size = _Offer(LedgerCore.audit_size)

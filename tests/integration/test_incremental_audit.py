@@ -29,13 +29,15 @@ def test_an_audit_reads_only_what_came_after_the_last_one(ledger: Ledger) -> Non
     ledger.create_budget("acme", 10_000)
     for i in range(20):
         settle(ledger, f"k{i}", 100, 90)
-    assert ledger.audit_size() == 40  # every row: no audit yet
+    assert ledger.upkeep.audit_size() == 40  # every row: no audit yet
     assert ledger.audit() == []
-    assert ledger.audit_size() == 0
+    assert ledger.upkeep.audit_size() == 0
     settle(ledger, "late", 100, 120)
-    assert ledger.audit_size() == 2  # its hold and its charge
+    assert ledger.upkeep.audit_size() == 2  # its hold and its charge
     assert ledger.audit() == []
-    assert ledger.audit_size(full=True) >= 42 or ledger.audit_size(full=True) == -1
+    full = ledger.upkeep.audit_size(full=True)
+    # SQLite counts; PostgreSQL says its planner's estimate (exact only once analysed)
+    assert full == 42 if ledger.engine.dialect.name == "sqlite" else full >= 0
     assert ledger.audit(full=True) == []
 
 
