@@ -73,10 +73,6 @@ class Found(NamedTuple):
     escrow: escrow.Escrow | None
 
 
-def _link(chain: Chain, budget_id: int) -> tuple[int, str, str]:
-    return next(link for link in chain if link[0] == budget_id)
-
-
 T = TypeVar("T")
 
 
@@ -341,17 +337,17 @@ class LedgerBase:
         renewal = cur.one(sql.BUDGET_RENEWAL, {"budget_id": budget_id})
         assert renewal is not None  # the chain named it
         period, budget_cap, policy, ceiling = renewal
-        closing = {**at, "now": ts(self.now()), "true": True}
-        below = cur.all(sql.CLOSE_ESCROWED_BELOW_BEFORE, closing)
+        stamp = ts(self.now())
+        below = cur.all(sql.CLOSE_ESCROWED_BELOW_BEFORE, {**at, "now": stamp, "true": True})
         for (period_id,) in below:
             # escrowed budgets right under this one (its slices, its escrowed tenants)
             # end their period with it: what they hold unused comes back before the carry
-            escrow.give_back(cur, int(period_id), ts(self.now()), "the period ended")
-        closed = cur.all(sql.CLOSE_PERIODS_BEFORE, {**at, "now": ts(self.now())})
+            escrow.give_back(cur, int(period_id), stamp, "the period ended")
+        closed = cur.all(sql.CLOSE_PERIODS_BEFORE, {**at, "now": stamp})
         for period_id, *_ in closed:
             # A closed escrowed period admits nothing more: what it drew and did not
             # use goes back to its ancestors (a no-op for any other period).
-            escrow.give_back(cur, int(period_id), ts(self.now()), "the period ended")
+            escrow.give_back(cur, int(period_id), stamp, "the period ended")
         prev_start = previous_period_start(period, start)
         previous = next(
             (r for r in closed if prev_start and self._driver.from_ts(r[1]) == prev_start), None
@@ -377,7 +373,8 @@ class LedgerBase:
             for budget_id, _, period in chain
         }
         stop = self._escrow_of(chain)
-        held = chain if stop is None else chain[: chain.index(_link(chain, stop.budget_id)) + 1]
+        # an escrowed budget's ancestors are the end of its chain: they are not held in
+        held = chain if stop is None else chain[: len(chain) - len(stop.ancestors)]
         holds = sorted((budget_id, periods[budget_id][0]) for budget_id, _, _ in held)
         return Found(periods, holds, stop)
 

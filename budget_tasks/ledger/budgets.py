@@ -99,20 +99,16 @@ class Budgets(Reports):
                 _check_escrow(cur, name, period, int(parent_id))
             created = cur.one(
                 sql.INSERT_BUDGET,
-                {
-                    "name": name,
-                    "tenant": tenant,
-                    "parent_id": parent_id,
-                    "cap": cap,
-                    "period": period,
-                    "renewal": renewal,
-                    "rollover_ceiling": rollover_ceiling,
-                    "false": False,
-                    "now": self._driver.ts(self.now()),
-                    "escrow": bool(escrow),
-                    "slices": 1,
-                    "slice_of": None,
-                },
+                self._budget_row(
+                    name,
+                    cap=cap,
+                    period=period,
+                    renewal=renewal,
+                    tenant=tenant,
+                    parent_id=parent_id,
+                    escrow=escrow,
+                    rollover_ceiling=rollover_ceiling,
+                ),
             )
             if created is None:
                 raise BudgetExists(name)
@@ -138,28 +134,50 @@ class Budgets(Reports):
             if made < slices:
                 _check_escrow(cur, slice_name(name, made), info.period, info.id)
             for index in range(made, slices):
-                cur.one(
-                    sql.INSERT_BUDGET,
-                    {
-                        "name": slice_name(name, index),
-                        "tenant": info.tenant,
-                        "parent_id": info.id,
-                        # never the limit: the budget's own cap is
-                        "cap": check.MAX_MONEY,
-                        "period": info.period,
-                        "renewal": "reset",
-                        "rollover_ceiling": None,
-                        "false": False,
-                        "now": self._driver.ts(self.now()),
-                        "escrow": True,
-                        "slices": 1,
-                        "slice_of": info.id,
-                    },
+                # a slice's own cap is never the limit: the budget's is
+                row = self._budget_row(
+                    slice_name(name, index),
+                    cap=check.MAX_MONEY,
+                    period=info.period,
+                    tenant=info.tenant,
+                    parent_id=info.id,
+                    escrow=True,
+                    slice_of=info.id,
                 )
+                cur.one(sql.INSERT_BUDGET, row)
             cur.run(sql.SET_SLICES, {"slices": slices, "owner_id": info.id})
         with self._lock:
             self._slice_names.pop(name, None)
         return self.budget(name)
+
+    def _budget_row(
+        self,
+        name: str,
+        *,
+        cap: int,
+        period: str,
+        renewal: str = "reset",
+        tenant: str | None,
+        parent_id: int | None,
+        escrow: bool,
+        rollover_ceiling: int | None = None,
+        slice_of: int | None = None,
+    ) -> dict[str, object]:
+        """The parameters of INSERT_BUDGET: a budget made unfrozen, in one row."""
+        return {
+            "name": name,
+            "tenant": tenant,
+            "parent_id": parent_id,
+            "cap": cap,
+            "period": period,
+            "renewal": renewal,
+            "rollover_ceiling": rollover_ceiling,
+            "false": False,
+            "now": self._driver.ts(self.now()),
+            "escrow": bool(escrow),
+            "slices": 1,
+            "slice_of": slice_of,
+        }
 
     def budget(self, name: str) -> BudgetInfo:
         """A budget's configuration. Raises UnknownBudget."""
@@ -294,13 +312,13 @@ class Budgets(Reports):
         return self.balance(budget, at=at)
 
 
+#: The most slices one budget may have.
+MAX_SLICES = 64
+
+
 def _check_slices(slices: int) -> None:
     if isinstance(slices, bool) or not isinstance(slices, int) or not 1 <= slices <= MAX_SLICES:
         raise ValueError(f"slices must be an int from 1 to {MAX_SLICES}, not {slices!r}")
-
-
-#: The most slices one budget may have.
-MAX_SLICES = 64
 
 
 def _check_escrow(cur: Cursor, name: str, period: str, parent_id: int) -> None:

@@ -69,17 +69,27 @@ def _apply(cur: Cursor, statement: str, params: dict[str, Any], stamp: Any) -> N
 def owe_grant(cur: Cursor, period_id: int, amount: int, stamp: Any, note: str) -> None:
     """Move ``amount`` of grant to the escrowed period ``period_id`` from each of its
     ancestors' periods it draws from, unconditionally (a negative amount gives back)."""
-    kind = "grant" if amount > 0 else "return"
-    for ancestor_period in grant_sources(cur, period_id):
+    sources = grant_sources(cur, period_id)
+    for ancestor_period in sources:
         row = cur.one(sql.GRANT_OWED, {"amount": amount, "period_id": ancestor_period})
         assert row is not None  # grant_sources found it
         _give_back_carry(cur, ancestor_period, row[0], row[1])
-        _journal(cur, None, ancestor_period, kind, 0, 0, note, stamp, granted_delta=amount)
+    record_grant(cur, period_id, sources, amount, stamp, note)
+
+
+def record_grant(
+    cur: Cursor, period_id: int, sources: list[int], amount: int, stamp: Any, note: str | None
+) -> None:
+    """The escrowed period's side of a grant its ``sources`` have counted already (a
+    negative amount: one given back), and the journal rows of both sides."""
+    kind = "grant" if amount > 0 else "return"
     if amount > 0:
         cur.run(sql.DRAW, {"amount": amount, "period_id": period_id, "now": stamp})
     else:
         cur.run(sql.UNDRAW, {"amount": -amount, "period_id": period_id})
     _journal(cur, None, period_id, kind, 0, 0, note, stamp, drawn_delta=amount)
+    for source in sources:
+        _journal(cur, None, source, kind, 0, 0, note, stamp, granted_delta=amount)
 
 
 def grant_sources(cur: Cursor, period_id: int) -> list[int]:

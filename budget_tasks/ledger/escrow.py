@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import BudgetExceeded, BudgetFrozen
 from . import statements as sql
-from .counters import _journal, grant_sources, owe_grant
+from .counters import grant_sources, owe_grant, record_grant
 from .driver import Cursor
 from .periods import PeriodClosed, period_start
 
@@ -65,7 +65,8 @@ def admit(
     grant, drawing more first where the grant is short. A refusal raises."""
     period_id = periods[escrow.budget_id][0]
     depth = len(escrow.chain_ids)
-    params = {"amount": amount, "period_id": period_id, "true": True, **_ids(escrow, periods)}
+    ids = {"true": True, **_ids(escrow, periods)}
+    params = {"amount": amount, "period_id": period_id, **ids}
     if cur.one(sql.escrow_admit(depth), params) is not None:
         return
     row = cur.one(sql.LOCK_FOR_DRAW, {"period_id": period_id})
@@ -73,7 +74,7 @@ def admit(
     available, room, closed = int(row[0]), int(row[1]), row[2]
     if closed is not None:
         raise PeriodClosed(period_id)
-    frozen = cur.one(sql.frozen_in_chain(depth), {"true": True, **_ids(escrow, periods)})
+    frozen = cur.one(sql.frozen_in_chain(depth), ids)
     if frozen is not None:
         raise BudgetFrozen(frozen[0])
     if available < amount:
@@ -129,7 +130,7 @@ def _draw(
             # This host admits in a period its ancestors have left behind: admit again.
             raise PeriodClosed(periods[escrow.budget_id][0])
     sources = [(periods[budget_id][0], budget_id, name) for budget_id, name, _ in escrow.ancestors]
-    least = min(_available(cur, source) for source, _, _ in sources)
+    least = min(max(_left(cur, source), 0) for source, _, _ in sources)
     grant = max(need, min(headroom, least // GRANT_SHARE))
     done: list[int] = []
     for source, budget_id, name in sources:
@@ -152,11 +153,7 @@ def _draw(
                 raise BudgetFrozen(name)
             raise BudgetExceeded(name, amount, int(left) + max(room, 0))
         done.append(source)
-    period_id = periods[escrow.budget_id][0]
-    cur.run(sql.DRAW, {"amount": grant, "period_id": period_id, "now": stamp})
-    _journal(cur, None, period_id, "grant", 0, 0, None, stamp, drawn_delta=grant)
-    for source in done:
-        _journal(cur, None, source, "grant", 0, 0, None, stamp, granted_delta=grant)
+    record_grant(cur, periods[escrow.budget_id][0], done, grant, stamp, None)
 
 
 def reclaim_under(cur: Cursor, budget_id: int, stamp: Any, *, but: int = 0) -> bool:
@@ -168,11 +165,6 @@ def reclaim_under(cur: Cursor, budget_id: int, stamp: Any, *, but: int = 0) -> b
     for (period_id,) in under:
         back += give_back(cur, int(period_id), stamp, "taken back to admit", busy_ok=True)
     return back > 0
-
-
-def _available(cur: Cursor, period_id: int) -> int:
-    row = cur.one(sql.PERIOD_AVAILABLE, {"period_id": period_id})
-    return 0 if row is None else max(int(row[0]), 0)
 
 
 def give_back(cur: Cursor, period_id: int, stamp: Any, note: str, *, busy_ok: bool = False) -> int:

@@ -141,8 +141,11 @@ class Reports(LedgerBase):
         budget_id, name, period = self._chain(budget)[0]
         start = period_start(period, at)  # type: ignore[arg-type]
         at_start = {"budget_id": budget_id, "start": self._driver.ts(start)}
+        sliced = bool(self._slices_of((budget_id, name, period)))
         with self._driver.transaction() as cur:
             row = cur.one(sql.BALANCE_AT, at_start)
+            # a sliced budget's slices are its own rows, read with it
+            folded = cur.one(sql.SLICE_COUNTERS, at_start) if sliced and row else None
             if row is None:
                 renewal = cur.one(sql.BUDGET_RENEWAL, {"budget_id": budget_id})
                 assert renewal is not None  # the chain named it
@@ -158,14 +161,11 @@ class Reports(LedgerBase):
                 cap = opening_cap(allowance, policy, ceiling, counters)
                 return Balance(name, cap, 0, 0, cap, start)
         cap, spent, held, _, granted, drawn = row
-        if self._slices_of((budget_id, name, period)):
-            with self._driver.transaction() as cur:
-                sliced = cur.one(sql.SLICE_COUNTERS, at_start)
-            assert sliced is not None  # an aggregate
-            # Its slices are the budget's own rows: what they spend and hold is its,
-            # and what they hold unused is still its to admit (a slice takes it back).
-            folded = (int(sliced[0]), int(sliced[1]), int(sliced[2]))
-            spent, held, granted = _with_slices(spent, held, granted, folded)
+        if folded is not None:
+            # What its slices spend and hold is its, and what they hold unused is still
+            # its to admit (a slice takes it back).
+            slices = (int(folded[0]), int(folded[1]), int(folded[2]))
+            spent, held, granted = _with_slices(spent, held, granted, slices)
         return Balance(name, cap, spent, held, cap - spent - held - granted, start, granted, drawn)
 
     def attempt(self, key: str) -> Attempt:

@@ -17,6 +17,8 @@ AVAILABLE = "(cap - spent - held - granted)"
 #: What an escrowed period may still admit from the grants it drew (what it granted on
 #: below was drawn along the whole chain, so it is not in here).
 GRANT_ROOM = "(drawn - spent - held)"
+#: The same, of a period row named ``p`` in a query: what it holds of grants unused.
+_UNUSED_P = "(p.drawn - p.spent - p.held)"
 
 #: A new attempt, reserved; or, admitted and granted in one transaction, already
 #: sending and described (what the call is, for reconciliation).
@@ -607,10 +609,10 @@ WHERE id = :period_id{{for_update_skip_locked}}"""
 
 #: The open periods of the escrowed budgets right under a budget (but one) that hold
 #: grant money they do not use.
-UNUSED_GRANTS_UNDER = """
+UNUSED_GRANTS_UNDER = f"""
 SELECT p.id FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
 WHERE b.escrow = :true AND b.parent_id = :parent_id AND b.id <> :but
-  AND p.closed_at IS NULL AND p.drawn - p.spent - p.held > 0
+  AND p.closed_at IS NULL AND {_UNUSED_P} > 0
 ORDER BY p.id"""
 
 #: The open periods, begun before ``:start``, of the escrowed budgets right under a
@@ -624,21 +626,21 @@ RETURNING id"""
 
 #: Escrowed periods with grant money they do not use that are closed, or that have
 #: not drawn since ``:idle_since``: beat gives it back.
-GRANTS_TO_RETURN = """
+GRANTS_TO_RETURN = f"""
 SELECT p.id FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
-WHERE b.escrow = :true AND p.drawn - p.spent - p.held > 0
+WHERE b.escrow = :true AND {_UNUSED_P} > 0
   AND (p.closed_at IS NOT NULL OR p.drawn_at < :idle_since)
 ORDER BY p.id LIMIT :limit"""
 
 #: Every escrowed budget below a budget (itself too), by their parent links.
-ESCROWED_BELOW = """
+ESCROWED_BELOW = f"""
 WITH RECURSIVE below(id) AS (
     SELECT id FROM budgets WHERE name = :name
     UNION ALL SELECT b.id FROM budgets b JOIN below ON b.parent_id = below.id
 )
 SELECT p.id FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
 WHERE b.id IN (SELECT id FROM below) AND b.escrow = :true AND p.closed_at IS NULL
-  AND p.drawn - p.spent - p.held > 0
+  AND {_UNUSED_P} > 0
 ORDER BY p.id"""
 
 

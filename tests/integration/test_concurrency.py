@@ -4,6 +4,8 @@ connection, released together by a barrier."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from datetime import timedelta
 
 from budget_tasks import BudgetExceeded, Ledger
 from budget_tasks.testing.harness import race
@@ -98,8 +100,17 @@ def test_a_parent_smaller_than_its_children_limits_admission(
     assert pg_ledger.audit() == []
 
 
-def churn(url: str, seed: int, count: int) -> dict[str, int]:
-    """Reserve, send, settle, release and adjust across a shared chain, in random order."""
+def churn(
+    url: str,
+    seed: int,
+    count: int,
+    budgets: Sequence[str] = ("team-a", "team-b", "tenant"),
+    overrun: int = 10,
+    returns: float = 0.0,
+) -> dict[str, int]:
+    """Reserve, send, settle (up to ``overrun`` above the hold), release and adjust
+    across ``budgets``, in random order; with ``returns``, that share of the steps also
+    has beat give back every unused grant."""
     rng = random.Random(seed)
     ledger = Ledger(url)
     tally = {"admitted": 0, "denied": 0, "settled": 0, "released": 0}
@@ -110,7 +121,7 @@ def churn(url: str, seed: int, count: int) -> dict[str, int]:
                 key, amount = open_keys.pop(rng.randrange(len(open_keys)))
                 ledger.calls.mark_sending(key)
                 if rng.random() < 0.7:
-                    ledger.calls.settle(key, rng.randint(0, amount + 10))  # overruns included
+                    ledger.calls.settle(key, rng.randint(0, amount + overrun))  # overruns too
                     if rng.random() < 0.2:
                         ledger.adjust(key, rng.randint(1, 5), "late correction")
                     tally["settled"] += 1
@@ -118,10 +129,12 @@ def churn(url: str, seed: int, count: int) -> dict[str, int]:
                     ledger.calls.release(key, "provider said 400")
                     tally["released"] += 1
                 continue
+            if returns and rng.random() < returns:
+                ledger.upkeep.return_grants(timedelta(0))
             key = f"c{seed}-{i}"
             amount = rng.randint(1, 60)
             try:
-                ledger.calls.reserve(rng.choice(["team-a", "team-b", "tenant"]), key, amount)
+                ledger.calls.reserve(rng.choice(list(budgets)), key, amount)
                 open_keys.append((key, amount))
                 tally["admitted"] += 1
             except BudgetExceeded:

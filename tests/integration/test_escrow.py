@@ -5,9 +5,7 @@ PostgreSQL in separate processes)."""
 
 from __future__ import annotations
 
-import random
 from datetime import timedelta
-from typing import Any
 
 import pytest
 from sqlalchemy import func, select, update
@@ -17,6 +15,8 @@ from budget_tasks.ledger.escrow import GRANT_SHARE
 from budget_tasks.ledger.schema import budget_periods, journal
 from budget_tasks.testing import ManualClock
 from budget_tasks.testing.harness import race
+
+from .test_concurrency import churn, reserve_many
 
 
 def journal_rows(ledger: Ledger, budget: str) -> int:
@@ -176,25 +176,6 @@ def test_the_audit_proves_grants_from_the_journal(ledger: Ledger) -> None:
 # -- races: separate processes, each its own connection -----------------------------------
 
 
-def reserve_many(url: str, tenants: list[str], seed: int, count: int) -> list[Any]:
-    """Reserve ``count`` mixed amounts across ``tenants``; (tenant, amount, admitted, by)."""
-    rng = random.Random(seed)
-    ledger = Ledger(url)
-    out = []
-    try:
-        for i in range(count):
-            tenant = rng.choice(tenants)
-            amount = rng.choice([1, 5, 17, 40, 99, 250])
-            try:
-                ledger.calls.reserve(tenant, f"s{seed}-{i}", amount)
-                out.append((tenant, amount, True, ""))
-            except BudgetExceeded as exc:
-                out.append((tenant, amount, False, exc.budget))
-    finally:
-        ledger.dispose()
-    return out
-
-
 def test_thirty_two_processes_across_escrowed_tenants_never_pass_the_parent_cap(
     pg_url: str, pg_ledger: Ledger
 ) -> None:
@@ -209,7 +190,7 @@ def test_thirty_two_processes_across_escrowed_tenants_never_pass_the_parent_cap(
         for row in rows
     ]
     assert len(results) == 2_000
-    admitted = sum(amount for _, amount, ok, _ in results if ok)
+    admitted = sum(amount for _, _, amount, ok, _ in results if ok)
     org = pg_ledger.balance("org")
     held = {name: pg_ledger.balance(name).held for name in tenants}
     assert admitted == sum(held.values()) == sum(a.amount for a in pg_ledger.attempts())
@@ -221,11 +202,11 @@ def test_thirty_two_processes_across_escrowed_tenants_never_pass_the_parent_cap(
     # Availability only shrinks here: a refusal by the parent was for more than what
     # is left in all (the parent and every tenant's unused grant); one by a tenant, for
     # more than its own cap leaves.
-    by_org = [amount for _, amount, ok, by in results if not ok and by == "org"]
+    by_org = [amount for _, _, amount, ok, by in results if not ok and by == "org"]
     assert by_org, "the parent's cap was meant to run out"
     assert min(by_org) > org.available + sum(left.values())
     for name in tenants:
-        mine = [a for t, a, ok, by in results if not ok and by == name]
+        mine = [a for _, _, a, ok, by in results if not ok and by == name]
         if mine:
             assert min(mine) > pg_ledger.balance(name).available
     # the grants were drawn far fewer times than admissions were made
@@ -237,42 +218,6 @@ def test_thirty_two_processes_across_escrowed_tenants_never_pass_the_parent_cap(
     assert pg_ledger.audit() == []
 
 
-def churn(url: str, seed: int, count: int) -> dict[str, int]:
-    """Reserve, send, settle (overruns too), release and adjust across escrowed tenants
-    and their parent, in random order."""
-    rng = random.Random(seed)
-    ledger = Ledger(url)
-    tally = {"admitted": 0, "denied": 0, "settled": 0, "released": 0}
-    open_keys: list[tuple[str, int]] = []
-    try:
-        for i in range(count):
-            if open_keys and rng.random() < 0.5:
-                key, amount = open_keys.pop(rng.randrange(len(open_keys)))
-                ledger.calls.mark_sending(key)
-                if rng.random() < 0.7:
-                    ledger.calls.settle(key, rng.randint(0, amount + 40))
-                    if rng.random() < 0.2:
-                        ledger.adjust(key, rng.randint(1, 5), "late correction")
-                    tally["settled"] += 1
-                else:
-                    ledger.calls.release(key, "provider said 400")
-                    tally["released"] += 1
-                continue
-            if rng.random() < 0.05:
-                ledger.upkeep.return_grants(timedelta(0))
-            key = f"c{seed}-{i}"
-            amount = rng.randint(1, 60)
-            try:
-                ledger.calls.reserve(rng.choice(["a", "b", "c", "org"]), key, amount)
-                open_keys.append((key, amount))
-                tally["admitted"] += 1
-            except BudgetExceeded:
-                tally["denied"] += 1
-    finally:
-        ledger.dispose()
-    return tally
-
-
 def test_churn_with_overruns_and_returns_has_no_deadlock_and_audits_clean(
     pg_url: str, pg_ledger: Ledger
 ) -> None:
@@ -280,7 +225,8 @@ def test_churn_with_overruns_and_returns_has_no_deadlock_and_audits_clean(
     for name in ("a", "b", "c"):
         pg_ledger.create_budget(name, 3_000, parent="org", escrow=True)
     # a deadlock or a check violation would fail a child, and so the race
-    tallies = race(churn, [(pg_url, seed, 80) for seed in range(32)])
+    budgets = ["a", "b", "c", "org"]
+    tallies = race(churn, [(pg_url, seed, 80, budgets, 40, 0.05) for seed in range(32)])
     assert sum(t["admitted"] for t in tallies) > 0
     assert sum(t["settled"] + t["released"] for t in tallies) > 0
     assert pg_ledger.audit() == []

@@ -19,6 +19,8 @@ from budget_tasks.ledger.schema import budget_periods, budgets
 from budget_tasks.testing import ManualClock
 from budget_tasks.testing.harness import race
 
+from .test_concurrency import reserve_many
+
 
 def rows_used(ledger: Ledger, name: str) -> int:
     """How many of the budget's slices hold or spent anything."""
@@ -141,23 +143,6 @@ def test_a_delivery_on_a_sliced_budget_holds_settles_and_replays(pg_ledger: Ledg
     assert pg_ledger.audit() == []
 
 
-def reserve_many(url: str, seed: int, count: int) -> list[tuple[int, bool, str]]:
-    rng = random.Random(seed)
-    ledger = Ledger(url)
-    out = []
-    try:
-        for i in range(count):
-            amount = rng.choice([1, 5, 17, 40, 99, 250])
-            try:
-                ledger.calls.reserve("hot", f"s{seed}-{i}", amount)
-                out.append((amount, True, ""))
-            except BudgetExceeded as exc:
-                out.append((amount, False, exc.budget))
-    finally:
-        ledger.dispose()
-    return out
-
-
 def test_thirty_two_processes_on_one_budget_in_eight_slices_never_pass_its_cap(
     pg_url: str, pg_ledger: Ledger
 ) -> None:
@@ -165,15 +150,15 @@ def test_thirty_two_processes_on_one_budget_in_eight_slices_never_pass_its_cap(
     counts = [63] * 16 + [62] * 16  # 2,000 reservations
     results = [
         row
-        for rows in race(reserve_many, [(pg_url, i, n) for i, n in enumerate(counts)])
+        for rows in race(reserve_many, [(pg_url, ["hot"], i, n) for i, n in enumerate(counts)])
         for row in rows
     ]
     assert len(results) == 2_000
-    admitted = sum(amount for amount, ok, _ in results if ok)
-    assert {by for _, ok, by in results if not ok} == {"hot"}  # never a slice's name
+    admitted = sum(amount for _, _, amount, ok, _ in results if ok)
+    assert {by for *_, ok, by in results if not ok} == {"hot"}  # never a slice's name
     bal = pg_ledger.balance("hot")
     assert admitted == bal.held == sum(a.amount for a in pg_ledger.attempts()) <= 40_000
-    denied = [amount for amount, ok, _ in results if not ok]
+    denied = [amount for _, _, amount, ok, _ in results if not ok]
     assert denied, "the cap was meant to run out"
     # Availability only shrinks here: each refusal was for more than what is left in
     # all the slices and the budget's own row.
