@@ -83,8 +83,14 @@ def admit(
         _draw(cur, escrow, periods, amount, room, available - room, stamp)
     else:
         _check_overspent(cur, escrow, periods, amount, room, stamp)
-    admitted = cur.one(sql.escrow_admit(depth), params)
-    assert admitted is not None  # the period is locked and now holds the grant
+    if cur.one(sql.escrow_admit(depth), params) is not None:
+        return
+    # Every period it reads is locked now: only a freeze committed since the flags
+    # were read refuses it here.
+    frozen = cur.one(sql.frozen_in_chain(depth), ids)
+    if frozen is not None:
+        raise BudgetFrozen(frozen[0])
+    raise AssertionError(f"escrowed period {period_id} refused {amount} it was checked for")
 
 
 def _check_overspent(
@@ -100,7 +106,9 @@ def _check_overspent(
     children hold unused, taken back, makes up for it, as without escrow."""
     for budget_id, name, _ in escrow.ancestors:
         source = periods[budget_id][0]
-        if _left(cur, source) + room - amount >= 0:
+        # locked (after the escrowed period, by budget id: the order of a draw), so that
+        # the admission's own read of it sees what was checked here
+        if _left(cur, source, lock=True) + room - amount >= 0:
             continue
         reclaim_under(cur, budget_id, stamp, but=escrow.budget_id)
         left = _left(cur, source)
@@ -108,8 +116,9 @@ def _check_overspent(
             raise BudgetExceeded(name, amount, left + room)
 
 
-def _left(cur: Cursor, period_id: int) -> int:
-    row = cur.one(sql.PERIOD_AVAILABLE, {"period_id": period_id})
+def _left(cur: Cursor, period_id: int, *, lock: bool = False) -> int:
+    statement = sql.LOCK_PERIOD_AVAILABLE if lock else sql.PERIOD_AVAILABLE
+    row = cur.one(statement, {"period_id": period_id})
     return 0 if row is None else int(row[0])
 
 

@@ -575,6 +575,10 @@ WHERE id = :period_id{{for_update_plain}}"""
 #: What an ancestor's period has left, read without a lock to size a grant.
 PERIOD_AVAILABLE = f"SELECT {AVAILABLE} FROM budget_periods WHERE id = :period_id"
 
+#: The same, locked: what the admission reads of it must hold until it commits.
+LOCK_PERIOD_AVAILABLE = f"""
+SELECT {AVAILABLE} FROM budget_periods WHERE id = :period_id{{for_update_plain}}"""
+
 #: A grant out of an ancestor's period: compare-and-set like an admission.
 GRANT = f"""
 UPDATE budget_periods SET granted = granted + :amount
