@@ -117,7 +117,9 @@ def fill(conninfo: str, budgets: int, holds: int) -> None:
         )
         conn.execute(
             "INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, "
-            "created_at) SELECT id, period_id, 'hold', amount, 0, created_at FROM attempts"
+            "created_at, period_start) SELECT a.id, a.period_id, 'hold', a.amount, 0, "
+            "a.created_at, p.period_start FROM attempts a "
+            "JOIN budget_periods p ON p.id = a.period_id"
         )
         conn.execute(
             "UPDATE budget_periods p SET held = h.total FROM (SELECT period_id, "

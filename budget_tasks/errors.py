@@ -79,6 +79,14 @@ class LedgerConfigError(BudgetTasksError, ValueError):
     reason: str
 
 
+class RetentionRefused(LedgerError):
+    """A retention run or view was refused (SQLite, a window too short, no archive
+    directory); nothing was archived or removed."""
+
+    template = "retention refused: {reason}"
+    reason: str
+
+
 class UnknownBudget(LedgerError):
     """No budget has this name."""
 

@@ -17,9 +17,11 @@ from .records import (
     Hold,
     JournalEntry,
     OperationEvent,
+    PartitionInfo,
     Purged,
     Reservation,
     Resolved,
+    Retained,
 )
 
 __all__ = [
@@ -41,11 +43,13 @@ __all__ = [
     "Ledger",
     "OperationEvent",
     "OperationHistory",
+    "PartitionInfo",
     "Period",
     "Purged",
     "Renewal",
     "Reservation",
     "Resolved",
+    "Retained",
     "Upkeep",
     "period_start",
 ]

@@ -6,7 +6,9 @@ the open periods and the periods those rows touch. A full audit reads the whole
 journal and proves every period again. The position only moves to an id that every
 journal writer before it has passed (PostgreSQL: under a SHARE lock on the journal,
 held for one read, that waits for the writers in flight), so a row committed late
-with a lower id is never skipped.
+with a lower id is never skipped. The journal rows that retention archived are in the
+checkpoints already (retention adds them as it removes them), and a full audit starts
+from their sums, which retention kept (``archived_periods``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Audits(LedgerBase):
             since = int(since)
             if full or since == 0:
                 cur.run(sql.FORGET_CHECKPOINTS, {})
+                cur.run(sql.SEED_CHECKPOINTS, {})
                 since = 0
             rows = cur.all(sql.AUDIT_PERIODS, {"since": since, "everything": int(full)})
             # another audit may have moved on meanwhile: never move the position back

@@ -33,7 +33,7 @@ from ..errors import (
     UnknownBudget,
     UsageRecorded,
 )
-from . import escrow
+from . import escrow, partitions
 from . import statements as sql
 from .counters import _apply, _journal
 from .driver import Cursor, Driver
@@ -181,6 +181,9 @@ class LedgerBase:
         """
         with self._driver.transaction() as cur:
             metadata.create_all(cur.conn)
+            if not self._driver.sqlite:
+                now = self.now()
+                partitions.make_months(cur, now, partitions.ahead_of(now))
 
     def installation_id(self) -> str:
         """This ledger's own id, made with its tables (and kept for good)."""

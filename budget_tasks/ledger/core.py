@@ -4,7 +4,7 @@ No Celery here. Every method runs in one short transaction; a failure to reach t
 database raises :class:`LedgerUnavailable` and writes nothing (fail closed). The core
 is put together from its parts, one module each: budgets, holds, operations, steps
 (labelled calls and side effects), maintenance, reports, oversight (an operator's
-view of operations), audits, on a shared base. Callers use it through its faces (see
+view of operations), audits, retention, on a shared base. Callers use it through its faces (see
 :mod:`.faces`), each the API of one kind of caller.
 """
 
@@ -15,12 +15,13 @@ from .base import CLOCK_AGREEMENT, CLOCK_CHECK_SECONDS, Clock
 from .budgets import Budgets
 from .maintenance import Maintenance
 from .oversight import Oversight
+from .retention import Retention
 from .steps import Steps
 
 __all__ = ["CLOCK_AGREEMENT", "CLOCK_CHECK_SECONDS", "Clock", "LedgerCore"]
 
 
-class LedgerCore(Budgets, Maintenance, Steps, Oversight, Audits):
+class LedgerCore(Budgets, Maintenance, Steps, Oversight, Audits, Retention):
     """Every method of a budget ledger on PostgreSQL or SQLite, behind its faces
     (:class:`~.faces.Ledger`, :class:`~.faces.CallLedger`, :class:`~.faces.Upkeep`).
 

@@ -205,6 +205,12 @@ class Cursor:
         self._execute(statement, params)
         return int(self.raw.rowcount)
 
+    def ddl(self, statement: str) -> None:
+        """A statement with no parameters, sent as written (DDL, whose literals may hold
+        what would read as a ``:name``)."""
+        self._first_statement()
+        self.raw.execute(statement)
+
     @overload
     def execute(
         self, statement: TypedReturnsRows[_Row], params: Mapping[str, Any] | None = None

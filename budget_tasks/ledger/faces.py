@@ -107,6 +107,9 @@ class Upkeep(_Face):
     distrust = _Offer(LedgerCore.distrust)
     conclude_operation = _Offer(LedgerCore.conclude_operation)
     purge_operations = _Offer(LedgerCore.purge_operations)
+    make_partitions = _Offer(LedgerCore.make_partitions)
+    retention = _Offer(LedgerCore.retention)
+    retain = _Offer(LedgerCore.retain)
 
 
 class Ledger(_Face):

@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -448,3 +448,33 @@ class Resolved:
     #: where the operation stands now (None: not touched, e.g. a later attempt exists)
     operation_status: str | None = None
     operation_changed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionInfo:
+    """One journal partition as retention sees it.
+
+    ``state``: ``none`` (budgets without a period: never archived), ``default`` (rows
+    whose month had no partition: never archived), ``ahead``, ``current``, ``kept``
+    (inside the window), ``due`` (the next run archives it), ``blocked`` (past the
+    window, with ``blockers`` saying why), or ``archived`` (gone; ``kept_as`` says
+    where it went). ``rows`` is PostgreSQL's estimate (None: never analysed)."""
+
+    name: str
+    month: datetime | None
+    state: str
+    rows: int | None = None
+    bytes: int = 0
+    blockers: tuple[str, ...] = ()
+    kept_as: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Retained:
+    """What one retention run did: the months ``archived`` (their partitions), those
+    ``blocked`` and why, and the ``attempts`` and ``operations`` rows it removed."""
+
+    archived: tuple[str, ...] = ()
+    blocked: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    attempts: int = 0
+    operations: int = 0

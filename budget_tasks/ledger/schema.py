@@ -21,6 +21,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Table,
     Text,
@@ -30,7 +31,10 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.types import TypeDecorator
+
+from .partitions import FIXED_DDL
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -235,6 +239,8 @@ attempts = Table(
     ),
     Index(None, "state", "created_at"),
     Index(None, "operation_id"),
+    # Added in migration 0015: retention finds an archived month's attempts by period.
+    Index(None, "period_id"),
     # Added in migration 0011
     _partial("ix_attempts_purgeable", "resolved_at", PURGEABLE["attempts"]),
 )
@@ -265,6 +271,8 @@ operations = Table(
     Column("payload", Text, nullable=True),
     UniqueConstraint("key"),
     CheckConstraint(f"status IN ({_in(OPERATION_STATUSES)})", name="status_known"),
+    # Added in migration 0015: retention finds finished operations past its window.
+    Index(None, "completed_at"),
     # Added in migration 0011
     _partial("ix_operations_purgeable", "completed_at", PURGEABLE["operations"]),
     _partial("ix_operations_waiting_payload", "updated_at", PURGEABLE["waiting"]),
@@ -325,9 +333,15 @@ journal = Table(
     # (``drawn_delta``) and in each ancestor's period that granted it (``granted_delta``).
     Column("drawn_delta", BigInteger, nullable=False, server_default="0"),
     Column("granted_delta", BigInteger, nullable=False, server_default="0"),
+    # Added in migration 0015: the start of the row's period, which the journal is
+    # partitioned by on PostgreSQL (see :mod:`.partitions`); it is part of the primary
+    # key there, as PostgreSQL requires of a partitioned table's keys.
+    Column("period_start", UTCDateTime, nullable=False),
     CheckConstraint(f"kind IN ({_in(JOURNAL_KINDS)})", name="kind_known"),
     Index(None, "attempt_id"),
     Index(None, "period_id"),
+    postgresql_partition_by="RANGE (period_start)",
+    info={"partition_key": "period_start"},
 )
 
 # Added in migration 0014: what the last audit proved, so that the next one reads only
@@ -352,6 +366,34 @@ audit_position = Table(
     Column("journal_id", BigInteger, nullable=False),
     Column("audited_at", UTCDateTime, nullable=False),
     CheckConstraint("id = 1", name="one_row"),
+)
+
+# Added in migration 0015 (retention, PostgreSQL): what each archived month removed. A
+# month's journal partition leaves by DETACH once its periods are closed, settled and
+# audited: ``kept_as`` names the directory it was exported to, or the detached table
+# that still holds it. ``archived_periods`` keeps each of its periods' journal sums, which
+# a full audit starts from (the incremental one has them in its checkpoints already).
+archives = Table(
+    "archives",
+    metadata,
+    Column("partition", String(63), primary_key=True),
+    Column("month", UTCDateTime, nullable=False),
+    Column("journal_rows", BigInteger, nullable=False),
+    Column("periods", BigInteger, nullable=False),
+    Column("kept_as", Text, nullable=False),
+    Column("archived_at", UTCDateTime, nullable=False),
+)
+
+archived_periods = Table(
+    "archived_periods",
+    metadata,
+    Column("period_id", Id, ForeignKey("budget_periods.id"), primary_key=True),
+    Column("partition", String(63), ForeignKey("archives.partition"), nullable=False),
+    Column("held", BigInteger, nullable=False),
+    Column("spent", BigInteger, nullable=False),
+    Column("overrun", BigInteger, nullable=False),
+    Column("drawn", BigInteger, nullable=False),
+    Column("granted", BigInteger, nullable=False),
 )
 
 # Added in migration 0007: this ledger's own id, made once when its tables are made.
@@ -413,5 +455,19 @@ def _journal_append_only(target: Table, connection: Connection, **kw: Any) -> No
     statements = list(APPEND_ONLY_DDL.get(connection.dialect.name, ()))
     if connection.dialect.name == "postgresql":
         statements.append(NO_TRUNCATE_DDL)
+        statements.extend(FIXED_DDL)
     for statement in statements:
         connection.execute(DDL(statement))  # type: ignore[no-untyped-call]
+
+
+@compiles(PrimaryKeyConstraint, "postgresql")
+def _partitioned_key(constraint: PrimaryKeyConstraint, compiler: Any, **kw: Any) -> str:
+    """A partitioned table's primary key holds its partition key (PostgreSQL requires
+    it); elsewhere the key is the id alone (SQLite's INTEGER PRIMARY KEY is its rowid)."""
+    table = constraint.table
+    extra = table.info.get("partition_key")
+    if extra is None:
+        return str(compiler.visit_primary_key_constraint(constraint, **kw))
+    columns = ", ".join(compiler.preparer.quote(c.name) for c in constraint.columns)
+    name = compiler.preparer.format_constraint(constraint)
+    return f"CONSTRAINT {name} PRIMARY KEY ({columns}, {compiler.preparer.quote(extra)})"

@@ -58,12 +58,14 @@ LEFT JOIN budgets o ON o.id = b.slice_of
 JOIN budget_periods p ON p.id = a.period_id
 WHERE a.key = :key"""
 
+#: A journal row, in its period's partition (PostgreSQL) by the period's start.
 INSERT_JOURNAL = """
 INSERT INTO journal
     (attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at, actor,
-     drawn_delta, granted_delta)
+     drawn_delta, granted_delta, period_start)
 VALUES (:attempt_id, :period_id, :kind, :held_delta, :spent_delta, :note, :ref, :now, :actor,
-        :drawn_delta, :granted_delta)"""
+        :drawn_delta, :granted_delta,
+        (SELECT period_start FROM budget_periods WHERE id = :period_id))"""
 
 MARK_SENDING = """
 UPDATE attempts
@@ -659,7 +661,12 @@ LOCK_JOURNAL = "LOCK TABLE journal IN SHARE MODE"
 JOURNAL_END = "SELECT COALESCE(MAX(id), 0) FROM journal"
 
 #: PostgreSQL's estimate of the journal's rows (-1 before its first ANALYZE).
-JOURNAL_ROWS_ESTIMATE = "SELECT CAST(reltuples AS BIGINT) FROM pg_class WHERE relname = 'journal'"
+#: PostgreSQL's estimate of the journal's rows: the sum over its partitions, or -1 while
+#: one was never analysed.
+JOURNAL_ROWS_ESTIMATE = """
+SELECT CASE WHEN MIN(c.reltuples) < 0 THEN -1 ELSE CAST(SUM(c.reltuples) AS BIGINT) END
+FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = CAST('journal' AS regclass)"""
 
 JOURNAL_ROWS = "SELECT COUNT(*) FROM journal"
 
@@ -677,6 +684,11 @@ AUDIT_SINCE = "SELECT journal_id FROM audit_position WHERE id = 1"
 SET_AUDIT_POSITION = "UPDATE audit_position SET journal_id = :upto, audited_at = :now WHERE id = 1"
 
 FORGET_CHECKPOINTS = "DELETE FROM audit_checkpoints"
+
+#: What a full audit starts from: the sums of the journal rows retention archived.
+SEED_CHECKPOINTS = """
+INSERT INTO audit_checkpoints (period_id, held, spent, overrun, drawn, granted)
+SELECT period_id, held, spent, overrun, drawn, granted FROM archived_periods"""
 
 #: A charge above its hold, the overrun it records.
 _OVERRUN = """CASE WHEN kind = 'charge' AND spent_delta + held_delta > 0
@@ -721,3 +733,93 @@ ON CONFLICT (period_id) DO UPDATE SET
     overrun = audit_checkpoints.overrun + excluded.overrun,
     drawn = audit_checkpoints.drawn + excluded.drawn,
     granted = audit_checkpoints.granted + excluded.granted"""
+
+# -- retention (PostgreSQL): a month's journal partition and what goes with it --------
+# ``{partition}`` is a month partition's name, made by .partitions (never user input).
+
+ARCHIVES = "SELECT partition, month, journal_rows, kept_as FROM archives ORDER BY month"
+
+_IN_MONTH = "period_start >= :start AND period_start < :end"
+
+#: The month's periods, locked: nothing writes their counters while the month leaves.
+LOCK_MONTH_PERIODS = f"SELECT id FROM budget_periods WHERE {_IN_MONTH} ORDER BY id FOR UPDATE"
+
+#: What keeps a month in the journal: open periods, attempts holding money, unfinished
+#: operations of its attempts, and periods whose counters the journal does not derive.
+MONTH_BLOCKERS = f"""
+SELECT
+    (SELECT COUNT(*) FROM budget_periods WHERE {_IN_MONTH} AND closed_at IS NULL),
+    (SELECT COUNT(*) FROM attempts a JOIN budget_periods p ON p.id = a.period_id
+     WHERE p.{_IN_MONTH.replace(" AND ", " AND p.")}
+     AND a.state IN ('reserved', 'sending', 'unknown')),
+    (SELECT COUNT(DISTINCT o.id) FROM operations o
+     JOIN attempts a ON a.operation_id = o.id
+     JOIN budget_periods p ON p.id = a.period_id
+     WHERE p.{_IN_MONTH.replace(" AND ", " AND p.")}
+     AND o.status NOT IN ('succeeded', 'failed')),
+    (SELECT COUNT(*) FROM budget_periods p
+     LEFT JOIN (
+        SELECT period_id, SUM(held_delta) AS held, SUM(spent_delta) AS spent,
+            SUM({_OVERRUN}) AS overrun, SUM(drawn_delta) AS drawn,
+            SUM(granted_delta) AS granted
+        FROM journal WHERE {_IN_MONTH} GROUP BY period_id
+     ) s ON s.period_id = p.id
+     LEFT JOIN archived_periods ap ON ap.period_id = p.id
+     WHERE p.{_IN_MONTH.replace(" AND ", " AND p.")} AND (
+        p.held <> COALESCE(s.held, 0) + COALESCE(ap.held, 0)
+        OR p.spent <> COALESCE(s.spent, 0) + COALESCE(ap.spent, 0)
+        OR p.overrun <> COALESCE(s.overrun, 0) + COALESCE(ap.overrun, 0)
+        OR p.drawn <> COALESCE(s.drawn, 0) + COALESCE(ap.drawn, 0)
+        OR p.granted <> COALESCE(s.granted, 0) + COALESCE(ap.granted, 0)))"""
+
+MONTH_JOURNAL_EXPORT = "SELECT * FROM {partition} ORDER BY id"
+
+MONTH_PERIODS_EXPORT = f"""
+SELECT b.name AS budget, p.* FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
+WHERE p.{_IN_MONTH.replace(" AND ", " AND p.")} ORDER BY p.id"""
+
+MONTH_ATTEMPTS_EXPORT = f"""
+SELECT a.* FROM attempts a JOIN budget_periods p ON p.id = a.period_id
+WHERE p.{_IN_MONTH.replace(" AND ", " AND p.")} ORDER BY a.id"""
+
+INSERT_ARCHIVE = """
+INSERT INTO archives (partition, month, journal_rows, periods, kept_as, archived_at)
+VALUES (:partition, :start, :rows, :periods, :kept_as, :now)"""
+
+#: Each period's sums over the partition's rows, kept for the full audit to start from.
+ARCHIVE_PERIODS = f"""
+INSERT INTO archived_periods (period_id, partition, held, spent, overrun, drawn, granted)
+SELECT period_id, :partition, {_JOURNAL_SUMS} FROM {{partition}} GROUP BY period_id"""
+
+#: The partition's rows the audit has not proved yet, added to its checkpoints as they
+#: leave (the next audit reads the rows after its position, and these will be gone).
+CHECKPOINT_ARCHIVED = f"""
+INSERT INTO audit_checkpoints (period_id, held, spent, overrun, drawn, granted)
+SELECT period_id, {_JOURNAL_SUMS} FROM {{partition}} WHERE id > :since GROUP BY period_id
+ON CONFLICT (period_id) DO UPDATE SET
+    held = audit_checkpoints.held + excluded.held,
+    spent = audit_checkpoints.spent + excluded.spent,
+    overrun = audit_checkpoints.overrun + excluded.overrun,
+    drawn = audit_checkpoints.drawn + excluded.drawn,
+    granted = audit_checkpoints.granted + excluded.granted"""
+
+#: Attempts of archived periods (exported with their month) that no journal row names.
+RETAIN_ATTEMPTS = """
+DELETE FROM attempts WHERE id IN (
+    SELECT a.id FROM archived_periods ap JOIN attempts a ON a.period_id = ap.period_id
+    WHERE NOT EXISTS (SELECT 1 FROM journal j WHERE j.attempt_id = a.id)
+    LIMIT :batch FOR UPDATE OF a SKIP LOCKED)
+RETURNING id"""
+
+#: Finished operations past the window that no attempt names any more.
+RETAINABLE_OPERATIONS = """
+SELECT o.id FROM operations o
+WHERE o.completed_at < :cutoff AND o.status IN ('succeeded', 'failed')
+AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.operation_id = o.id)
+ORDER BY o.completed_at LIMIT :batch FOR UPDATE SKIP LOCKED"""
+
+RETAIN_OPERATION_EVENTS = "DELETE FROM operation_events WHERE operation_id = ANY(:ids) RETURNING *"
+
+RETAIN_SIDE_EFFECTS = "DELETE FROM side_effects WHERE operation_id = ANY(:ids) RETURNING *"
+
+RETAIN_OPERATIONS = "DELETE FROM operations WHERE id = ANY(:ids) RETURNING *"

@@ -8,6 +8,16 @@ from alembic.config import Config
 from ..ledger.engine import normalise_url
 
 
+def include_object(
+    obj: object, name: str | None, type_: str, reflected: bool, compare_to: object
+) -> bool:
+    """For autogenerate: the journal's partitions are the ledger's, made by beat, not
+    tables the metadata is missing."""
+    from ..ledger.partitions import is_partition
+
+    return not (type_ == "table" and reflected and compare_to is None and is_partition(name))
+
+
 def alembic_config(url: str) -> Config:
     """An alembic Config for the ledger at ``url``, using the packaged scripts."""
     config = Config()

@@ -8,6 +8,7 @@ from alembic import context
 
 from budget_tasks.ledger.engine import build_engine
 from budget_tasks.ledger.schema import metadata
+from budget_tasks.migrations import include_object
 
 #: The advisory lock that serialises migrations on PostgreSQL (any constant the
 #: application does not use for something else).
@@ -17,7 +18,9 @@ config = context.config
 connection = config.attributes.get("connection")
 
 if connection is not None:
-    context.configure(connection=connection, target_metadata=metadata)
+    context.configure(
+        connection=connection, target_metadata=metadata, include_object=include_object
+    )
     with context.begin_transaction():
         context.run_migrations()
 else:
@@ -33,7 +36,12 @@ else:
                 # transaction, migrate, check them, turn them on. (pysqlite runs this
                 # connection in autocommit: the pragma is not inside a transaction.)
                 raw.execute("PRAGMA foreign_keys=OFF")
-            context.configure(connection=conn, target_metadata=metadata, render_as_batch=sqlite)
+            context.configure(
+                connection=conn,
+                target_metadata=metadata,
+                render_as_batch=sqlite,
+                include_object=include_object,
+            )
             with context.begin_transaction():
                 if conn.dialect.name == "postgresql":
                     # Two upgrades at once (two deploys, a compose restart) take turns: the

@@ -96,8 +96,9 @@ def test_a_journal_row_that_commits_late_with_a_lower_id_is_never_skipped(
     late = psycopg.connect(pg_conninfo(pg_url))
     late.execute(
         "INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, "
-        "note, created_at) VALUES (NULL, %s, 'adjustment', 0, 5, 'late', now())",
-        (period_id,),
+        "note, created_at, period_start) VALUES (NULL, %s, 'adjustment', 0, 5, 'late', now(), "
+        "(SELECT period_start FROM budget_periods WHERE id = %s))",
+        (period_id, period_id),
     )
     late.execute("UPDATE budget_periods SET spent = spent + 5 WHERE id = %s", (period_id,))
     # ... while another writer commits a row with a higher id

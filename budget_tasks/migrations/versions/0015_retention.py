@@ -1,0 +1,211 @@
+"""Retention: each journal row names its period's start, and on PostgreSQL the journal
+is partitioned by it, one partition per month, so that a month whose periods are closed
+and audited can leave by DETACH (the journal still refuses DELETE). ``archives`` and
+``archived_periods`` record what left and the sums a full audit starts from; attempts
+get an index by period and operations one by completion, which retention finds them by.
+
+On PostgreSQL the journal is rebuilt: its rows are copied, ids kept, into the
+partitioned table (one partition per month that has periods, and the months ahead).
+
+Revision ID: 0015
+Revises: 0014
+Create Date: 2026-12-03
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+from alembic import op
+
+from budget_tasks.ledger import partitions
+from budget_tasks.ledger.schema import APPEND_ONLY_DDL, NO_TRUNCATE_DDL
+
+revision = "0015"
+down_revision = "0014"
+branch_labels = None
+depends_on = None
+
+Id = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+When = sa.DateTime(timezone=True)
+KINDS = (
+    "kind IN ('hold', 'release', 'charge', 'adjustment', 'cap', 'freeze', 'unfreeze', "
+    "'reopen', 'grant', 'return')"
+)
+COLUMNS = (
+    "id, attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at, "
+    "cap_delta, actor, drawn_delta, granted_delta"
+)
+
+
+def _journal_columns(partitioned: bool) -> list[sa.Column[object]]:
+    columns: list[sa.Column[object]] = [
+        sa.Column("id", Id, autoincrement=True, nullable=False),
+        sa.Column("attempt_id", Id, nullable=True),
+        sa.Column("period_id", Id, nullable=False),
+        sa.Column("kind", sa.String(16), nullable=False),
+        sa.Column("held_delta", sa.BigInteger, nullable=False),
+        sa.Column("spent_delta", sa.BigInteger, nullable=False),
+        sa.Column("note", sa.Text, nullable=True),
+        sa.Column("ref", sa.String(255), nullable=True),
+        sa.Column("created_at", When, nullable=False),
+        sa.Column("cap_delta", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("actor", sa.String(255), nullable=True),
+        sa.Column("drawn_delta", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("granted_delta", sa.BigInteger, nullable=False, server_default="0"),
+    ]
+    if partitioned:
+        columns.append(sa.Column("period_start", When, nullable=False))
+    return columns
+
+
+def _journal_table(partitioned: bool) -> None:
+    """The journal as of this revision (``partitioned``) or the one before, with its
+    keys, indexes and append-only triggers."""
+    key = ["id", "period_start"] if partitioned else ["id"]
+    options = {"postgresql_partition_by": "RANGE (period_start)"} if partitioned else {}
+    op.create_table(
+        "journal",
+        *_journal_columns(partitioned),
+        sa.PrimaryKeyConstraint(*key, name=op.f("pk_journal")),
+        sa.CheckConstraint(KINDS, name=op.f("ck_journal_kind_known")),
+        sa.ForeignKeyConstraint(
+            ["attempt_id"], ["attempts.id"], name=op.f("fk_journal_attempt_id_attempts")
+        ),
+        sa.ForeignKeyConstraint(
+            ["period_id"],
+            ["budget_periods.id"],
+            name=op.f("fk_journal_period_id_budget_periods"),
+            deferrable=True,
+            initially="DEFERRED",
+        ),
+        **options,  # type: ignore[arg-type]
+    )
+    op.create_index(op.f("ix_journal_attempt_id"), "journal", ["attempt_id"])
+    op.create_index(op.f("ix_journal_period_id"), "journal", ["period_id"])
+    for statement in (*APPEND_ONLY_DDL["postgresql"], NO_TRUNCATE_DDL):
+        op.execute(statement)
+
+
+def _set_aside_journal() -> None:
+    """Rename the journal and what bears its name, so a new one can take them."""
+    op.execute("ALTER TABLE journal RENAME TO journal_old")
+    op.execute("ALTER SEQUENCE journal_id_seq RENAME TO journal_old_id_seq")
+    for index in ("pk_journal", "ix_journal_attempt_id", "ix_journal_period_id"):
+        op.execute(f"ALTER INDEX {index} RENAME TO {index}_old")
+
+
+def _upgrade_postgresql() -> None:
+    bind = op.get_bind()
+    _set_aside_journal()
+    _journal_table(partitioned=True)
+    for statement in partitions.FIXED_DDL:
+        op.execute(statement)
+    months = {
+        partitions.month_start(row[0].astimezone(UTC))
+        for row in bind.exec_driver_sql(
+            "SELECT DISTINCT period_start FROM budget_periods "
+            "WHERE period_start >= '1970-01-02 00:00:00+00'"
+        )
+    }
+    now = datetime.now(UTC)
+    start = partitions.month_start(now)
+    while start <= partitions.ahead_of(now):
+        months.add(start)
+        start = partitions.next_month(start)
+    for month in sorted(months):
+        op.execute(partitions.month_ddl(month))
+    op.execute(
+        f"INSERT INTO journal ({COLUMNS}, period_start) "
+        f"SELECT {', '.join('j.' + c.strip() for c in COLUMNS.split(','))}, p.period_start "
+        "FROM journal_old j JOIN budget_periods p ON p.id = j.period_id ORDER BY j.id"
+    )
+    op.execute(
+        "SELECT setval('journal_id_seq', GREATEST((SELECT MAX(id) FROM journal_old), 1), "
+        "(SELECT MAX(id) FROM journal_old) IS NOT NULL)"
+    )
+    op.execute("DROP TABLE journal_old")
+
+
+def _upgrade_sqlite() -> None:
+    with op.batch_alter_table("journal") as batch:
+        batch.add_column(sa.Column("period_start", When, nullable=True))
+    # The backfill is the one UPDATE the journal ever takes; its triggers come back after.
+    op.execute("DROP TRIGGER IF EXISTS journal_no_update")
+    op.execute("DROP TRIGGER IF EXISTS journal_no_delete")
+    op.execute(
+        "UPDATE journal SET period_start = "
+        "(SELECT period_start FROM budget_periods WHERE budget_periods.id = journal.period_id)"
+    )
+    with op.batch_alter_table("journal", recreate="always") as batch:
+        batch.alter_column("period_start", existing_type=When, nullable=False)
+    for statement in APPEND_ONLY_DDL["sqlite"]:
+        op.execute(statement)
+
+
+def upgrade() -> None:
+    if op.get_bind().dialect.name == "sqlite":
+        _upgrade_sqlite()
+    else:
+        _upgrade_postgresql()
+    op.create_index(op.f("ix_attempts_period_id"), "attempts", ["period_id"])
+    op.create_index(op.f("ix_operations_completed_at"), "operations", ["completed_at"])
+    op.create_table(
+        "archives",
+        sa.Column("partition", sa.String(63), nullable=False),
+        sa.Column("month", When, nullable=False),
+        sa.Column("journal_rows", sa.BigInteger, nullable=False),
+        sa.Column("periods", sa.BigInteger, nullable=False),
+        sa.Column("kept_as", sa.Text, nullable=False),
+        sa.Column("archived_at", When, nullable=False),
+        sa.PrimaryKeyConstraint("partition", name=op.f("pk_archives")),
+    )
+    op.create_table(
+        "archived_periods",
+        sa.Column("period_id", Id, nullable=False),
+        sa.Column("partition", sa.String(63), nullable=False),
+        sa.Column("held", sa.BigInteger, nullable=False),
+        sa.Column("spent", sa.BigInteger, nullable=False),
+        sa.Column("overrun", sa.BigInteger, nullable=False),
+        sa.Column("drawn", sa.BigInteger, nullable=False),
+        sa.Column("granted", sa.BigInteger, nullable=False),
+        sa.PrimaryKeyConstraint("period_id", name=op.f("pk_archived_periods")),
+        sa.ForeignKeyConstraint(
+            ["period_id"],
+            ["budget_periods.id"],
+            name=op.f("fk_archived_periods_period_id_budget_periods"),
+        ),
+        sa.ForeignKeyConstraint(
+            ["partition"],
+            ["archives.partition"],
+            name=op.f("fk_archived_periods_partition_archives"),
+        ),
+    )
+
+
+def downgrade() -> None:
+    # An archived month's rows are gone from the journal: the revision before this one
+    # cannot prove those periods, so a downgrade over archives is refused.
+    bind = op.get_bind()
+    if bind.exec_driver_sql("SELECT 1 FROM archives LIMIT 1").first() is not None:
+        raise RuntimeError("the ledger has archived months: 0015 cannot be downgraded")
+    op.drop_table("archived_periods")
+    op.drop_table("archives")
+    op.drop_index(op.f("ix_operations_completed_at"), table_name="operations")
+    op.drop_index(op.f("ix_attempts_period_id"), table_name="attempts")
+    if bind.dialect.name == "sqlite":
+        with op.batch_alter_table("journal", recreate="always") as batch:
+            batch.drop_column("period_start")
+        for statement in APPEND_ONLY_DDL["sqlite"]:
+            op.execute(statement)
+        return
+    _set_aside_journal()
+    _journal_table(partitioned=False)
+    op.execute(f"INSERT INTO journal ({COLUMNS}) SELECT {COLUMNS} FROM journal_old ORDER BY id")
+    op.execute(
+        "SELECT setval('journal_id_seq', GREATEST((SELECT MAX(id) FROM journal_old), 1), "
+        "(SELECT MAX(id) FROM journal_old) IS NOT NULL)"
+    )
+    # The partitions go with their parent.
+    op.execute("DROP TABLE journal_old CASCADE")
