@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy import text
 
 from budget_tasks import Ledger, RetentionRefused
-from budget_tasks.errors import UnknownOperation
 from budget_tasks.beat import renew_periods
+from budget_tasks.errors import UnknownOperation
 from budget_tasks.testing import ManualClock
 from budget_tasks.testing.harness import race
 
@@ -129,9 +129,7 @@ def test_a_month_is_archived_only_when_nothing_in_it_can_change(
     ledger.calls.settle("held#1", 250)
     ledger.calls.finish_operation(held.operation_id, result="late")
     journal_before = _count(ledger, "SELECT COUNT(*) FROM journal")
-    january_rows = _count(
-        ledger, "SELECT COUNT(*) FROM journal WHERE period_start < '2026-02-01'"
-    )
+    january_rows = _count(ledger, "SELECT COUNT(*) FROM journal WHERE period_start < '2026-02-01'")
     spent = {b: ledger.balance(b) for b in ("daily", "other")}
     ran = ledger.upkeep.retain(KEEP, archive_to=tmp_path)
     assert ran.archived == ("journal_y2026m01",)
@@ -194,7 +192,9 @@ def test_a_month_whose_journal_does_not_prove_it_is_not_archived(
     clock.advance(days=100)
     renew_periods(ledger)
     with ledger.engine.begin() as conn:
-        conn.execute(text("UPDATE budget_periods SET spent = spent + 1 WHERE closed_at IS NOT NULL"))
+        conn.execute(
+            text("UPDATE budget_periods SET spent = spent + 1 WHERE closed_at IS NOT NULL")
+        )
     ran = ledger.upkeep.retain(KEEP, archive_to=tmp_path)
     assert ran.blocked["journal_y2026m01"] == (
         "1 period(s) whose journal does not prove them: audit",
