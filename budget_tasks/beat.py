@@ -1,5 +1,6 @@
 """Periodic ledger jobs for Celery beat: flag stale holds, reconcile unknown outcomes
-with the provider, open budget periods, purge old payloads.
+with the provider, open budget periods (and the journal's partitions ahead), purge old
+payloads, archive settled months.
 
 Nothing here releases money because time passed: a hold whose outcome is unknown is
 flagged (and alerted through :data:`stale_hold`), and only a provider's answer, or an
@@ -9,7 +10,9 @@ the database (conditional UPDATEs, SKIP LOCKED, unique constraints), not in Pyth
 ``budget_tasks.configure(app)`` registers and schedules them; tune them with the settings
 ``budget_stale_after`` (seconds, default 900), ``budget_reconcile_margin`` (seconds
 past the client timeout before "not found" counts, default 300),
-``budget_requeue_not_found`` (default False) and ``budget_retention_days`` (default 7).
+``budget_requeue_not_found`` (default False), ``budget_retention_days`` (default 7), and
+``budget_ledger_retention_days`` with ``budget_archive_dir`` (PostgreSQL; unset: every
+row is kept).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ._trust import doubt
 from .config import ledger_of
 from .errors import BudgetTasksError
 from .hooks import hooks
-from .ledger import Attempt, Hold, Ledger, Purged, Resolved
+from .ledger import Attempt, Hold, Ledger, Purged, Resolved, Retained
 from .ledger.records import NO_TIMEOUT_MS, UNTRUSTED_LOOKUP
 from .ledger.states import nothing_sent_under
 from .providers import Found, Lookup, LookupFacts, NotFound, Unknowable, registry, settle_after
@@ -291,8 +294,12 @@ GRANT_IDLE = timedelta(minutes=5)
 
 def renew_periods(ledger: Ledger) -> int:
     """Open the current period of every periodic budget with its renewal policy (run
-    it often: a rollover computes its carry when the new period opens), and give back
-    what escrowed budgets drew and leave unused (their period ended, or they are idle)."""
+    it often: a rollover computes its carry when the new period opens), give back what
+    escrowed budgets drew and leave unused (their period ended, or they are idle), and
+    make the journal's month partitions ahead of need (PostgreSQL)."""
+    made = ledger.upkeep.make_partitions()
+    if made:
+        log.info("made journal partitions %s", ", ".join(made))
     ledger.upkeep.return_grants(GRANT_IDLE)
     opened = 0
     for budget in ledger.budgets():
@@ -309,6 +316,17 @@ def purge_expired_operations(ledger: Ledger, retention: timedelta) -> Purged:
     if purged.total:
         log.info("purged past %s: %s", retention, purged)
     return purged
+
+
+def retain_ledger(ledger: Ledger, keep: timedelta, archive_to: str) -> Retained:
+    """Archive the months past ``keep`` that are settled, into ``archive_to`` (see
+    ``Upkeep.retain``); a month that is not is said in the log, and kept."""
+    done = ledger.upkeep.retain(keep, archive_to=archive_to)
+    for name, reasons in done.blocked.items():
+        log.warning("kept %s past the retention window: %s", name, "; ".join(reasons))
+    if done.archived or done.attempts or done.operations:
+        log.info("retention: %s", done)
+    return done
 
 
 # -- the Celery tasks beat schedules ---------------------------------------------------
@@ -354,3 +372,15 @@ def renew_periods_task(self: Any) -> int:
 def purge_expired_operations_task(self: Any) -> dict[str, int]:
     days = float(self.app.conf.get("budget_retention_days", 7))
     return asdict(purge_expired_operations(_ledger(self), timedelta(days=days)))
+
+
+@shared_task(bind=True, name="budget_tasks.retain_ledger", ignore_result=False)  # type: ignore[untyped-decorator]
+def retain_ledger_task(self: Any) -> dict[str, Any]:
+    days = self.app.conf.get("budget_ledger_retention_days")
+    archive_to = self.app.conf.get("budget_archive_dir")
+    if days is None:
+        return {"skipped": "budget_ledger_retention_days is not set: every row is kept"}
+    if not archive_to:
+        log.error("budget_ledger_retention_days is set without budget_archive_dir: kept all")
+        return {"skipped": "budget_archive_dir is not set"}
+    return asdict(retain_ledger(_ledger(self), timedelta(days=float(days)), str(archive_to)))

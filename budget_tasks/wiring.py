@@ -29,6 +29,8 @@ BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
         "task": "budget_tasks.purge_expired_operations",
         "schedule": 3600.0,
     },
+    # does nothing until budget_ledger_retention_days and budget_archive_dir are set
+    "budget-tasks-retain-ledger": {"task": "budget_tasks.retain_ledger", "schedule": 86400.0},
 }
 
 #: What at-least-once delivery needs: a message acked only after its task ran, a killed
@@ -52,6 +54,8 @@ ENV_SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "BUDGET_TASKS_RECONCILE_MARGIN": ("budget_reconcile_margin", float),
     "BUDGET_TASKS_REQUEUE_NOT_FOUND": ("budget_requeue_not_found", _flag),
     "BUDGET_TASKS_RETENTION_DAYS": ("budget_retention_days", float),
+    "BUDGET_TASKS_LEDGER_RETENTION_DAYS": ("budget_ledger_retention_days", float),
+    "BUDGET_TASKS_ARCHIVE_DIR": ("budget_archive_dir", str),
     "BUDGET_TASKS_MAX_STORED_BYTES": ("budget_max_stored_bytes", int),
     "BUDGET_TASKS_METRICS_PORT": ("budget_metrics_port", int),
     "BUDGET_TASKS_METRICS_ADDR": ("budget_metrics_addr", str),

@@ -250,15 +250,17 @@ class Budgets(Reports):
             cur.run(sql.SET_BUDGET_CAP, {"cap": cap, "budget_id": budget_id})
             if current is not None and delta:
                 cur.run(sql.MOVE_PERIOD_CAP, {"delta": delta, "period_id": period_id})
-                cur.run(
-                    sql.INSERT_CAP_CHANGE,
-                    {
-                        "period_id": period_id,
-                        "delta": delta,
-                        "note": note or f"cap {old} -> {cap}",
-                        "now": stamp,
-                        "actor": actor,
-                    },
+                _journal(
+                    cur,
+                    None,
+                    period_id,
+                    "cap",
+                    0,
+                    0,
+                    note or f"cap {old} -> {cap}",
+                    stamp,
+                    actor=actor,
+                    cap_delta=delta,
                 )
         log.info("budget %s: cap %d -> %d", name, old, cap)
         return self.budget(name)

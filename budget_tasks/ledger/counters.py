@@ -28,6 +28,7 @@ def _journal(
     *,
     drawn_delta: int = 0,
     granted_delta: int = 0,
+    cap_delta: int = 0,
 ) -> None:
     """Append one journal entry: the only way the counters' history is written
     (``attempt_id`` None for an operator's action on a budget or an operation, and for
@@ -46,6 +47,7 @@ def _journal(
             "actor": actor,
             "drawn_delta": drawn_delta,
             "granted_delta": granted_delta,
+            "cap_delta": cap_delta,
         },
     )
 

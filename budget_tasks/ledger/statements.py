@@ -62,9 +62,9 @@ WHERE a.key = :key"""
 INSERT_JOURNAL = """
 INSERT INTO journal
     (attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at, actor,
-     drawn_delta, granted_delta, period_start)
+     drawn_delta, granted_delta, cap_delta, period_start)
 VALUES (:attempt_id, :period_id, :kind, :held_delta, :spent_delta, :note, :ref, :now, :actor,
-        :drawn_delta, :granted_delta,
+        :drawn_delta, :granted_delta, :cap_delta,
         (SELECT period_start FROM budget_periods WHERE id = :period_id))"""
 
 MARK_SENDING = """
@@ -198,11 +198,6 @@ ORDER BY period_start DESC LIMIT 1{for_update_plain}"""
 SET_BUDGET_CAP = "UPDATE budgets SET cap = :cap WHERE id = :budget_id"
 
 MOVE_PERIOD_CAP = "UPDATE budget_periods SET cap = cap + :delta WHERE id = :period_id"
-
-INSERT_CAP_CHANGE = """
-INSERT INTO journal (attempt_id, period_id, kind, held_delta, spent_delta, cap_delta, note,
-                     created_at, actor)
-VALUES (NULL, :period_id, 'cap', 0, 0, :delta, :note, :now, :actor)"""
 
 #: The period of an operation's latest attempt (where a reopen is journaled).
 LATEST_PERIOD_OF_OPERATION = """
