@@ -20,12 +20,13 @@ import csv
 import hashlib
 import json
 import shutil
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from .. import _validate as check
-from ..errors import LedgerUnavailable, RetentionRefused
+from ..errors import RetentionRefused
 from . import partitions
 from . import statements as sql
 from .base import LedgerBase
@@ -35,16 +36,17 @@ from .records import PartitionInfo, Retained
 #: The shortest retention window: a redelivery, a duplicate enqueue or a reconciliation
 #: later than the window finds no operation to replay, so it must outlast them all.
 MIN_KEEP = timedelta(days=1)
-#: How long the detach waits for the journal's writers before it gives up for this run.
-DETACH_WAIT = "5s"
+LOCK_NOT_AVAILABLE = "55P03"
+DEADLOCK = "40P01"
+#: How long one try of the detach waits for the ledger's writers (under the server's
+#: deadlock_timeout, 1 s by default, so that where a writer and the detach wait on
+#: each other the detach gives up, not the writer), and how many tries it makes.
+DETACH_WAIT = "500ms"
+DETACH_TRIES = 10
 
 
 class Retention(LedgerBase):
     """The retention methods of :class:`~budget_tasks.Ledger` (PostgreSQL)."""
-
-    @property
-    def _busy_or_failed(self) -> tuple[type[BaseException], ...]:
-        return (LedgerUnavailable, *self._driver.failures)
 
     def _postgresql_only(self) -> None:
         if self._driver.sqlite:
@@ -162,16 +164,12 @@ class Retention(LedgerBase):
                 )
                 cur.run(sql.ARCHIVE_PERIODS.format(partition=name), {"partition": name})
                 cur.run(sql.CHECKPOINT_ARCHIVED.format(partition=name), {"since": int(since)})
-                cur.ddl(f"SET LOCAL lock_timeout = '{DETACH_WAIT}'")
-                cur.ddl(f"ALTER TABLE journal DETACH PARTITION {name}")
-                cur.ddl(f"DROP TABLE {name}")
+                if not _detach(cur, name):
+                    raise _Busy  # rolls the month's transaction back
                 shutil.rmtree(final, ignore_errors=True)
                 partial.rename(final)
-        except self._busy_or_failed as exc:
-            shutil.rmtree(partial, ignore_errors=True)
-            if "lock timeout" in str(exc):
-                return (f"the journal stayed busy for {DETACH_WAIT}: next run",)
-            raise
+        except _Busy:
+            return (f"the ledger stayed busy for {DETACH_TRIES} tries: next run",)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
         return ()
@@ -208,6 +206,35 @@ class Retention(LedgerBase):
             done += len(ids)
             if len(ids) < params["batch"]:
                 return done
+
+
+class _Busy(Exception):
+    """The detach found the ledger busy every try."""
+
+
+def _detach(cur: Cursor, name: str) -> bool:
+    """Detach and drop partition ``name`` (False: the ledger stayed busy).
+
+    Dropping it drops its foreign keys, whose triggers live on ``attempts`` and
+    ``budget_periods``: both are locked first, then the journal (by the DETACH), in
+    one order, so that no writer holds one of them while it waits for another held
+    here. The lock is held for the DETACH and the DROP, milliseconds; a try that waits
+    longer than DETACH_WAIT rolls back to its savepoint and tries again."""
+    for attempt in range(DETACH_TRIES):
+        cur.ddl("SAVEPOINT detach")
+        try:
+            cur.ddl(f"SET LOCAL lock_timeout = '{DETACH_WAIT}'")
+            cur.ddl("LOCK TABLE attempts, budget_periods IN ACCESS EXCLUSIVE MODE")
+            cur.ddl(f"ALTER TABLE journal DETACH PARTITION {name}")
+            cur.ddl(f"DROP TABLE {name}")
+            cur.ddl("RELEASE SAVEPOINT detach")
+            return True
+        except cur.driver.unreachable as exc:
+            if getattr(exc, "sqlstate", None) not in (LOCK_NOT_AVAILABLE, DEADLOCK):
+                raise
+            cur.ddl("ROLLBACK TO SAVEPOINT detach")
+            time.sleep(0.1 * (attempt + 1))
+    return False
 
 
 def _blockers(cur: Cursor, month: datetime) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -213,6 +214,15 @@ def test_archiving_a_month_the_audit_had_not_reached_keeps_the_audit_clean(
     clock.advance(days=80)
     renew_periods(ledger)
     assert ledger.upkeep.retain(KEEP, archive_to=tmp_path).archived == ("journal_y2026m01",)
+    # the audit's checkpoints hold the rows it had not reached, as they left
+    mismatched = _count(
+        ledger,
+        "SELECT COUNT(*) FROM archived_periods a LEFT JOIN audit_checkpoints c "
+        "USING (period_id) WHERE c.period_id IS NULL OR (c.held, c.spent, c.overrun, "
+        "c.drawn, c.granted) <> (a.held, a.spent, a.overrun, a.drawn, a.granted)",
+    )
+    assert _count(ledger, "SELECT COUNT(*) FROM archived_periods") == 2  # 10 and 30 January
+    assert mismatched == 0
     assert ledger.upkeep.audit_size() <= 2  # only April's period openings, if any
     assert ledger.audit() == []
     assert ledger.audit(full=True) == []
@@ -264,3 +274,57 @@ def test_a_month_with_rows_in_the_default_partition_stays_there(
     spend(pg_ledger, "daily", "b", 100, 90)
     assert _count(pg_ledger, "SELECT COUNT(*) FROM journal_default") == 4
     assert pg_ledger.audit() == []
+
+
+def _settle_while(url: str, at: datetime, budget: str, count: int) -> tuple[int, float, float]:
+    ledger = Ledger(url, clock=ManualClock(at))
+    try:
+        began = time.time()
+        for i in range(count):
+            key = f"{budget}-{i}"
+            ledger.calls.reserve(budget, key, 100)
+            ledger.calls.mark_sending(key)
+            ledger.calls.settle(key, 90)
+        return count, began, time.time()
+    finally:
+        ledger.dispose()
+
+
+def _retain_at(url: str, at: datetime, archive: str) -> tuple[tuple[str, ...], float, float]:
+    ledger = Ledger(url, clock=ManualClock(at))
+    try:
+        time.sleep(0.2)  # the writers are under way
+        began = time.time()
+        archived = ledger.upkeep.retain(KEEP, archive_to=archive).archived
+        return archived, began, time.time()
+    finally:
+        ledger.dispose()
+
+
+def test_a_month_leaves_while_other_processes_settle_in_the_current_one(
+    ledger: Ledger, clock: ManualClock, pg_url: str, tmp_path: Path
+) -> None:
+    ledger.create_budget("daily", 10_000_000, period="day")
+    for i in range(3):
+        spend(ledger, "daily", f"jan-{i}", 100, 90)
+    april = JAN + timedelta(days=100)
+    clock.advance(april - clock())
+    renew_periods(ledger)
+    for n in range(4):
+        ledger.create_budget(f"live{n}", 10_000_000, period="day")
+    calls = [(_settle_while, (pg_url, april, f"live{n}", 150)) for n in range(4)]
+    calls.append((_retain_at, (pg_url, april, str(tmp_path))))
+    *writers, (archived, began, ended) = race(_call, calls)
+    assert [count for count, _, _ in writers] == [150] * 4
+    assert archived == ("journal_y2026m01",)
+    # the month left while the writers were settling, not before or after them all
+    assert any(start < began and ended < end for _, start, end in writers)
+    assert _count(ledger, "SELECT COUNT(*) FROM attempts") == 600
+    assert ledger.balance("live0").spent == 150 * 90
+    assert ledger.audit() == []
+    assert ledger.audit(full=True) == []
+
+
+def _call(fn: object, args: tuple[object, ...]) -> object:
+    assert callable(fn)
+    return fn(*args)

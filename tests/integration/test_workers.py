@@ -597,3 +597,37 @@ def test_real_workers_on_a_hot_budget_stop_at_exactly_its_cap(
     if shape == "escrowed tenant":
         assert capped.granted == hot.drawn == 20 * each  # org's cap, all granted and used
     assert pg_ledger.audit() == []
+
+
+def test_retention_through_a_real_worker_archives_a_month_past_the_window(
+    client: Celery,
+    start_worker: Callable[..., Worker],
+    pg_url: str,
+    pg_ledger: Ledger,
+    tmp_path: Path,
+) -> None:
+    from datetime import UTC, datetime
+
+    from budget_tasks.testing import ManualClock
+
+    # an empty month long past any window, and no setting yet: the job keeps all
+    past = Ledger(pg_url, clock=ManualClock(datetime(2025, 3, 5, tzinfo=UTC)))
+    past.upkeep.make_partitions(ahead=0)
+    past.dispose()
+    keeper = start_worker("keeps")
+    assert "skipped" in client.send_task("budget_tasks.retain_ledger").get(timeout=60)
+    keeper.stop()
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    start_worker(
+        "retains",
+        BUDGET_TASKS_LEDGER_RETENTION_DAYS="30",
+        BUDGET_TASKS_ARCHIVE_DIR=str(archive),
+    )
+    done = client.send_task("budget_tasks.retain_ledger").get(timeout=60)
+    assert "journal_y2025m03" in done["archived"]
+    manifest = (archive / "journal_y2025m03" / "MANIFEST.json").read_text()
+    assert '"journal_rows": 0' in manifest
+    assert "journal_y2025m03" in {
+        p.name for p in pg_ledger.upkeep.retention(None) if p.state == "archived"
+    }
