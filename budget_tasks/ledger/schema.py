@@ -344,6 +344,15 @@ journal = Table(
     info={"partition_key": "period_start"},
 )
 
+
+def _journal_sums() -> list[Column[int]]:
+    """A period's journal sums, as the audit derives its counters from them."""
+    return [
+        Column(name, BigInteger, nullable=False)
+        for name in ("held", "spent", "overrun", "drawn", "granted")
+    ]
+
+
 # Added in migration 0014: what the last audit proved, so that the next one reads only
 # the journal rows after it. ``audit_checkpoints`` holds each period's journal sums up
 # to ``audit_position.journal_id``; every journal row up to that id had committed when
@@ -352,11 +361,7 @@ audit_checkpoints = Table(
     "audit_checkpoints",
     metadata,
     Column("period_id", Id, ForeignKey("budget_periods.id"), primary_key=True),
-    Column("held", BigInteger, nullable=False),
-    Column("spent", BigInteger, nullable=False),
-    Column("overrun", BigInteger, nullable=False),
-    Column("drawn", BigInteger, nullable=False),
-    Column("granted", BigInteger, nullable=False),
+    *_journal_sums(),
 )
 
 audit_position = Table(
@@ -389,11 +394,7 @@ archived_periods = Table(
     metadata,
     Column("period_id", Id, ForeignKey("budget_periods.id"), primary_key=True),
     Column("partition", String(63), ForeignKey("archives.partition"), nullable=False),
-    Column("held", BigInteger, nullable=False),
-    Column("spent", BigInteger, nullable=False),
-    Column("overrun", BigInteger, nullable=False),
-    Column("drawn", BigInteger, nullable=False),
-    Column("granted", BigInteger, nullable=False),
+    *_journal_sums(),
 )
 
 # Added in migration 0007: this ledger's own id, made once when its tables are made.

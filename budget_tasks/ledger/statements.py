@@ -717,17 +717,20 @@ LEFT JOIN audit_checkpoints c ON c.period_id = p.id
 LEFT JOIN recent r ON r.period_id = p.id
 ORDER BY b.name, p.period_start"""
 
-#: The proven sums moved on to ``:upto``: journal rows every writer had committed.
-ADVANCE_CHECKPOINTS = f"""
-INSERT INTO audit_checkpoints (period_id, held, spent, overrun, drawn, granted)
-SELECT period_id, {_JOURNAL_SUMS} FROM journal
-WHERE id > :since AND id <= :upto GROUP BY period_id
+#: Sums added to what the checkpoints hold (the tail of an INSERT ... SELECT).
+_ADD_TO_CHECKPOINTS = """
 ON CONFLICT (period_id) DO UPDATE SET
     held = audit_checkpoints.held + excluded.held,
     spent = audit_checkpoints.spent + excluded.spent,
     overrun = audit_checkpoints.overrun + excluded.overrun,
     drawn = audit_checkpoints.drawn + excluded.drawn,
     granted = audit_checkpoints.granted + excluded.granted"""
+
+#: The proven sums moved on to ``:upto``: journal rows every writer had committed.
+ADVANCE_CHECKPOINTS = f"""
+INSERT INTO audit_checkpoints (period_id, held, spent, overrun, drawn, granted)
+SELECT period_id, {_JOURNAL_SUMS} FROM journal
+WHERE id > :since AND id <= :upto GROUP BY period_id{_ADD_TO_CHECKPOINTS}"""
 
 # -- retention (PostgreSQL): a month's journal partition and what goes with it --------
 # ``{partition}`` is a month partition's name, made by .partitions (never user input).
@@ -791,12 +794,7 @@ SELECT period_id, :partition, {_JOURNAL_SUMS} FROM {{partition}} GROUP BY period
 CHECKPOINT_ARCHIVED = f"""
 INSERT INTO audit_checkpoints (period_id, held, spent, overrun, drawn, granted)
 SELECT period_id, {_JOURNAL_SUMS} FROM {{partition}} WHERE id > :since GROUP BY period_id
-ON CONFLICT (period_id) DO UPDATE SET
-    held = audit_checkpoints.held + excluded.held,
-    spent = audit_checkpoints.spent + excluded.spent,
-    overrun = audit_checkpoints.overrun + excluded.overrun,
-    drawn = audit_checkpoints.drawn + excluded.drawn,
-    granted = audit_checkpoints.granted + excluded.granted"""
+{_ADD_TO_CHECKPOINTS}"""
 
 #: Attempts of archived periods (exported with their month) that no journal row names.
 RETAIN_ATTEMPTS = """
