@@ -133,7 +133,14 @@ def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> 
         conn.execute(
             journal,
             {**hold, "held_delta": 1_000, "spent_delta": 0, "note": "first"}
-            | {"ref": None, "now": now, "actor": None, "drawn_delta": 0, "granted_delta": 0},
+            | {
+                "ref": None,
+                "now": now,
+                "actor": None,
+                "drawn_delta": 0,
+                "granted_delta": 0,
+                "cap_delta": 0,
+            },
         )
         if (
             conn.execute(
@@ -148,7 +155,14 @@ def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> 
         conn.execute(
             journal,
             {**hold, "kind": "charge", "held_delta": -1_000, "spent_delta": 700, "note": None}
-            | {"ref": None, "now": now, "actor": None, "drawn_delta": 0, "granted_delta": 0},
+            | {
+                "ref": None,
+                "now": now,
+                "actor": None,
+                "drawn_delta": 0,
+                "granted_delta": 0,
+                "cap_delta": 0,
+            },
         )
         conn.execute(
             resolve,

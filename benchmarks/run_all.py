@@ -16,6 +16,10 @@ prints a table and rewrites benchmarks/RESULTS.md.
    1,000 (a ratio near 1 means no leak).
 5. One metrics scrape at 10,000 budgets and 100,000 open holds against the same gauges
    read by one hand-written query (scrape_bench.py).
+6-7. Commits per task, and hot budgets (commit_count.py, hot_budgets.py).
+8. The ledger over months: every per-call operation, the scrape, holds, each beat job
+   and the incremental audit on 2 million finished calls against an empty ledger, then
+   a retention run (ledger_growth.py).
 
 Needs PostgreSQL (scratch databases, user postgres on 127.0.0.1:5432, or env
 BUDGET_TASKS_TEST_PG_URL) and Redis on 127.0.0.1:6379 (database 10, flushed). The machine
@@ -51,6 +55,7 @@ from benchmarks import (  # noqa: E402
     commit_count,
     hot_budgets,
     ledger_bench,
+    ledger_growth,
     scrape_bench,
     task_overhead,
 )
@@ -85,6 +90,9 @@ class Sizes:
     hot_procs: tuple[int, ...]
     hot_seconds: float
     hot_rounds: int
+    growth_calls: int
+    growth_budgets: int
+    growth_samples: int
 
 
 FULL = Sizes(
@@ -109,6 +117,9 @@ FULL = Sizes(
     hot_procs=(8, 32),
     hot_seconds=4.0,
     hot_rounds=2,
+    growth_calls=2_000_000,
+    growth_budgets=1_000,
+    growth_samples=30,
 )
 QUICK = Sizes(
     ledger_procs=(2,),
@@ -132,6 +143,9 @@ QUICK = Sizes(
     hot_procs=(2,),
     hot_seconds=0.5,
     hot_rounds=1,
+    growth_calls=5_000,
+    growth_budgets=50,
+    growth_samples=3,
 )
 
 
@@ -608,6 +622,53 @@ def hot_section(report: Report) -> None:
     report.problems += [f"hot budgets audit: {finding}" for finding in result.audit]
 
 
+def growth_section(report: Report) -> None:
+    s = report.sizes
+
+    def show(line: str) -> None:
+        print(line, flush=True)
+
+    result = ledger_growth.run(s.growth_calls, s.growth_budgets, s.growth_samples, show)
+    for name, (empty, large) in result.timings.items():
+        report.figures.append(
+            Figure(
+                8,
+                name,
+                "ms",
+                "empty ledger",
+                empty,
+                f"{s.growth_calls:,} calls",
+                large,
+                f"lower is better; target <= {ledger_growth.TARGET}",
+            )
+        )
+    rows = "; ".join(
+        f"{side}: {j:,} journal, {a:,} attempts, {o:,} operations"
+        for side, (j, a, o) in result.rows.items()
+    )
+    report.note(8, f"rows: {rows}; both built in {result.build_seconds:.0f} s")
+    j, a, o = result.rows_after
+    report.note(
+        8,
+        f"retention run (window {ledger_growth.KEEP.days} days, batches of "
+        f"{ledger_growth.RETAIN_BATCH:,}): archived {', '.join(result.archived) or 'nothing'} "
+        f"in {result.retain_seconds:.0f} s; left {j:,} journal, {a:,} attempts, "
+        f"{o:,} operations",
+    )
+    report.note(
+        8,
+        "table sizes before -> after the retention run and VACUUM (MiB): "
+        + "; ".join(
+            f"{t} {b / 2**20:,.0f} -> {result.sizes_after[t] / 2**20:,.0f}"
+            for t, b in result.sizes_before.items()
+        )
+        + " (the journal's months leave as partitions; attempts and operations leave by "
+        "DELETE, so their files keep the freed pages for new rows, not for the disk)",
+    )
+    report.note(8, f"ledger audits after the run: {'; '.join(result.audit) or 'clean'}")
+    report.problems += [f"growth audit: {finding}" for finding in result.audit]
+
+
 # -- output ------------------------------------------------------------------------------
 
 
@@ -738,6 +799,16 @@ SECTIONS = {
         "one budget, and on one budget split into 8 slices. One scratch database, "
         "vacuumed before each round (autovacuum is off here); the shapes alternate in "
         "rounds and the median is shown.",
+    ),
+    8: (
+        "The ledger over months: 90 days of history beside none",
+        "Two scratch databases with the same 1,000 daily budgets and 3,000 calls in "
+        "flight; one also holds 2 million finished calls over the 90 days before (an "
+        "operation, a settled attempt, its hold and charge journal rows each, in the "
+        "journal's month partitions), built in bulk by SQL, audited clean and vacuumed. "
+        "Each operation runs once to warm up, then in three rounds alternating between "
+        "the two ledgers; the median of the rounds' medians is shown. Then a retention "
+        "run on the large one, and the sizes before and after.",
     ),
 }
 
@@ -880,6 +951,7 @@ def main(argv: list[str] | None = None) -> int:
     timed(5, lambda: scrape_section(report, admin_url))
     timed(6, lambda: commits_section(report))
     timed(7, lambda: hot_section(report))
+    timed(8, lambda: growth_section(report))
     report.problems += [f"task ledger audit: {finding}" for finding in audit]
     report.total_seconds = time.perf_counter() - begun
 
