@@ -171,6 +171,8 @@ budget_periods = Table(
     # before it: one row per budget each, not its history.
     Index(None, "period_start"),
     _partial("ix_budget_periods_open", "budget_id", "closed_at IS NULL"),
+    # Added in migration 0015: the periods holding a grant (beat's return of idle grants).
+    _partial("ix_budget_periods_drawn", "id", "drawn > 0"),
     CheckConstraint("cap >= 0", name="cap_not_negative"),
     CheckConstraint("held >= 0", name="held_not_negative"),
     CheckConstraint("spent >= 0", name="spent_not_negative"),
@@ -241,6 +243,9 @@ attempts = Table(
     Index(None, "operation_id"),
     # Added in migration 0015: retention finds an archived month's attempts by period.
     Index(None, "period_id"),
+    # Added in migration 0015: the attempts that may be orphans, in id order (beat's
+    # adoption), without reading the settled history.
+    _partial("ix_attempts_unsettled", "id", "state IN ('reserved', 'sending')"),
     # Added in migration 0011
     _partial("ix_attempts_purgeable", "resolved_at", PURGEABLE["attempts"]),
 )
@@ -276,6 +281,9 @@ operations = Table(
     # Added in migration 0011
     _partial("ix_operations_purgeable", "completed_at", PURGEABLE["operations"]),
     _partial("ix_operations_waiting_payload", "updated_at", PURGEABLE["waiting"]),
+    # Added in migration 0015: the running operations (beat's adoption of what dead runs
+    # left), without reading the finished history.
+    _partial("ix_operations_running", "lease_expires_at", "status = 'running'"),
 )
 
 # Side effects run at most once per operation (BudgetTask.once), and the stored results

@@ -627,9 +627,11 @@ RETURNING id"""
 
 #: Escrowed periods with grant money they do not use that are closed, or that have
 #: not drawn since ``:idle_since``: beat gives it back.
+#: Escrowed periods holding grants they do not use (through the partial index of
+#: periods that hold a grant at all: the history has none).
 GRANTS_TO_RETURN = f"""
 SELECT p.id FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
-WHERE b.escrow = :true AND {_UNUSED_P} > 0
+WHERE p.drawn > 0 AND b.escrow = :true AND {_UNUSED_P} > 0
   AND (p.closed_at IS NOT NULL OR p.drawn_at < :idle_since)
 ORDER BY p.id LIMIT :limit"""
 

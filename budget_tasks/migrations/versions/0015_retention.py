@@ -2,7 +2,8 @@
 is partitioned by it, one partition per month, so that a month whose periods are closed
 and audited can leave by DETACH (the journal still refuses DELETE). ``archives`` and
 ``archived_periods`` record what left and the sums a full audit starts from; attempts
-get an index by period and operations one by completion, which retention finds them by.
+get an index by period and operations one by completion, which retention finds them
+by, and two partial indexes keep beat's grant return and orphan adoption off the history.
 
 On PostgreSQL the journal is rebuilt: its rows are copied, ids kept, into the
 partitioned table (one partition per month that has periods, and the months ahead).
@@ -32,6 +33,13 @@ When = sa.DateTime(timezone=True)
 KINDS = (
     "kind IN ('hold', 'release', 'charge', 'adjustment', 'cap', 'freeze', 'unfreeze', "
     "'reopen', 'grant', 'return')"
+)
+#: Partial indexes that keep two beat jobs off the history: periods holding a grant,
+#: attempts that may be orphans, running operations.
+PARTIAL = (
+    ("ix_budget_periods_drawn", "budget_periods", "id", "drawn > 0"),
+    ("ix_attempts_unsettled", "attempts", "id", "state IN ('reserved', 'sending')"),
+    ("ix_operations_running", "operations", "lease_expires_at", "status = 'running'"),
 )
 COLUMNS = (
     "id, attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at, "
@@ -151,6 +159,10 @@ def upgrade() -> None:
         _upgrade_postgresql()
     op.create_index(op.f("ix_attempts_period_id"), "attempts", ["period_id"])
     op.create_index(op.f("ix_operations_completed_at"), "operations", ["completed_at"])
+    for name, table, column, where in PARTIAL:
+        op.create_index(
+            name, table, [column], postgresql_where=sa.text(where), sqlite_where=sa.text(where)
+        )
     op.create_table(
         "archives",
         sa.Column("partition", sa.String(63), nullable=False),
@@ -192,6 +204,8 @@ def downgrade() -> None:
         raise RuntimeError("the ledger has archived months: 0015 cannot be downgraded")
     op.drop_table("archived_periods")
     op.drop_table("archives")
+    for name, table, _, _ in PARTIAL:
+        op.drop_index(name, table_name=table)
     op.drop_index(op.f("ix_operations_completed_at"), table_name="operations")
     op.drop_index(op.f("ix_attempts_period_id"), table_name="attempts")
     if bind.dialect.name == "sqlite":
