@@ -325,14 +325,16 @@ WHERE a.key = :key"""
 
 #: Attempts held by runs that may be gone: open (sending) or never granted (reserved),
 #: under an operation no lease holds by time (not running, or its lease expired):
-#: filtered here, so that live leases, however many, never hide them behind the limit.
+#: filtered here, so that live leases, however many, never hide them behind the limit,
+#: and read through the running operations and the unsettled attempts, not the history.
 ORPHAN_CANDIDATES = """
 SELECT a.key, a.state, o.key, o.lease_owner, o.lease_expires_at, o.status, a.label,
        a.amount, a.recorded_actual
 FROM attempts a JOIN operations o ON o.id = a.operation_id
 WHERE a.state IN ('reserved', 'sending')
-  AND (o.status <> 'running' OR o.lease_owner IS NULL OR o.lease_expires_at IS NULL
-       OR o.lease_expires_at <= :now)
+  AND a.operation_id NOT IN (
+      SELECT id FROM operations
+      WHERE status = 'running' AND lease_expires_at > :now AND lease_owner IS NOT NULL)
 ORDER BY a.id
 LIMIT :limit"""
 
