@@ -328,3 +328,46 @@ def test_a_month_leaves_while_other_processes_settle_in_the_current_one(
 def _call(fn: object, args: tuple[object, ...]) -> object:
     assert callable(fn)
     return fn(*args)
+
+
+def _finish_calls(url: str, prefix: str, count: int) -> tuple[int, float, float]:
+    """``count`` operations, each a settled call and a stored result, in this process."""
+    ledger = Ledger(url)
+    try:
+        began = time.time()
+        for i in range(count):
+            spend(ledger, "live", f"{prefix}-{i}", 100, 90)
+        return count, began, time.time()
+    finally:
+        ledger.dispose()
+
+
+def _purge_repeatedly(url: str, rounds: int) -> tuple[int, float, float]:
+    ledger = Ledger(url)
+    try:
+        time.sleep(0.2)  # the writers are under way
+        began, purged = time.time(), 0
+        for _ in range(rounds):
+            purged += ledger.upkeep.purge_operations(timedelta(0), batch=7).operations
+        return purged, began, time.time()
+    finally:
+        ledger.dispose()
+
+
+def test_the_purge_in_batches_under_concurrent_settlements(pg_url: str, pg_ledger: Ledger) -> None:
+    pg_ledger.create_budget("live", 10**9)
+    calls = [(_finish_calls, (pg_url, f"w{n}", 60)) for n in range(4)]
+    calls.append((_purge_repeatedly, (pg_url, 20)))
+    *writers, (purged, began, ended) = race(_call, calls)
+    assert [count for count, _, _ in writers] == [60] * 4
+    assert any(start < began and ended < end for _, start, end in writers)
+    assert purged > 0  # it purged while they wrote
+    # a last purge finds every result that was left, and the money is all there
+    now = Ledger(pg_url)  # the writers' clock, not this module's January
+    rest = now.upkeep.purge_operations(timedelta(0)).operations
+    now.dispose()
+    assert purged + rest == 240
+    assert _count(pg_ledger, "SELECT COUNT(*) FROM operations WHERE result IS NOT NULL") == 0
+    assert _count(pg_ledger, "SELECT COUNT(*) FROM attempts WHERE state = 'settled'") == 240
+    assert pg_ledger.balance("live").spent == 240 * 90
+    assert pg_ledger.audit() == []
