@@ -371,3 +371,62 @@ def test_the_purge_in_batches_under_concurrent_settlements(pg_url: str, pg_ledge
     assert _count(pg_ledger, "SELECT COUNT(*) FROM attempts WHERE state = 'settled'") == 240
     assert pg_ledger.balance("live").spent == 240 * 90
     assert pg_ledger.audit() == []
+
+
+def test_the_cli_shows_the_partitions_then_archives_what_is_due(
+    pg_url: str, pg_ledger: Ledger, tmp_path: Path, sqlite_url: str
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "budget_tasks.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "BUDGET_TASKS_LEDGER_URL": url},
+            check=False,
+        )
+
+    may = ManualClock(datetime(2025, 5, 7, tzinfo=UTC))
+    then = Ledger(pg_url, clock=may)
+    then.upkeep.make_partitions(ahead=1)
+    then.create_budget("daily", 10_000, period="day")
+    spend(then, "daily", "may-1", 100, 90)
+    may.advance(days=1)
+    renew_periods(then)  # the 7th closes
+    then.dispose()
+
+    shown = cli(pg_url, "retention", "show", "--keep-days", "90", "--json")
+    assert shown.returncode == 0, shown.stderr
+    states = {p["name"]: p for p in json.loads(shown.stdout)["partitions"]}
+    assert states["journal_y2025m05"]["state"] == "blocked"  # the 8th is still open
+    assert states["journal_y2025m05"]["blockers"] == ["1 open period(s)"]
+    table = cli(pg_url, "retention", "show", "--keep-days", "90").stdout
+    assert "journal_y2025m05  2025-05  blocked" in table
+    assert "1 open period(s)" in table
+
+    refused = cli(pg_url, "retention", "run", "--keep-days", "90", "--archive-to", str(tmp_path))
+    assert refused.returncode == 1
+    assert "kept journal_y2025m05: 1 open period(s)" in refused.stdout
+    assert not (tmp_path / "journal_y2025m05").exists()
+
+    Ledger(pg_url).upkeep.open_period("daily")  # today's opens: May's 8th closes
+    done = cli(pg_url, "retention", "run", "--keep-days", "90", "--archive-to", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"archived journal_y2025m05 to {tmp_path}" in done.stdout
+    assert "removed 1 attempts and 1 operations" in done.stdout
+    assert (tmp_path / "journal_y2025m05" / "MANIFEST.json").exists()
+    after = json.loads(cli(pg_url, "retention", "show", "--json").stdout)["partitions"]
+    [archived] = [p for p in after if p["name"] == "journal_y2025m05"]
+    assert (archived["state"], archived["rows"]) == ("archived", 2)
+    assert cli(pg_url, "audit", "--full").returncode == 0
+
+    # SQLite: one clear line, exit 2, nothing written
+    on_sqlite = cli(sqlite_url, "retention", "show")
+    assert on_sqlite.returncode == 2
+    assert "retention needs PostgreSQL" in on_sqlite.stderr
+    missing = cli(pg_url, "retention", "run", "--keep-days", "90")
+    assert missing.returncode == 2 and "--archive-to" in missing.stderr
