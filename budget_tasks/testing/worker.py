@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,9 @@ class Worker:
     ``include`` names extra task modules (``-I``); the log goes to
     ``log_dir/<name>.log``. ``cwd`` is where the app module is importable from;
     ``pool`` is Celery's ``--pool`` (prefork, threads, solo) and ``max_tasks_per_child``
-    its ``--max-tasks-per-child``.
+    its ``--max-tasks-per-child``; ``prefix`` runs it under another command (``unshare
+    ... sh -c ...``: a host of its own) that ends by running what follows it; ``command``
+    is ``worker`` or ``beat``.
     """
 
     def __init__(
@@ -75,16 +77,21 @@ class Worker:
         cwd: Path | None = None,
         pool: str = "prefork",
         max_tasks_per_child: int | None = None,
+        prefix: Sequence[str] = (),
+        command: str = "worker",
     ):
         self.log_path = log_dir / f"{name}.log"
         self.log = self.log_path.open("w")
-        args = [sys.executable, "-m", "celery", "-A", app, "worker", "--loglevel=INFO"]
-        args += [f"--concurrency={concurrency}", f"--pool={pool}", "-n", f"{name}@%h"]
-        if max_tasks_per_child is not None:
-            args.append(f"--max-tasks-per-child={max_tasks_per_child}")
-        args += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
-        if include:
-            args += ["-I", include]
+        args = [*prefix, sys.executable, "-m", "celery", "-A", app, command, "--loglevel=INFO"]
+        if command == "worker":
+            args += [f"--concurrency={concurrency}", f"--pool={pool}", "-n", f"{name}@%h"]
+            if max_tasks_per_child is not None:
+                args.append(f"--max-tasks-per-child={max_tasks_per_child}")
+            args += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+            if include:
+                args += ["-I", include]
+        else:
+            args += ["--schedule", str(log_dir / f"{name}.schedule")]
         self.proc = subprocess.Popen(
             args,
             cwd=cwd or Path.cwd(),
@@ -94,11 +101,11 @@ class Worker:
             start_new_session=True,
         )
 
-    def wait_ready(self, timeout: float = 90.0) -> Worker:
-        """Block until the worker logs ``ready.``; RuntimeError with its log if it dies."""
+    def wait_ready(self, timeout: float = 90.0, mark: str = "ready.") -> Worker:
+        """Block until the worker logs ``mark``; RuntimeError with its log if it dies."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if "ready." in self.log_path.read_text():
+            if mark in self.log_path.read_text():
                 return self
             if self.proc.poll() is not None:
                 break
@@ -116,6 +123,12 @@ class Worker:
             if int(fields[1]) == self.proc.pid:
                 found.append(int(stat.parent.name))
         return found
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once: the machine died."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the process group (warm shutdown), SIGKILL it after ``timeout``."""

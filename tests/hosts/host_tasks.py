@@ -1,0 +1,39 @@
+"""The hosts suite's task, loaded by each host's workers with ``celery worker -I``.
+
+``hosts.call(job, fault=None)`` makes one billable chat completion through the official
+openai SDK, as the chaos task does, with a short lease (so that a test waits seconds,
+not the default ten minutes, for the lease of a host that died) and a short wait
+before a delivery that found another run's live lease tries again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from budget_tasks import BudgetTask
+from budget_tasks.providers import estimates, openai_chat
+from tests.chaos.worker_tasks import chaos_request
+from tests.integration.worker_tasks import client
+from workers.app import app
+from workers.tasks import BUDGET
+
+LEASE_SECONDS = 6.0
+
+
+class HostTask(BudgetTask):
+    lease_seconds = LEASE_SECONDS
+    in_progress_countdown = 0.5
+
+
+@app.task(
+    base=HostTask,
+    bind=True,
+    budget=BUDGET,
+    name="hosts.call",
+    idempotency_key=lambda job, fault=None: f"hosts:{job}",
+    estimate_cost=lambda job, fault=None: estimates.openai_chat(chaos_request(job)).amount,
+)
+def call(self: HostTask, job: str, fault: str | None = None) -> Any:
+    headers = {"x-fake-fault": fault} if fault else None
+    sent = openai_chat(client(), attempt=self.attempt, extra_headers=headers, **chaos_request(job))
+    return {"job": job, "cost": sent.cost, "request_id": sent.request_id}
