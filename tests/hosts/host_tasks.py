@@ -37,3 +37,23 @@ def call(self: HostTask, job: str, fault: str | None = None) -> Any:
     headers = {"x-fake-fault": fault} if fault else None
     sent = openai_chat(client(), attempt=self.attempt, extra_headers=headers, **chaos_request(job))
     return {"job": job, "cost": sent.cost, "request_id": sent.request_id}
+
+
+class LongLeaseTask(HostTask):
+    lease_seconds = 4 * LEASE_SECONDS
+
+
+@app.task(
+    base=LongLeaseTask,
+    bind=True,
+    budget=BUDGET,
+    name="hosts.call_long_lease",
+    idempotency_key=lambda job, fault=None: f"hosts:{job}",
+    estimate_cost=lambda job, fault=None: estimates.openai_chat(chaos_request(job)).amount,
+)
+def call_long_lease(self: LongLeaseTask, job: str, fault: str | None = None) -> Any:
+    """``hosts.call`` under a lease longer than the call (a run that does not outlive
+    its lease)."""
+    headers = {"x-fake-fault": fault} if fault else None
+    sent = openai_chat(client(), attempt=self.attempt, extra_headers=headers, **chaos_request(job))
+    return {"job": job, "cost": sent.cost, "request_id": sent.request_id}
