@@ -1,4 +1,5 @@
-"""The hosts suite's task, loaded by each host's workers with ``celery worker -I``.
+"""The hosts suite's task, loaded by each host's workers with ``celery worker -I``
+(and, with ``HOSTS_CLOCK_SKEW`` set, a host clock that is wrong by that many seconds).
 
 ``hosts.call(job, fault=None)`` makes one billable chat completion through the official
 openai SDK, as the chaos task does, with a short lease (so that a test waits seconds,
@@ -8,8 +9,11 @@ before a delivery that found another run's live lease tries again.
 
 from __future__ import annotations
 
+import os
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import budget_tasks.ledger.base as ledger_base
 from budget_tasks import BudgetTask
 from budget_tasks.providers import estimates, openai_chat
 from tests.chaos.worker_tasks import chaos_request
@@ -18,6 +22,17 @@ from workers.app import app
 from workers.tasks import BUDGET
 
 LEASE_SECONDS = 6.0
+#: This host's clock, off by this many seconds (scenario 4): the clock the ledger reads
+#: as "this host's" is replaced in the worker, as a host whose clock is wrong.
+SKEW_ENV = "HOSTS_CLOCK_SKEW"
+
+if os.environ.get(SKEW_ENV):
+    _skew = timedelta(seconds=float(os.environ[SKEW_ENV]))
+
+    def _skewed_now() -> datetime:
+        return datetime.now(UTC) + _skew
+
+    ledger_base._utcnow = _skewed_now  # type: ignore[attr-defined]
 
 
 class HostTask(BudgetTask):
@@ -34,8 +49,12 @@ class HostTask(BudgetTask):
     estimate_cost=lambda job, fault=None: estimates.openai_chat(chaos_request(job)).amount,
 )
 def call(self: HostTask, job: str, fault: str | None = None) -> Any:
+    return _one_call(self, job, fault)
+
+
+def _one_call(task: HostTask, job: str, fault: str | None) -> Any:
     headers = {"x-fake-fault": fault} if fault else None
-    sent = openai_chat(client(), attempt=self.attempt, extra_headers=headers, **chaos_request(job))
+    sent = openai_chat(client(), attempt=task.attempt, extra_headers=headers, **chaos_request(job))
     return {"job": job, "cost": sent.cost, "request_id": sent.request_id}
 
 
@@ -54,6 +73,4 @@ class LongLeaseTask(HostTask):
 def call_long_lease(self: LongLeaseTask, job: str, fault: str | None = None) -> Any:
     """``hosts.call`` under a lease longer than the call (a run that does not outlive
     its lease)."""
-    headers = {"x-fake-fault": fault} if fault else None
-    sent = openai_chat(client(), attempt=self.attempt, extra_headers=headers, **chaos_request(job))
-    return {"job": job, "cost": sent.cost, "request_id": sent.request_id}
+    return _one_call(self, job, fault)
