@@ -130,17 +130,13 @@ def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> 
             },
         ).fetchone()
         hold = {"attempt_id": attempt_id, "period_id": period_id, "kind": "hold"}
+        # what the ledger's journal writer passes for the columns this cycle leaves alone
+        unused = {"ref": None, "now": now, "actor": None} | dict.fromkeys(
+            ("drawn_delta", "granted_delta", "cap_delta"), 0
+        )
         conn.execute(
             journal,
-            {**hold, "held_delta": 1_000, "spent_delta": 0, "note": "first"}
-            | {
-                "ref": None,
-                "now": now,
-                "actor": None,
-                "drawn_delta": 0,
-                "granted_delta": 0,
-                "cap_delta": 0,
-            },
+            {**hold, "held_delta": 1_000, "spent_delta": 0, "note": "first"} | unused,
         )
         if (
             conn.execute(
@@ -155,14 +151,7 @@ def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> 
         conn.execute(
             journal,
             {**hold, "kind": "charge", "held_delta": -1_000, "spent_delta": 700, "note": None}
-            | {
-                "ref": None,
-                "now": now,
-                "actor": None,
-                "drawn_delta": 0,
-                "granted_delta": 0,
-                "cap_delta": 0,
-            },
+            | unused,
         )
         conn.execute(
             resolve,

@@ -40,18 +40,6 @@ class HostTask(BudgetTask):
     in_progress_countdown = 0.5
 
 
-@app.task(
-    base=HostTask,
-    bind=True,
-    budget=BUDGET,
-    name="hosts.call",
-    idempotency_key=lambda job, fault=None: f"hosts:{job}",
-    estimate_cost=lambda job, fault=None: estimates.openai_chat(chaos_request(job)).amount,
-)
-def call(self: HostTask, job: str, fault: str | None = None) -> Any:
-    return _one_call(self, job, fault)
-
-
 def _one_call(task: HostTask, job: str, fault: str | None) -> Any:
     headers = {"x-fake-fault": fault} if fault else None
     sent = openai_chat(client(), attempt=task.attempt, extra_headers=headers, **chaos_request(job))
@@ -59,18 +47,24 @@ def _one_call(task: HostTask, job: str, fault: str | None) -> Any:
 
 
 class LongLeaseTask(HostTask):
+    """A lease longer than the call: a run that does not outlive its lease."""
+
     lease_seconds = 4 * LEASE_SECONDS
 
 
-@app.task(
-    base=LongLeaseTask,
-    bind=True,
-    budget=BUDGET,
-    name="hosts.call_long_lease",
-    idempotency_key=lambda job, fault=None: f"hosts:{job}",
-    estimate_cost=lambda job, fault=None: estimates.openai_chat(chaos_request(job)).amount,
-)
-def call_long_lease(self: LongLeaseTask, job: str, fault: str | None = None) -> Any:
-    """``hosts.call`` under a lease longer than the call (a run that does not outlive
-    its lease)."""
-    return _one_call(self, job, fault)
+def _register(name: str, base: type[HostTask]) -> Any:
+    def run(self: HostTask, job: str, fault: str | None = None) -> Any:
+        return _one_call(self, job, fault)
+
+    return app.task(
+        base=base,
+        bind=True,
+        budget=BUDGET,
+        name=name,
+        idempotency_key=lambda job, fault=None: f"hosts:{job}",
+        estimate_cost=lambda job, fault=None: estimates.openai_chat(chaos_request(job)).amount,
+    )(run)
+
+
+call = _register("hosts.call", HostTask)
+call_long_lease = _register("hosts.call_long_lease", LongLeaseTask)
