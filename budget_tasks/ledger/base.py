@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import (
@@ -122,6 +123,19 @@ def is_slice_name(name: str) -> bool:
 CLOCK_CHECK_SECONDS = 60.0
 #: A difference between the clocks smaller than this is taken for none.
 CLOCK_AGREEMENT = timedelta(milliseconds=50)
+
+
+#: How many times an admission aborted to break a deadlock runs again.
+DEADLOCK_RETRIES = 3
+_DEADLOCK = "40P01"
+
+
+def _deadlocked(exc: BaseException) -> bool:
+    """Whether ``exc`` (a LedgerUnavailable) is PostgreSQL's abort of a deadlocked
+    transaction."""
+    cause = exc.__cause__
+    found = getattr(cause, "orig", None) or cause
+    return getattr(found, "sqlstate", None) == _DEADLOCK
 
 
 def _utcnow() -> datetime:
@@ -393,12 +407,37 @@ class LedgerBase:
             now = self.now()
             found = None if chain is None else self._holds(chain, now)
             try:
-                with self._driver.transaction() as cur:
-                    return body(cur, found, now)
+                return self._deadlock_retried(partial(self._in_transaction, body, found, now))
             except PeriodClosed:
                 if again or chain is None:
                     raise
                 self._forget_periods(budget_id for budget_id, _, _ in chain)
+        raise AssertionError("unreachable")
+
+    def _in_transaction(
+        self,
+        body: Callable[[Cursor, Found | None, datetime], T],
+        found: Found | None,
+        now: datetime,
+    ) -> T:
+        with self._driver.transaction() as cur:
+            return body(cur, found, now)
+
+    @staticmethod
+    def _deadlock_retried(run: Callable[[], T]) -> T:
+        """``run`` (one whole transaction), again after a short random wait if
+        PostgreSQL aborted it to break a deadlock: the abort rolled back everything it
+        wrote, so running it again is the documented remedy. Escrow locks a budget's
+        period rows in one order, but the foreign-key checks made at COMMIT take key
+        locks outside it; a cycle between them is rare, and it is never the caller's."""
+        for attempt in range(DEADLOCK_RETRIES + 1):
+            try:
+                return run()
+            except LedgerUnavailable as exc:
+                if attempt == DEADLOCK_RETRIES or not _deadlocked(exc):
+                    raise
+                log.warning("a ledger transaction was chosen to break a deadlock: run again")
+                time.sleep(random.uniform(0.0, 0.02 * (attempt + 1)))
         raise AssertionError("unreachable")
 
     def _reserve_in(

@@ -5,10 +5,11 @@ PostgreSQL in separate processes)."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 
 from budget_tasks import BudgetExceeded, BudgetFrozen, Ledger
 from budget_tasks.ledger.escrow import GRANT_SHARE
@@ -284,3 +285,46 @@ def test_a_parent_past_its_cap_by_an_overrun_stops_a_tenant_with_grant_left(
     with pytest.raises(BudgetExceeded):
         ledger.calls.reserve("crew", "c4", 1)
     assert ledger.audit() == []
+
+
+def test_an_admission_chosen_to_break_a_deadlock_runs_again(pg_url: str, pg_ledger: Ledger) -> None:
+    """A real deadlock: this transaction locks b's period then waits for a's, which
+    another session holds and then asks for b's. PostgreSQL aborts the one that waited
+    longer (this one): it runs again, and succeeds once the other commits."""
+    import threading
+
+    import psycopg
+
+    from ..services import pg_conninfo
+
+    for name in ("a", "b"):
+        pg_ledger.create_budget(name, 1_000)
+        pg_ledger.upkeep.open_period(name)
+    with pg_ledger.engine.connect() as conn:
+        ids = dict(conn.execute(text(
+            "SELECT b.name, p.id FROM budget_periods p JOIN budgets b ON b.id = p.budget_id"
+        )).all())  # fmt: skip
+    other = psycopg.connect(pg_conninfo(pg_url))
+    other.execute("UPDATE budget_periods SET cap = cap WHERE id = %s", (ids["a"],))
+    core = pg_ledger._core  # the retry under every admission
+    runs: list[int] = []
+
+    def body() -> str:
+        runs.append(len(runs))
+        with core._driver.transaction() as cur:
+            cur.one("SELECT id FROM budget_periods WHERE id = :id FOR UPDATE", {"id": ids["b"]})
+            cur.one("SELECT id FROM budget_periods WHERE id = :id FOR UPDATE", {"id": ids["a"]})
+            return "admitted"
+
+    def the_other() -> None:
+        time.sleep(0.3)  # after this one waits for a's row
+        other.execute("UPDATE budget_periods SET cap = cap WHERE id = %s", (ids["b"],))
+        time.sleep(0.3)
+        other.commit()
+
+    closer = threading.Thread(target=the_other)
+    closer.start()
+    assert core._deadlock_retried(body) == "admitted"
+    closer.join()
+    other.close()
+    assert runs == [0, 1]  # aborted once by the deadlock, then through
