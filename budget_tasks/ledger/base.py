@@ -37,7 +37,7 @@ from ..errors import (
 from . import escrow, partitions
 from . import statements as sql
 from .counters import _apply, _journal
-from .driver import Cursor, Driver
+from .driver import DEADLOCK, Cursor, Driver
 from .engine import build_engine
 from .periods import (
     PeriodClosed,
@@ -127,7 +127,6 @@ CLOCK_AGREEMENT = timedelta(milliseconds=50)
 
 #: How many times an admission aborted to break a deadlock runs again.
 DEADLOCK_RETRIES = 3
-_DEADLOCK = "40P01"
 
 
 def _deadlocked(exc: BaseException) -> bool:
@@ -135,7 +134,7 @@ def _deadlocked(exc: BaseException) -> bool:
     transaction."""
     cause = exc.__cause__
     found = getattr(cause, "orig", None) or cause
-    return getattr(found, "sqlstate", None) == _DEADLOCK
+    return getattr(found, "sqlstate", None) == DEADLOCK
 
 
 def _utcnow() -> datetime:
@@ -413,6 +412,17 @@ class LedgerBase:
                     raise
                 self._forget_periods(budget_id for budget_id, _, _ in chain)
         raise AssertionError("unreachable")
+
+    def _in_batches(self, statement: str, params: dict[str, Any]) -> int:
+        """Run ``statement`` (one batch of ``params["batch"]`` rows) until a batch is
+        short, each batch committed; the rows it changed."""
+        done = 0
+        while True:
+            with self._driver.transaction() as cur:
+                changed = cur.run(statement, params)
+            done += changed
+            if changed < params["batch"]:
+                return done
 
     def _in_transaction(
         self,

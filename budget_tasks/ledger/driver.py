@@ -23,6 +23,10 @@ from ..errors import LedgerUnavailable
 from .engine import schema_missing, unavailable
 
 _NAMED = re.compile(r"(?<!:):(\w+)")
+#: PostgreSQL's SQLSTATEs for a transaction aborted to break a deadlock, and for a lock
+#: not granted within lock_timeout.
+DEADLOCK = "40P01"
+LOCK_NOT_AVAILABLE = "55P03"
 _Row = TypeVar("_Row", bound=tuple[Any, ...])
 
 

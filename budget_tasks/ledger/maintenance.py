@@ -338,14 +338,3 @@ class Maintenance(Operations, Reports):
             side_effects=self._in_batches(sql.PURGE_SIDE_EFFECTS, params),
             attempts=self._in_batches(sql.PURGE_ATTEMPTS, params),
         )
-
-    def _in_batches(self, statement: str, params: dict[str, Any]) -> int:
-        """Run ``statement`` (one batch of ``params["batch"]`` rows) until a batch is
-        short, each batch committed; the rows it changed."""
-        done = 0
-        while True:
-            with self._driver.transaction() as cur:
-                changed = cur.run(statement, params)
-            done += changed
-            if changed < params["batch"]:
-                return done

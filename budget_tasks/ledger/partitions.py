@@ -18,6 +18,8 @@ import re
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from .periods import next_period_start, period_start
+
 if TYPE_CHECKING:
     from .driver import Cursor
 
@@ -52,14 +54,13 @@ WHERE period_start >= :start AND period_start < :end LIMIT 1"""
 
 def month_start(at: datetime) -> datetime:
     """The start (UTC) of the calendar month that contains ``at``."""
-    at = at.astimezone(UTC)
-    return at.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    return period_start("month", at)
 
 
 def next_month(start: datetime) -> datetime:
-    if start.month == 12:
-        return start.replace(year=start.year + 1, month=1)
-    return start.replace(month=start.month + 1)
+    after = next_period_start("month", start)
+    assert after is not None  # only a period of kind "none" has no next
+    return after
 
 
 def name_of(start: datetime) -> str:

@@ -30,14 +30,12 @@ from ..errors import RetentionRefused
 from . import partitions
 from . import statements as sql
 from .base import LedgerBase
-from .driver import Cursor
+from .driver import DEADLOCK, LOCK_NOT_AVAILABLE, Cursor
 from .records import PartitionInfo, Retained
 
 #: The shortest retention window: a redelivery, a duplicate enqueue or a reconciliation
 #: later than the window finds no operation to replay, so it must outlast them all.
 MIN_KEEP = timedelta(days=1)
-LOCK_NOT_AVAILABLE = "55P03"
-DEADLOCK = "40P01"
 #: How long one try of the detach waits for the ledger's writers (under the server's
 #: deadlock_timeout, 1 s by default, so that where a writer and the detach wait on
 #: each other the detach gives up, not the writer), and how many tries it makes.
@@ -129,7 +127,8 @@ class Retention(LedgerBase):
             else:
                 archived.append(name)
         params = {"batch": batch, "cutoff": self._driver.ts(now - keep)}
-        attempts = self._remove_attempts(params)
+        # the attempts of archived periods: their month's export holds them
+        attempts = self._in_batches(sql.RETAIN_ATTEMPTS, params)
         operations = self._remove_operations(params, root)
         return Retained(tuple(archived), blocked, attempts, operations)
 
@@ -145,12 +144,12 @@ class Retention(LedgerBase):
                 reasons = _blockers(cur, month)
                 if reasons:
                     return reasons
-                cur.run(sql.MAKE_AUDIT_POSITION, {"now": self._driver.ts(now)})
+                stamp = self._driver.ts(now)
+                cur.run(sql.MAKE_AUDIT_POSITION, {"now": stamp})
                 (since,) = cur.one(sql.LOCK_AUDIT_POSITION, {}) or (0,)
                 shutil.rmtree(partial, ignore_errors=True)
                 partial.mkdir()
                 manifest = _export(cur, name, span, partial)
-                stamp = self._driver.ts(now)
                 cur.run(
                     sql.INSERT_ARCHIVE,
                     {
@@ -173,17 +172,6 @@ class Retention(LedgerBase):
         finally:
             shutil.rmtree(partial, ignore_errors=True)
         return ()
-
-    def _remove_attempts(self, params: dict[str, Any]) -> int:
-        """The attempts of archived periods (their month's export holds them), a batch
-        at a time, each committed; how many went."""
-        done = 0
-        while True:
-            with self._driver.transaction() as cur:
-                removed = cur.run(sql.RETAIN_ATTEMPTS, params)
-            done += removed
-            if removed < params["batch"]:
-                return done
 
     def _remove_operations(self, params: dict[str, Any], into: Path) -> int:
         """Finished operations past the window that no attempt names, with their side

@@ -742,6 +742,7 @@ WHERE id > :since AND id <= :upto GROUP BY period_id{_ADD_TO_CHECKPOINTS}"""
 ARCHIVES = "SELECT partition, month, journal_rows, kept_as FROM archives ORDER BY month"
 
 _IN_MONTH = "period_start >= :start AND period_start < :end"
+_P_IN_MONTH = "p.period_start >= :start AND p.period_start < :end"
 
 #: The month's periods, locked: nothing writes their counters while the month leaves.
 LOCK_MONTH_PERIODS = f"SELECT id FROM budget_periods WHERE {_IN_MONTH} ORDER BY id FOR UPDATE"
@@ -752,12 +753,12 @@ MONTH_BLOCKERS = f"""
 SELECT
     (SELECT COUNT(*) FROM budget_periods WHERE {_IN_MONTH} AND closed_at IS NULL),
     (SELECT COUNT(*) FROM attempts a JOIN budget_periods p ON p.id = a.period_id
-     WHERE p.{_IN_MONTH.replace(" AND ", " AND p.")}
+     WHERE {_P_IN_MONTH}
      AND a.state IN ('reserved', 'sending', 'unknown')),
     (SELECT COUNT(DISTINCT o.id) FROM operations o
      JOIN attempts a ON a.operation_id = o.id
      JOIN budget_periods p ON p.id = a.period_id
-     WHERE p.{_IN_MONTH.replace(" AND ", " AND p.")}
+     WHERE {_P_IN_MONTH}
      AND o.status NOT IN ('succeeded', 'failed')),
     (SELECT COUNT(*) FROM budget_periods p
      LEFT JOIN (
@@ -767,7 +768,7 @@ SELECT
         FROM journal WHERE {_IN_MONTH} GROUP BY period_id
      ) s ON s.period_id = p.id
      LEFT JOIN archived_periods ap ON ap.period_id = p.id
-     WHERE p.{_IN_MONTH.replace(" AND ", " AND p.")} AND (
+     WHERE {_P_IN_MONTH} AND (
         p.held <> COALESCE(s.held, 0) + COALESCE(ap.held, 0)
         OR p.spent <> COALESCE(s.spent, 0) + COALESCE(ap.spent, 0)
         OR p.overrun <> COALESCE(s.overrun, 0) + COALESCE(ap.overrun, 0)
@@ -778,11 +779,11 @@ MONTH_JOURNAL_EXPORT = "SELECT * FROM {partition} ORDER BY id"
 
 MONTH_PERIODS_EXPORT = f"""
 SELECT b.name AS budget, p.* FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
-WHERE p.{_IN_MONTH.replace(" AND ", " AND p.")} ORDER BY p.id"""
+WHERE {_P_IN_MONTH} ORDER BY p.id"""
 
 MONTH_ATTEMPTS_EXPORT = f"""
 SELECT a.* FROM attempts a JOIN budget_periods p ON p.id = a.period_id
-WHERE p.{_IN_MONTH.replace(" AND ", " AND p.")} ORDER BY a.id"""
+WHERE {_P_IN_MONTH} ORDER BY a.id"""
 
 INSERT_ARCHIVE = """
 INSERT INTO archives (partition, month, journal_rows, periods, kept_as, archived_at)

@@ -26,6 +26,7 @@ from budget_tasks.testing import FakeProvider
 from budget_tasks.testing.harness import worker_env
 from budget_tasks.testing.proxy import FaultProxy
 
+from ..chaos.conftest import celery_client
 from ..services import REDIS_HOST, REDIS_PORT, check_redis, missing
 from ..workers import Worker
 
@@ -121,11 +122,8 @@ def client() -> Iterator[Celery]:
     """The test's Celery client, on the shared Redis directly (not through a host)."""
     check_redis()
     redis.Redis(REDIS_HOST, REDIS_PORT, db=REDIS_DB).flushdb()
-    url = f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"
-    app = Celery("hosts-client", broker=url, backend=url, set_as_current=False)
-    app.conf.broker_connection_retry_on_startup = True
-    yield app
-    app.close()
+    with celery_client(f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}") as app:
+        yield app
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ from budget_tasks.errors import UnknownOperation
 from budget_tasks.testing import ManualClock
 from budget_tasks.testing.harness import race
 
+from .test_cli import cli
+
 JAN = datetime(2026, 1, 10, 12, tzinfo=UTC)
 KEEP = timedelta(days=60)
 
@@ -376,20 +378,6 @@ def test_the_purge_in_batches_under_concurrent_settlements(pg_url: str, pg_ledge
 def test_the_cli_shows_the_partitions_then_archives_what_is_due(
     pg_url: str, pg_ledger: Ledger, tmp_path: Path, sqlite_url: str
 ) -> None:
-    import os
-    import subprocess
-    import sys
-
-    def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "budget_tasks.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "BUDGET_TASKS_LEDGER_URL": url},
-            check=False,
-        )
-
     may = ManualClock(datetime(2025, 5, 7, tzinfo=UTC))
     then = Ledger(pg_url, clock=may)
     then.upkeep.make_partitions(ahead=1)
