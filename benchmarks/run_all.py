@@ -119,7 +119,7 @@ FULL = Sizes(
     hot_rounds=2,
     growth_calls=2_000_000,
     growth_budgets=1_000,
-    growth_samples=30,
+    growth_samples=50,
 )
 QUICK = Sizes(
     ledger_procs=(2,),

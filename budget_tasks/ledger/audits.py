@@ -43,7 +43,7 @@ class Audits(LedgerBase):
                 cur.run(sql.FORGET_CHECKPOINTS, {})
                 cur.run(sql.SEED_CHECKPOINTS, {})
                 since = 0
-            rows = cur.all(sql.AUDIT_PERIODS, {"since": since, "everything": int(full)})
+            rows = cur.all(sql.AUDIT_ALL_PERIODS if full else sql.AUDIT_PERIODS, {"since": since})
             # another audit may have moved on meanwhile: never move the position back
             upto = max(int(upto), since)
             cur.run(sql.ADVANCE_CHECKPOINTS, {"since": since, "upto": upto})

@@ -44,6 +44,35 @@ from .schema import (
 )
 
 
+def _holds_query() -> Any:
+    """What :meth:`Reports.holds` reads: the holding attempts by their state's index,
+    each with its budget (a slice's is its owner's) and its period's start looked up
+    by key, so that the work follows the holds, never the history of periods."""
+    owner = budgets.alias("owner")
+    start = (
+        select(budget_periods.c.period_start)
+        .where(budget_periods.c.id == attempts.c.period_id)
+        .scalar_subquery()
+    )
+    return (
+        select(
+            attempts.c.key,
+            attempts.c.amount,
+            attempts.c.state,
+            attempts.c.reason,
+            attempts.c.provider,
+            attempts.c.request_id,
+            attempts.c.note,
+            attempts.c.created_at,
+            attempts.c.flagged_at,
+            func.coalesce(owner.c.name, budgets.c.name).label("budget"),
+            start.label("period_start"),
+        )
+        .join_from(attempts, budgets, budgets.c.id == attempts.c.budget_id)
+        .outerjoin(owner, owner.c.id == budgets.c.slice_of)
+    )
+
+
 def _report_query(
     starts: Mapping[Period, datetime | None], before: Mapping[Period, datetime | None]
 ) -> Any:
@@ -209,7 +238,7 @@ class Reports(LedgerBase):
         if not set(states) <= set(HOLDING_STATES):
             raise ValueError(f"holds are in states {HOLDING_STATES}, not {states}")
         now = self.now()
-        query = self._attempt_query().where(attempts.c.state.in_(states))
+        query = _holds_query().where(attempts.c.state.in_(states))
         if keys is not None:
             query = query.where(attempts.c.key.in_(list(keys)))
         if older_than is not None:

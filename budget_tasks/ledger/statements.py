@@ -696,17 +696,16 @@ _OVERRUN = """CASE WHEN kind = 'charge' AND spent_delta + held_delta > 0
 _JOURNAL_SUMS = f"""SUM(held_delta), SUM(spent_delta), SUM({_OVERRUN}), SUM(drawn_delta),
     SUM(granted_delta)"""
 
-#: The periods to prove (the open ones, those with journal rows after ``:since``, and
-#: with ``:everything`` 1 all of them), each with its counters and what the journal
-#: derives them to: the proven sums plus the rows after ``:since``. One statement, so
-#: one snapshot: every counter change commits with its journal row.
-AUDIT_PERIODS = f"""
+#: The periods to prove (the open ones, and the closed ones with journal rows after
+#: ``:since``), each with its counters and what the journal derives them to: the
+#: proven sums plus the rows after ``:since``. One statement, so one snapshot: every
+#: counter change commits with its journal row. The open periods come through their
+#: partial index and the touched ones by key, so the history is never scanned.
+_AUDIT = f"""
 WITH recent (period_id, held, spent, overrun, drawn, granted) AS (
     SELECT period_id, {_JOURNAL_SUMS} FROM journal WHERE id > :since GROUP BY period_id
-), targets (id) AS (
-    SELECT id FROM budget_periods WHERE closed_at IS NULL
-    UNION SELECT period_id FROM recent
-    UNION SELECT id FROM budget_periods WHERE :everything = 1
+), targets AS (
+    {{targets}}
 )
 SELECT b.name, p.period_start,
     p.held, COALESCE(c.held, 0) + COALESCE(r.held, 0),
@@ -714,12 +713,22 @@ SELECT b.name, p.period_start,
     p.overrun, COALESCE(c.overrun, 0) + COALESCE(r.overrun, 0),
     p.drawn, COALESCE(c.drawn, 0) + COALESCE(r.drawn, 0),
     p.granted, COALESCE(c.granted, 0) + COALESCE(r.granted, 0)
-FROM targets t
-JOIN budget_periods p ON p.id = t.id
+FROM targets p
 JOIN budgets b ON b.id = p.budget_id
 LEFT JOIN audit_checkpoints c ON c.period_id = p.id
 LEFT JOIN recent r ON r.period_id = p.id
 ORDER BY b.name, p.period_start"""
+_PERIOD_COUNTERS = (
+    "p.id, p.budget_id, p.period_start, p.held, p.spent, p.overrun, p.drawn, p.granted"
+)
+AUDIT_PERIODS = _AUDIT.format(
+    targets=f"""SELECT {_PERIOD_COUNTERS} FROM budget_periods p WHERE p.closed_at IS NULL
+    UNION ALL
+    SELECT {_PERIOD_COUNTERS} FROM budget_periods p
+    WHERE p.closed_at IS NOT NULL AND p.id IN (SELECT period_id FROM recent)"""
+)
+#: A full audit's: every period.
+AUDIT_ALL_PERIODS = _AUDIT.format(targets=f"SELECT {_PERIOD_COUNTERS} FROM budget_periods p")
 
 #: Sums added to what the checkpoints hold (the tail of an INSERT ... SELECT).
 _ADD_TO_CHECKPOINTS = """
@@ -805,7 +814,8 @@ SELECT period_id, {_JOURNAL_SUMS} FROM {{partition}} WHERE id > :since GROUP BY 
 RETAIN_ATTEMPTS = """
 DELETE FROM attempts WHERE id IN (
     SELECT a.id FROM archived_periods ap JOIN attempts a ON a.period_id = ap.period_id
-    WHERE NOT EXISTS (SELECT 1 FROM journal j WHERE j.attempt_id = a.id)
+    WHERE a.state IN ('settled', 'released')
+      AND NOT EXISTS (SELECT 1 FROM journal j WHERE j.attempt_id = a.id)
     LIMIT :batch FOR UPDATE OF a SKIP LOCKED)
 RETURNING id"""
 

@@ -73,3 +73,60 @@ def test_the_report_and_the_closing_of_periods_read_one_row_per_budget(
         {"budget_id": 1, "start": datetime(2026, 6, 2, tzinfo=UTC), "now": TODAY},
     )
     assert "ix_budget_periods_open" in plan, plan
+
+
+def _holds_in_flight(ledger: Ledger, per_budget: int = 3) -> None:
+    """Calls in flight in every budget's open period, as a busy fleet has them."""
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO attempts (key, budget_id, period_id, reason, amount, state,"
+                " created_at, sending_at)"
+                " SELECT 'live-' || p.id || '-' || n, p.budget_id, p.id, 'first', 1000,"
+                " 'sending', :today, :today"
+                " FROM budget_periods p, generate_series(1, :per_budget) AS n"
+                " WHERE p.closed_at IS NULL"
+            ),
+            {"today": TODAY, "per_budget": per_budget},
+        )
+        # and the history's settled calls, two a period
+        conn.execute(
+            text(
+                "INSERT INTO attempts (key, budget_id, period_id, reason, amount, actual,"
+                " state, created_at, sending_at, resolved_at)"
+                " SELECT 'done-' || p.id || '-' || n, p.budget_id, p.id, 'first', 1000, 900,"
+                " 'settled', p.period_start, p.period_start, p.period_start"
+                " FROM budget_periods p, generate_series(1, 2) AS n"
+                " WHERE p.closed_at IS NOT NULL"
+            )
+        )
+        conn.execute(text("ANALYZE"))
+
+
+def test_holds_and_the_incremental_audit_never_scan_the_periods_history(
+    pg_ledger: Ledger,
+) -> None:
+    _history(pg_ledger)
+    _holds_in_flight(pg_ledger)
+    from budget_tasks.ledger.reports import _holds_query
+    from budget_tasks.ledger.schema import HOLDING_STATES, attempts
+
+    query = _holds_query().where(attempts.c.state.in_(HOLDING_STATES))
+    compiled = query.compile(dialect=pg.dialect(), compile_kwargs={"render_postcompile": True})
+    with pg_ledger.engine.connect() as conn:
+        conn.execute(text("SET random_page_cost = 1.1"))  # as the ledger's sessions
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        plan = "\n".join(
+            r[0] for r in raw.execute("EXPLAIN " + str(compiled), compiled.params).fetchall()
+        )
+    # each hold's period by its key, whatever the planner makes of the history
+    assert "Seq Scan on budget_periods" not in plan, plan
+    assert "SubPlan" in plan and "pk_budget_periods" in plan, plan
+    assert len(pg_ledger.holds()) == 3_000
+
+    # 91,000 periods, 1,000 of them open: the audit reads the open ones by their index
+    pg_ledger.audit(full=True)  # its position: the history above has no journal rows
+    plan = _plan(pg_ledger, sql.AUDIT_PERIODS, {"since": 10**9})
+    assert "Seq Scan on budget_periods" not in plan, plan
+    assert "ix_budget_periods_open" in plan, plan
