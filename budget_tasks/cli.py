@@ -737,33 +737,15 @@ def resolve(
     ledger_url: str, attempt: str, actual: int, note: str, by: str | None, as_json: bool
 ) -> None:
     """An operator's settlement (or, with --actual 0, release) of a held attempt."""
-    ledger = _ledger(ledger_url)
-    before = ledger.attempt(attempt)
-    if actual > 0 and before.state == "reserved":
-        raise click.UsageError(
-            f"{attempt} was never sent (reserved): it can only be released (--actual 0)"
-        )
-    # Compare-and-set on the state shown to the operator: if it moved since, nothing
-    # changes and the command says so.
-    done = ledger.resolve_attempt(
-        attempt, actual, note=note, by="operator", expected=before.state, actor=by
-    )
-    if done.applied:
-        from .hooks import hooks
+    from .resolution import NeverSent, resolve_outcome
 
-        if done.state == "settled":
-            hooks.settled(
-                budget=before.budget,
-                attempt=attempt,
-                amount=before.amount,
-                actual=actual,
-                by="operator",
-            )
-        else:
-            hooks.released(
-                budget=before.budget, attempt=attempt, amount=before.amount, by="operator"
-            )
-    after = ledger.attempt(attempt)
+    # Compare-and-set on the state shown to the operator: if it moved since, nothing
+    # changes and the command says so (the dashboard resolves by the same function).
+    try:
+        resolution = resolve_outcome(_ledger(ledger_url), attempt, actual, note, by)
+    except NeverSent as exc:
+        raise click.UsageError(str(exc)) from exc
+    before, done, after = resolution.before, resolution.done, resolution.after
 
     def text() -> str:
         line = f"{attempt}: {before.state} -> {after.state}, charged {after.actual}"
