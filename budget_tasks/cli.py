@@ -1053,6 +1053,39 @@ def status(ledger_url: str, as_json: bool) -> None:
     )
 
 
+# -- the dashboard -------------------------------------------------------------------
+
+
+@main.command()
+@ledger_url_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8090, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--allow-host",
+    "allow_hosts",
+    multiple=True,
+    help="A Host name the page may be asked for besides the local ones (repeat; * for any).",
+)
+def dashboard(ledger_url: str, host: str, port: int, allow_hosts: tuple[str, ...]) -> None:
+    """Serve the operator's web page until Ctrl-C: budgets, spend over time, holds, the
+    unknown outcomes waiting for a person, operations; JSON and CSV behind each view.
+    Resolving and reopening need env BUDGET_TASKS_DASHBOARD_TOKEN (without it the page
+    is read-only). Needs the extra: pip install 'budget-tasks[dashboard]'."""
+    try:
+        import uvicorn
+
+        from .dashboard.app import TOKEN_ENV, create_app, token_from_env
+    except ImportError as exc:
+        raise CommandError(
+            f"the dashboard needs its extra: pip install 'budget-tasks[dashboard]' ({exc.name})"
+        ) from exc
+    token = token_from_env()
+    app = create_app(_ledger(ledger_url), token=token, hosts=(*allow_hosts, host))
+    mode = "resolving and reopening with the token" if token else f"read-only (no {TOKEN_ENV})"
+    click.echo(f"dashboard on http://{host}:{port}/ ({mode}); Ctrl-C stops it", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
 # -- the fake provider ---------------------------------------------------------------
 
 
