@@ -49,10 +49,10 @@ def burn(
 ) -> dict[str, Any]:
     """The spending rate over ``window`` (minor units per hour) and when, at that rate,
     what is ``available`` is gone: ``reaches_cap_at`` (None: never at this rate) and
-    whether that is before the period ``end`` (None: a period without end)."""
+    whether that is before the period ``end`` (None: a budget without periods)."""
     seconds = int(window.total_seconds())
     if window < MIN_BURN_WINDOW or spent_in_window <= 0:
-        return {"per_hour": 0, "reaches_cap_at": None, "before_period_end": False}
+        return {"per_hour": 0, "reaches_cap_at": None, "before_period_end": None}
     per_hour = spent_in_window * 3600 // seconds
     # integer arithmetic: the seconds until the rate spends what is left
     left = max(available, 0) * seconds // spent_in_window
@@ -60,7 +60,8 @@ def burn(
     return {
         "per_hour": per_hour,
         "reaches_cap_at": reach.isoformat(),
-        "before_period_end": True if end is None else reach < end,
+        # a budget without periods has no end to reach the cap before
+        "before_period_end": None if end is None else reach < end,
     }
 
 

@@ -98,6 +98,9 @@ def test_budgets_show_spent_held_available_burn_and_overruns(web: TestClient) ->
     assert acme["burn"]["before_period_end"] is True  # within the month at this rate
     research = budgets[2]
     assert (research["spent"], research["held"]) == (700 + 300, 15_000 + 10_000 + 5_000)
+    # no period: 1000 in the last 24h, and no period end to reach the cap before
+    assert research["burn"]["per_hour"] == 1_000 // 24
+    assert research["burn"]["before_period_end"] is None
 
     page = web.get("/").text
     bars = re.findall(r'<tr class="budget" data-budget="([^"]+)">.*?</svg>', page, re.S)
