@@ -16,9 +16,8 @@ __all__ = ["NeverSent", "Resolution", "resolve_outcome"]
 class NeverSent(BudgetTasksError, ValueError):
     """A charge for an attempt that was never sent (reserved): it can only be released."""
 
-    def __init__(self, key: str) -> None:
-        super().__init__(f"{key} was never sent (reserved): it can only be released (--actual 0)")
-        self.key = key
+    template = "{key} was never sent (reserved): it can only be released (--actual 0)"
+    key: str
 
 
 @dataclass(frozen=True, slots=True)

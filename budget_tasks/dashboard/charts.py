@@ -85,7 +85,9 @@ def spend_chart(view: dict[str, Any]) -> dict[str, Any]:
                 "title": f"{p['at']}: {usd(p['spent'])}",
             }
         )
-        line.append(f"{x(at + step)},{y(p['total'])}")
+        # a step: flat until the bucket, up by what it charged
+        line.append(f"{left},{y(p['total'] - p['spent'])}")
+        line.append(f"{right},{y(p['total'])}")
     if points:
         line.append(f"{x(end)},{y(points[-1]['total'])}")
     return {
@@ -98,4 +100,6 @@ def spend_chart(view: dict[str, Any]) -> dict[str, Any]:
         "left": PAD,
         "right": WIDTH - PAD,
         "top_label": usd(top),
+        "start_label": view["since"][:16].replace("T", " "),
+        "end_label": view["until"][:16].replace("T", " "),
     }

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import os
 import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -289,6 +297,16 @@ def test_a_write_without_the_token_or_from_another_site_is_refused(
         "/api/resolve", json={**body, "actual": 5}, headers={"authorization": f"Bearer {TOKEN}"}
     )
     assert again.status_code == 409 and "already settled" in again.json()["error"]
+    # a hold never sent is released, never charged (as the CLI refuses it)
+    never = web.post(
+        "/api/resolve",
+        json={"attempt": "gpt-2", "actual": 10, "note": "x"},
+        headers={"authorization": f"Bearer {TOKEN}"},
+    )
+    assert never.status_code == 409
+    assert never.json()["error"] == (
+        "gpt-2 was never sent (reserved): it can only be released (--actual 0)"
+    )
     assert journal_rows(filled) == before + 2
 
 
@@ -336,3 +354,48 @@ def test_a_failed_operation_is_reopened_from_the_page(web: TestClient, filled: L
 def test_only_local_host_names_are_served(web: TestClient) -> None:
     assert web.get("/", headers={"host": "rebound.example"}).status_code == 400
     assert web.get("/healthz", headers={"host": "127.0.0.1:8090"}).status_code == 200
+
+
+def test_the_cli_serves_it_on_loopback_read_only_without_a_token(
+    filled: Ledger, pg_url: str
+) -> None:
+    """`budget-tasks dashboard` as an operator runs it: uvicorn on 127.0.0.1."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "BUDGET_TASKS_DASHBOARD_TOKEN"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "budget_tasks.cli", "dashboard", "--ledger-url", pg_url,
+         "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/api/budgets", timeout=5) as answer:
+                    budgets = json.load(answer)
+                break
+            except OSError:
+                assert server.poll() is None, server.communicate()[1]
+                assert time.monotonic() < deadline, "the dashboard did not start"
+                time.sleep(0.2)
+        assert [b["budget"] for b in budgets] == ["acme", "acme-support", "research"]
+        before = journal_rows(filled)
+        refused = urllib.request.Request(
+            f"{base}/api/resolve",
+            data=b'{"attempt": "claude-1", "actual": 1, "note": "x"}',
+            headers={"content-type": "application/json", "authorization": "Bearer guess"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(refused, timeout=5)
+        assert error.value.code == 403
+        assert journal_rows(filled) == before
+    finally:
+        server.terminate()
+        _, said = server.communicate(timeout=20)
+    assert f"dashboard on http://127.0.0.1:{port}/ (read-only" in said

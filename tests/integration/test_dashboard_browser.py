@@ -106,6 +106,16 @@ def test_the_page_shows_budgets_bars_and_holds_and_resolves_one_unknown_outcome(
     )
     assert holds[0] == ["claude-1", "unknown", "req_ant_1"] and len(holds) == 4
 
+    browser.open(f"{served}/budget?budget=acme-support")
+    chart = browser.evaluate(
+        "[document.querySelectorAll('svg.spend rect.bucket').length,"
+        " document.querySelector('svg.spend line.cap').getBBox().width,"
+        " document.querySelector('svg.spend polyline.total').points.length]"
+    )
+    # one bucket, the cap across the chart, the running total as a step (4 points)
+    assert chart[0] == 1 and chart[1] > 600 and chart[2] == 4
+    browser.screenshot(tmp_path / "spend.png")
+
     # resolve claude-2 (a budget without a parent: one journal entry) through its form
     browser.open(f"{served}/")
     before = journal_rows(pg_ledger)
