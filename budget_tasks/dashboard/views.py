@@ -143,7 +143,7 @@ def spend_view(ledger: Ledger, budget: str, bucket: str, hours: int) -> dict[str
     views = ledger.views
     now = views.now()
     since = now - timedelta(hours=hours)
-    series = views.spend_series(budget, since=since, until=now, bucket=bucket)
+    series = views.spend_series(budget, since=since, bucket=bucket)
     cap = next((r.cap for r in views.report() if r.budget == budget), None)
     total = 0
     points = []

@@ -363,14 +363,15 @@ class Views(Reports):
     ) -> list[tuple[datetime, int]]:
         """What ``budget`` was charged (its journal's spent deltas: charges and
         corrections, in any of its periods) in each hour or day from ``since`` to
-        ``until`` (default: now), oldest first; buckets with nothing are left out.
+        before ``until`` (default: no end), oldest first; buckets with nothing are left out.
         Read by the budget's periods (the journal's period index), at most
         :data:`MAX_BUCKETS` buckets."""
         check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
         if bucket not in BUCKETS:
             raise ValueError(f"bucket must be one of {BUCKETS}, not {bucket!r}")
         since = check.moment(since, "since")
-        until = self.now() if until is None else check.moment(until, "until")
+        if until is not None:
+            until = check.moment(until, "until")
         self._chain(budget)  # an unknown budget is an error, not an empty series
         owner, name = _owner_name()
         periods = (
@@ -384,12 +385,13 @@ class Views(Reports):
             select(start, func.sum(journal.c.spent_delta).label("spent"))
             .where(journal.c.period_id.in_(periods))
             .where(journal.c.created_at >= literal(since, UTCDateTime()))
-            .where(journal.c.created_at < literal(until, UTCDateTime()))
             .where(journal.c.spent_delta != 0)
             .group_by(start)
             .order_by(start)
             .limit(MAX_BUCKETS)
         )
+        if until is not None:
+            query = query.where(journal.c.created_at < literal(until, UTCDateTime()))
         with self._driver.transaction() as cur:
             rows = cur.execute(query).all()
         return [(_as_utc(r.bucket), int(r.spent)) for r in rows]
