@@ -139,6 +139,10 @@ def create_app(
             ledger, _int_param(request, "limit", views.HOLDS_LIMIT, 1, MAX_LIMIT)
         )
 
+    def api_holds_summary(request: Request) -> Any:
+        summary = views.holds_view(ledger)["by_state_and_age"]
+        return [{"state": state, **by_age} for state, by_age in summary.items()]
+
     def api_worklist(request: Request) -> Any:
         return views.worklist_view(ledger)
 
@@ -334,6 +338,7 @@ def create_app(
         Route("/api/budgets", listing(api_budgets, flat_budgets, "budgets")),
         Route("/api/spend", listing(api_spend, lambda d: d["points"], "spend")),
         Route("/api/holds", listing(api_holds, lambda d: d["holds"], "holds")),
+        Route("/api/holds/summary", listing(api_holds_summary, lambda d: d, "holds-by-age")),
         Route("/api/worklist", listing(api_worklist, lambda d: d, "worklist")),
         Route("/api/attempt", listing(api_attempt, lambda d: d["journal"], "journal")),
         Route("/api/operations", listing(api_operations, flat_operations, "operations")),

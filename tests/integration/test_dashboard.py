@@ -137,6 +137,11 @@ def test_holds_worklist_attempt_and_operations(web: TestClient) -> None:
     ]
     assert holds["by_state_and_age"]["unknown"]["1-15m"] == 3
     assert holds["by_state_and_age"]["reserved"]["1-15m"] == 1
+    summary = web.get("/api/holds/summary").json()
+    assert [(r["state"], r["1-15m"], r["over 1d"]) for r in summary] == [
+        ("unknown", 3, 0),
+        ("reserved", 1, 0),
+    ]
 
     # reconciliation can look the stored OpenAI chat up; not the Anthropic messages
     worklist = web.get("/api/worklist").json()
@@ -186,6 +191,7 @@ def test_every_table_exports_as_csv(web: TestClient, filled: Ledger) -> None:
     for path, params in [
         ("/api/budgets", {}),
         ("/api/worklist", {}),
+        ("/api/holds/summary", {}),
         ("/api/operations", {}),
         ("/api/spend", {"budget": "acme"}),
         ("/api/attempt", {"key": "call-1"}),
