@@ -737,33 +737,15 @@ def resolve(
     ledger_url: str, attempt: str, actual: int, note: str, by: str | None, as_json: bool
 ) -> None:
     """An operator's settlement (or, with --actual 0, release) of a held attempt."""
-    ledger = _ledger(ledger_url)
-    before = ledger.attempt(attempt)
-    if actual > 0 and before.state == "reserved":
-        raise click.UsageError(
-            f"{attempt} was never sent (reserved): it can only be released (--actual 0)"
-        )
-    # Compare-and-set on the state shown to the operator: if it moved since, nothing
-    # changes and the command says so.
-    done = ledger.resolve_attempt(
-        attempt, actual, note=note, by="operator", expected=before.state, actor=by
-    )
-    if done.applied:
-        from .hooks import hooks
+    from .resolution import NeverSent, resolve_outcome
 
-        if done.state == "settled":
-            hooks.settled(
-                budget=before.budget,
-                attempt=attempt,
-                amount=before.amount,
-                actual=actual,
-                by="operator",
-            )
-        else:
-            hooks.released(
-                budget=before.budget, attempt=attempt, amount=before.amount, by="operator"
-            )
-    after = ledger.attempt(attempt)
+    # Compare-and-set on the state shown to the operator: if it moved since, nothing
+    # changes and the command says so (the dashboard resolves by the same function).
+    try:
+        resolution = resolve_outcome(_ledger(ledger_url), attempt, actual, note, by)
+    except NeverSent as exc:
+        raise click.UsageError(str(exc)) from exc
+    before, done, after = resolution.before, resolution.done, resolution.after
 
     def text() -> str:
         line = f"{attempt}: {before.state} -> {after.state}, charged {after.actual}"
@@ -1069,6 +1051,39 @@ def status(ledger_url: str, as_json: bool) -> None:
             ],
         ),
     )
+
+
+# -- the dashboard -------------------------------------------------------------------
+
+
+@main.command()
+@ledger_url_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8090, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--allow-host",
+    "allow_hosts",
+    multiple=True,
+    help="A Host name the page may be asked for besides the local ones (repeat; * for any).",
+)
+def dashboard(ledger_url: str, host: str, port: int, allow_hosts: tuple[str, ...]) -> None:
+    """Serve the operator's web page until Ctrl-C: budgets, spend over time, holds, the
+    unknown outcomes waiting for a person, operations; JSON and CSV behind each view.
+    Resolving and reopening need env BUDGET_TASKS_DASHBOARD_TOKEN (without it the page
+    is read-only). Needs the extra: pip install 'budget-tasks[dashboard]'."""
+    try:
+        import uvicorn
+
+        from .dashboard.app import TOKEN_ENV, create_app, token_from_env
+    except ImportError as exc:
+        raise CommandError(
+            f"the dashboard needs its extra: pip install 'budget-tasks[dashboard]' ({exc.name})"
+        ) from exc
+    token = token_from_env()
+    app = create_app(_ledger(ledger_url), token=token, hosts=(*allow_hosts, host))
+    mode = "resolving and reopening with the token" if token else f"read-only (no {TOKEN_ENV})"
+    click.echo(f"dashboard on http://{host}:{port}/ ({mode}); Ctrl-C stops it", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 # -- the fake provider ---------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The reservation ledger (SQL only; this package never imports Celery)."""
 
-from .faces import CallLedger, Ledger, Upkeep
+from .faces import CallLedger, Ledger, Upkeep, Views
 from .oversight import OperationHistory
 from .periods import PERIODS, RENEWALS, Period, Renewal, period_start
 from .records import (
@@ -22,6 +22,7 @@ from .records import (
     Reservation,
     Resolved,
     Retained,
+    SettledStats,
 )
 
 __all__ = [
@@ -50,6 +51,8 @@ __all__ = [
     "Reservation",
     "Resolved",
     "Retained",
+    "SettledStats",
     "Upkeep",
+    "Views",
     "period_start",
 ]

@@ -7,7 +7,10 @@
   the protocol a delivery runs on (admit a call, end it, end the run, side effects);
 - :class:`Upkeep` (``ledger.upkeep``), what the beat jobs use: open periods, flag stale
   holds, adopt what dead runs left, claim unknown outcomes for reconciliation and
-  resolve them, purge old payloads.
+  resolve them, purge old payloads;
+- :class:`Views` (``ledger.views``), what a dashboard reads: the reports, spend over
+  time, settled attempts against their estimates, open attempts, an attempt's journal
+  and operations' attempts (reads only: writes go through the operator's face).
 
 Each face offers its methods of the core (:class:`~.core.LedgerCore`) as they are:
 the same signature and docstring, looked up on the core at each call.
@@ -23,7 +26,7 @@ from sqlalchemy import Engine
 from .base import Clock
 from .core import LedgerCore
 
-__all__ = ["CallLedger", "Ledger", "Upkeep"]
+__all__ = ["CallLedger", "Ledger", "Upkeep", "Views"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -112,10 +115,27 @@ class Upkeep(_Face):
     retain = _Offer(LedgerCore.retain)
 
 
+class Views(_Face):
+    """What a dashboard reads (``ledger.views``): nothing here writes."""
+
+    now = _Offer(LedgerCore.now)
+    budgets = _Offer(LedgerCore.budgets)
+    report = _Offer(LedgerCore.report)
+    attempt = _Offer(LedgerCore.attempt)
+    attempt_journal = _Offer(LedgerCore.attempt_journal)
+    open_attempts = _Offer(LedgerCore.open_attempts)
+    operations = _Offer(LedgerCore.operations)
+    operation_history = _Offer(LedgerCore.operation_history)
+    operation_attempts = _Offer(LedgerCore.operation_attempts)
+    spend_series = _Offer(LedgerCore.spend_series)
+    spend_since = _Offer(LedgerCore.spend_since)
+    settled_stats = _Offer(LedgerCore.settled_stats)
+
+
 class Ledger(_Face):
     """A budget ledger on PostgreSQL (``postgresql+psycopg://...``) or SQLite: the
     operator's API. ``calls`` is what sends billable calls uses; ``upkeep``, what the
-    beat jobs use; all three share one engine.
+    beat jobs use; ``views``, what a dashboard reads; all four share one engine.
 
     ``clock`` returns the current time as an aware datetime; tests pass their own to
     move between periods. ``max_stored_bytes`` caps what one stored result or answer
@@ -137,6 +157,7 @@ class Ledger(_Face):
         )
         self.calls = CallLedger(self._core)
         self.upkeep = Upkeep(self._core)
+        self.views = Views(self._core)
 
     @property
     def engine(self) -> Engine:

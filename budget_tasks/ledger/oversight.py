@@ -141,6 +141,46 @@ class Oversight(Operations, Reports):
             ],
         )
 
+    def attempt_journal(self, key: str) -> list[JournalEntry]:
+        """Attempt ``key``'s journal entries (one per budget in its chain for each
+        hold, charge, release or correction), oldest first."""
+        check.text(key, "key")
+        owner = budgets.alias("owner")  # a slice's rows are its owner's
+        query = (
+            select(
+                journal,
+                attempts.c.key.label("attempt"),
+                func.coalesce(owner.c.name, budgets.c.name).label("budget"),
+            )
+            .join(attempts, attempts.c.id == journal.c.attempt_id)
+            .join(budget_periods, budget_periods.c.id == journal.c.period_id)
+            .join(budgets, budgets.c.id == budget_periods.c.budget_id)
+            .outerjoin(owner, owner.c.id == budgets.c.slice_of)
+            .where(attempts.c.key == key)
+            .order_by(journal.c.id)
+        )
+        with self._driver.transaction() as cur:
+            rows = cur.execute(query).all()
+        return [_entry(e) for e in rows]
+
+    def operation_attempts(self, keys: list[str]) -> dict[str, list[Attempt]]:
+        """The attempts of operations ``keys`` (read by the attempts' operation index),
+        oldest first, by operation key; an operation without attempts is left out."""
+        for key in keys:
+            check.text(key, "idempotency key")
+        if not keys:
+            return {}
+        ids = select(operations.c.id).where(operations.c.key.in_(list(keys)))
+        query = (
+            self._attempt_query().where(attempts.c.operation_id.in_(ids)).order_by(attempts.c.id)
+        )
+        out: dict[str, list[Attempt]] = {}
+        with self._driver.transaction() as cur:
+            for row in cur.execute(query):
+                found = _attempt(row)
+                out.setdefault(str(found.operation_key), []).append(found)
+        return out
+
     def reopen_operation(self, key: str, *, reason: str, by: str | None = None) -> Operation:
         """Reopen failed operation ``key``: it becomes retryable, its dead runs are no
         longer counted, and its next delivery runs it again (labelled calls whose

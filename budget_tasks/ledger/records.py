@@ -285,6 +285,19 @@ class BudgetReport:
 
 
 @dataclass(frozen=True, slots=True)
+class SettledStats:
+    """A budget's attempts settled in its current period: how many, what they were
+    estimated at and charged, and how many were charged above their estimate (an
+    overrun) and by how much in all (minor units)."""
+
+    settled: int
+    estimated: int
+    charged: int
+    overruns: int
+    overrun: int
+
+
+@dataclass(frozen=True, slots=True)
 class Attempt:
     """One potentially billable send and where it stands."""
 

@@ -4,7 +4,7 @@ and the audit of the counters against the journal."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -33,6 +33,7 @@ from .records import (
     Balance,
     BudgetReport,
     Hold,
+    SettledStats,
 )
 from .schema import (
     HOLDING_STATES,
@@ -40,6 +41,7 @@ from .schema import (
     attempts,
     budget_periods,
     budgets,
+    journal,
     operations,
 )
 
@@ -339,3 +341,163 @@ class Reports(LedgerBase):
                 )
             )
         return out
+
+
+#: The buckets a spend series is summed in.
+BUCKETS = ("hour", "day")
+#: The most buckets one series returns (31 days of hours).
+MAX_BUCKETS = 31 * 24
+
+
+def _bucket_expr(dialect: str, bucket: str, column: Any) -> Any:
+    """The start of ``column``'s hour or day in UTC, on each backend."""
+    if dialect == "sqlite":
+        # stored as UTC wall time (see UTCDateTime): text ordering is time ordering
+        fmt = "%Y-%m-%d %H:00:00" if bucket == "hour" else "%Y-%m-%d 00:00:00"
+        return func.strftime(fmt, column)
+    return func.date_trunc(bucket, column, "UTC")
+
+
+def _as_utc(value: Any) -> datetime:
+    if isinstance(value, str):  # SQLite's strftime
+        value = datetime.fromisoformat(value)
+    assert isinstance(value, datetime)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _current_periods(starts: Mapping[Period, datetime]) -> Any:
+    """The budgets' periods at ``starts`` (by their kind of period), read by the index
+    on period_start: one row per budget, not its history."""
+    wanted = sorted(set(starts.values()))
+    whens = {kind: literal(at, UTCDateTime()) for kind, at in starts.items()}
+    return and_(
+        budget_periods.c.period_start.in_([literal(at, UTCDateTime()) for at in wanted]),
+        budget_periods.c.period_start == case(whens, value=budgets.c.period, else_=None),
+    )
+
+
+def _owner_name() -> tuple[Any, Any]:
+    """A slice's rows are its owner's: (the owner alias, the name to report under)."""
+    owner = budgets.alias("owner")
+    return owner, func.coalesce(owner.c.name, budgets.c.name)
+
+
+class Views(Reports):
+    """What a dashboard reads besides the reports: spend over time from the journal,
+    spend of the current periods since a moment, settled attempts against their
+    estimates, and open attempts with a limit."""
+
+    def spend_series(
+        self, budget: str, *, since: datetime, until: datetime | None = None, bucket: str = "hour"
+    ) -> list[tuple[datetime, int]]:
+        """What ``budget`` was charged (its journal's spent deltas: charges and
+        corrections, in any of its periods) in each hour or day from ``since`` to
+        before ``until`` (default: no end), oldest first; buckets with nothing are left out.
+        Read by the budget's periods (the journal's period index), at most
+        :data:`MAX_BUCKETS` buckets."""
+        check.text(budget, "budget name", max_length=check.MAX_NAME_LENGTH)
+        if bucket not in BUCKETS:
+            raise ValueError(f"bucket must be one of {BUCKETS}, not {bucket!r}")
+        since = check.moment(since, "since")
+        if until is not None:
+            until = check.moment(until, "until")
+        self._chain(budget)  # an unknown budget is an error, not an empty series
+        owner, name = _owner_name()
+        periods = (
+            select(budget_periods.c.id)
+            .join(budgets, budgets.c.id == budget_periods.c.budget_id)
+            .outerjoin(owner, owner.c.id == budgets.c.slice_of)
+            .where(name == budget)
+        )
+        start = _bucket_expr(self._dialect, bucket, journal.c.created_at).label("bucket")
+        query = (
+            select(start, func.sum(journal.c.spent_delta).label("spent"))
+            .where(journal.c.period_id.in_(periods))
+            .where(journal.c.created_at >= literal(since, UTCDateTime()))
+            .where(journal.c.spent_delta != 0)
+            .group_by(start)
+            .order_by(start)
+            .limit(MAX_BUCKETS)
+        )
+        if until is not None:
+            query = query.where(journal.c.created_at < literal(until, UTCDateTime()))
+        with self._driver.transaction() as cur:
+            rows = cur.execute(query).all()
+        return [(_as_utc(r.bucket), int(r.spent)) for r in rows]
+
+    def spend_since(self, since: datetime) -> dict[str, int]:
+        """Each budget's spending in its current period since ``since`` (its journal's
+        spent deltas), by budget name; budgets with none are left out."""
+        since = check.moment(since, "since")
+        now = self.now()
+        starts = {kind: period_start(kind, now) for kind in PERIODS}
+        owner, name = _owner_name()
+        query = (
+            select(name.label("budget"), func.sum(journal.c.spent_delta).label("spent"))
+            .select_from(
+                journal.join(budget_periods, budget_periods.c.id == journal.c.period_id)
+                .join(budgets, budgets.c.id == budget_periods.c.budget_id)
+                .outerjoin(owner, owner.c.id == budgets.c.slice_of)
+            )
+            # the journal is partitioned by its period's start: only these partitions
+            .where(
+                journal.c.period_start.in_(
+                    [literal(at, UTCDateTime()) for at in sorted(set(starts.values()))]
+                )
+            )
+            .where(_current_periods(starts))
+            .where(journal.c.created_at >= literal(since, UTCDateTime()))
+            .group_by(name)
+        )
+        with self._driver.transaction() as cur:
+            rows = cur.execute(query).all()
+        return {r.budget: int(r.spent) for r in rows if r.spent}
+
+    def settled_stats(self) -> dict[str, SettledStats]:
+        """Each budget's attempts settled in its current period (those admitted on it,
+        not below it): how many, their estimates and charges, how many were charged
+        above their estimate and by how much in all."""
+        now = self.now()
+        starts = {kind: period_start(kind, now) for kind in PERIODS}
+        owner, name = _owner_name()
+        a = attempts.c
+        over = a.actual > a.amount
+        query = (
+            select(
+                name.label("budget"),
+                func.count().label("settled"),
+                func.sum(a.amount).label("estimated"),
+                func.sum(a.actual).label("charged"),
+                func.sum(case((over, 1), else_=0)).label("overruns"),
+                func.sum(case((over, a.actual - a.amount), else_=0)).label("overrun"),
+            )
+            .select_from(
+                budget_periods.join(attempts, a.period_id == budget_periods.c.id)
+                .join(budgets, budgets.c.id == budget_periods.c.budget_id)
+                .outerjoin(owner, owner.c.id == budgets.c.slice_of)
+            )
+            .where(_current_periods(starts))
+            .where(a.state == "settled")
+            .group_by(name)
+        )
+        with self._driver.transaction() as cur:
+            rows = cur.execute(query).all()
+        return {
+            r.budget: SettledStats(
+                int(r.settled), int(r.estimated), int(r.charged), int(r.overruns), int(r.overrun)
+            )
+            for r in rows
+        }
+
+    def open_attempts(self, *, limit: int = 500) -> list[Attempt]:
+        """Attempts still holding money (reserved, sending, unknown), oldest first, at
+        most ``limit``: read by the index on (state, created_at)."""
+        check.positive(limit, "limit")
+        query = (
+            self._attempt_query()
+            .where(attempts.c.state.in_(HOLDING_STATES))
+            .order_by(attempts.c.created_at, attempts.c.id)
+            .limit(limit)
+        )
+        with self._driver.transaction() as cur:
+            return [_attempt(r) for r in cur.execute(query)]

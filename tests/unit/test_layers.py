@@ -34,7 +34,9 @@ def imports_of(package: str) -> set[str]:
 @pytest.mark.parametrize(
     ("package", "forbidden"),
     [
-        ("ledger", ("celery", "kombu")),
+        ("ledger", ("celery", "kombu", "starlette", "uvicorn", "jinja2", "..dashboard")),
+        # the dashboard is the CLI's, imported when its command runs: nothing else uses it
+        ("resolution.py", (".dashboard", "starlette")),
         ("providers", ("..ledger", "...ledger", "budget_tasks.ledger", "celery", "..delivery")),
         ("pricing", ("..ledger", "..providers", "..delivery", "celery")),
         # the operation state machine is Celery-free; Celery's side is task.py
@@ -45,8 +47,8 @@ def imports_of(package: str) -> set[str]:
         ("delivery/owed.py", (".flow",)),
         ("delivery/keys.py", (".flow", ".owed", ".scope", ".fates")),
         # metrics is a hooks sink: nothing it observes imports it
-        ("task.py", (".metrics",)),
-        ("beat.py", (".metrics", ".task")),
+        ("task.py", (".metrics", ".dashboard", "starlette")),
+        ("beat.py", (".metrics", ".task", ".dashboard", "starlette")),
         ("cli.py", (".metrics", ".task")),
         ("config.py", (".task", ".metrics", "celery")),
         ("hooks.py", (".metrics", ".task", ".ledger", "celery")),
@@ -66,3 +68,14 @@ def test_importing_the_ledger_loads_no_celery() -> None:
     code = "import sys, budget_tasks.ledger; print('celery' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_cli_loads_no_web_framework_until_the_dashboard_runs() -> None:
+    """A bare install (no [dashboard] extra) runs every other command."""
+    code = (
+        "import sys, budget_tasks.cli; "
+        "print(sorted(m for m in ('starlette', 'uvicorn', 'jinja2', "
+        "'budget_tasks.dashboard') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
