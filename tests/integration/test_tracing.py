@@ -161,3 +161,31 @@ def test_the_reference_apps_guarded_sdk_call_is_a_child_of_its_delivery(
     assert labelled != a["budget_tasks.attempt.key"]
     assert labelled.startswith("summarize:doc-r1:")
     check_call_span(call, served, labelled)
+
+
+def test_a_send_an_error_ends_closes_its_span_with_what_its_hold_became(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    """Two sends under one main attempt: the first answered and billed, the second
+    refused with a 429. Each is its own span; the second ends with what the hold
+    became (settled at the first's usage), and the delivery carries the charge."""
+    start_worker(options={"include": INCLUDE})
+    with pytest.raises(Exception, match="429"):
+        client.send_task("tests.billed_then_429", args=[7]).get(timeout=60)
+
+    spans = spans_of(client)
+    [delivery] = deliveries(spans, "b429:7")
+    billed, refused = requests_for(fake, "b429:7", pg_ledger)
+    assert (billed.status, refused.status, refused.billed) == (200, 429, 0)
+    first, second = sorted(
+        children(spans, delivery), key=lambda s: s["attributes"]["budget_tasks.send"]
+    )
+    for call in (first, second):
+        assert call["attributes"]["budget_tasks.attempt.key"] == "b429:7#1"
+    check_call_span(first, billed, "b429:7#1")
+    assert second["attributes"]["budget_tasks.call.outcome"] == "settled"
+    assert "gen_ai.usage.input_tokens" not in second["attributes"]
+    a = delivery["attributes"]
+    assert (a["budget_tasks.decision"], a["budget_tasks.outcome"]) == ("admitted", "error")
+    assert a["budget_tasks.actual"] == billed.billed == pg_ledger.balance("default").spent
+    assert delivery["status"] == "ERROR"
