@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from contextvars import ContextVar, Token
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
 from ..errors import BudgetExceeded, BudgetFrozen, LedgerUnavailable, OutcomeUnknown
@@ -180,16 +180,21 @@ class Told:
 
     def call_answered(self, attempt: str, sent: Any, outcome: str) -> None:
         """The call out on ``attempt`` reported ``sent`` (a provider's ``Sent``)."""
-        usage = None if sent.usage is None else {k: v for k, v in asdict(sent.usage).items() if v}
+        # read with care: what a task records may be its own object shaped like Sent,
+        # and telling must never break the flow
+        reported = getattr(sent, "usage", None)
+        usage = None
+        if is_dataclass(reported) and not isinstance(reported, type):
+            usage = {k: v for k, v in asdict(reported).items() if isinstance(v, int) and v}
         self._call_closed(
             attempt,
             outcome,
-            system=sent.provider,
-            model=sent.model,
+            system=getattr(sent, "provider", None),
+            model=getattr(sent, "model", None),
             usage=usage,
-            actual=sent.cost,
-            request_id=sent.request_id,
-            response_id=sent.response_id,
+            actual=getattr(sent, "cost", None),
+            request_id=getattr(sent, "request_id", None),
+            response_id=getattr(sent, "response_id", None),
         )
 
     def call_reported(self, attempt: str, cost: int) -> None:
