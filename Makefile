@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-from-pyproject
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,openai,anthropic,langchain,litellm,dashboard]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,openai,anthropic,langchain,litellm,dashboard,otel]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from datetime import datetime, timedelta
 from functools import cache
-from typing import Any
+from typing import Any, TypeVar
 
 from celery import shared_task
 from celery.utils.dispatch import Signal
@@ -331,6 +331,31 @@ def retain_ledger(ledger: Ledger, keep: timedelta, archive_to: str) -> Retained:
 
 # -- the Celery tasks beat schedules ---------------------------------------------------
 
+T = TypeVar("T")
+
+
+def _counts(done: Any) -> dict[str, int]:
+    """What a job's result (a dict, or a dataclass such as Purged) counts, by name: its
+    numbers, and how many its collections hold (Retained's months)."""
+    items = dict(done) if isinstance(done, Mapping) else asdict(done)
+    return {
+        k: v if isinstance(v, int) else len(v)
+        for k, v in items.items()
+        if isinstance(v, int | tuple | list | dict) and not isinstance(v, bool)
+    }
+
+
+def _job(name: str, run: Callable[[], T]) -> T:
+    """Run the beat job ``name``, told to the hooks (tracing draws it) with its counts."""
+    hooks.beat_started(job=name)
+    try:
+        done = run()
+    except BaseException as exc:
+        hooks.beat_ended(job=name, counts={}, error=type(exc).__name__)
+        raise
+    hooks.beat_ended(job=name, counts=_counts(done))
+    return done
+
 
 @cache
 def _client(kind: str) -> Any:
@@ -346,7 +371,10 @@ def _ledger(task: Any) -> Ledger:
 @shared_task(bind=True, name="budget_tasks.flag_stale_holds", ignore_result=False)  # type: ignore[untyped-decorator]
 def flag_stale_holds_task(self: Any) -> int:
     age = timedelta(seconds=float(self.app.conf.get("budget_stale_after", 900)))
-    return len(flag_stale_holds(_ledger(self), age))
+    flagged = _job(
+        "flag_stale_holds", lambda: {"flagged": len(flag_stale_holds(_ledger(self), age))}
+    )
+    return flagged["flagged"]
 
 
 @shared_task(bind=True, name="budget_tasks.reconcile_unknown", ignore_result=False)  # type: ignore[untyped-decorator]
@@ -360,18 +388,26 @@ def reconcile_unknown_task(self: Any) -> dict[str, int]:
                 task, args=payload.get("args", []), kwargs=payload.get("kwargs", {}), task_id=key
             )
 
-    return reconcile_unknown(_ledger(self), _client, margin=margin, requeue=requeue)
+    return _job(
+        "reconcile_unknown",
+        lambda: reconcile_unknown(_ledger(self), _client, margin=margin, requeue=requeue),
+    )
 
 
 @shared_task(bind=True, name="budget_tasks.renew_periods", ignore_result=False)  # type: ignore[untyped-decorator]
 def renew_periods_task(self: Any) -> int:
-    return renew_periods(_ledger(self))
+    opened = _job("renew_periods", lambda: {"opened": renew_periods(_ledger(self))})
+    return opened["opened"]
 
 
 @shared_task(bind=True, name="budget_tasks.purge_expired_operations", ignore_result=False)  # type: ignore[untyped-decorator]
 def purge_expired_operations_task(self: Any) -> dict[str, int]:
     days = float(self.app.conf.get("budget_retention_days", 7))
-    return asdict(purge_expired_operations(_ledger(self), timedelta(days=days)))
+    purged = _job(
+        "purge_expired_operations",
+        lambda: purge_expired_operations(_ledger(self), timedelta(days=days)),
+    )
+    return asdict(purged)
 
 
 @shared_task(bind=True, name="budget_tasks.retain_ledger", ignore_result=False)  # type: ignore[untyped-decorator]
@@ -383,4 +419,7 @@ def retain_ledger_task(self: Any) -> dict[str, Any]:
     if not archive_to:
         log.error("budget_ledger_retention_days is set without budget_archive_dir: kept all")
         return {"skipped": "budget_archive_dir is not set"}
-    return asdict(retain_ledger(_ledger(self), timedelta(days=float(days)), str(archive_to)))
+    keep = timedelta(days=float(days))
+    return asdict(
+        _job("retain_ledger", lambda: retain_ledger(_ledger(self), keep, str(archive_to)))
+    )

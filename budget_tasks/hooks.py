@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 log = logging.getLogger("budget_tasks.hooks")
@@ -48,6 +49,85 @@ class Hooks:
         ledger's ceiling (``reason``): it was not charged, its hold stays ``unknown``
         for an operator. ``by`` is who read the answer: ``task`` or ``reconcile``.
         Alert on it: a provider or a gateway in front of it answered falsely."""
+
+    # -- a delivery's life, a provider call's, a beat job's (what tracing draws) --------
+    # Told from the one place that knows each: the delivery flow (delivery/told.py) and
+    # the beat jobs. Every delivery_started is followed by one delivery_ended in the same
+    # thread and context; every call_started by one call_ended (maybe in another thread:
+    # a stream read elsewhere), matched by ``attempt`` and ``send``.
+
+    def delivery_started(self, *, task: str, operation: str, budget: str) -> None:
+        """A delivery of ``operation`` began (before the ledger is read)."""
+
+    def delivery_decided(
+        self,
+        *,
+        task: str,
+        operation: str,
+        decision: str,
+        attempt: str | None = None,
+        estimate: int | None = None,
+    ) -> None:
+        """What the delivery's admission decided: ``admitted`` (``attempt``, the main
+        call, granted its send at ``estimate``), ``replay``, ``in_progress``, ``denied``,
+        ``unknown`` (an earlier attempt's outcome holds the operation), ``failed``,
+        ``poisoned`` or ``unavailable`` (the ledger did not answer)."""
+
+    def delivery_ended(
+        self,
+        *,
+        task: str,
+        operation: str,
+        outcome: str,
+        reserved: int,
+        actual: int,
+        overrun: int,
+        error: str | None = None,
+    ) -> None:
+        """The delivery ended: ``outcome`` is ``ok``, ``retry_later`` or ``error``
+        (``error`` names the exception). ``reserved``, ``actual`` and ``overrun`` add
+        up the holds this delivery's calls came to (main and labelled): what they
+        reserved, what was charged, and the charge above their reservations."""
+
+    def call_started(
+        self,
+        *,
+        budget: str,
+        attempt: str,
+        send: int,
+        amount: int,
+        system: str | None,
+        operation_name: str | None,
+        model: str | None,
+    ) -> None:
+        """A provider call was granted its send under ``attempt`` (its ``send``-th:
+        an attempt reported may send again), whose hold is ``amount``. ``system``
+        (``openai``), ``operation_name`` (``chat``) and ``model`` where known before."""
+
+    def call_ended(
+        self,
+        *,
+        attempt: str,
+        send: int,
+        outcome: str,
+        system: str | None = None,
+        model: str | None = None,
+        usage: Mapping[str, int] | None = None,
+        actual: int | None = None,
+        request_id: str | None = None,
+        response_id: str | None = None,
+    ) -> None:
+        """The call came back: ``outcome`` is ``answered`` (its ``usage``, token
+        counts by :class:`~budget_tasks.pricing.Usage` field, priced at ``actual``),
+        ``reported`` (only a cost was recorded), ``awaiting_usage``, ``untrusted``, or,
+        where an error ended it, what its hold became: ``settled``, ``released``,
+        ``unknown``. ``model`` is the one that answered, where known."""
+
+    def beat_started(self, *, job: str) -> None:
+        """A beat job (``flag_stale_holds``, ``reconcile_unknown``, ...) began."""
+
+    def beat_ended(self, *, job: str, counts: Mapping[str, int], error: str | None = None) -> None:
+        """A beat job ended with ``counts`` (what it did, by name), or raised ``error``."""
 
 
 _sinks: list[Hooks] = []
@@ -109,6 +189,27 @@ class _Fanout(Hooks):
 
     def untrusted(self, **facts: Any) -> None:
         self._tell("untrusted", facts)
+
+    def delivery_started(self, **facts: Any) -> None:
+        self._tell("delivery_started", facts)
+
+    def delivery_decided(self, **facts: Any) -> None:
+        self._tell("delivery_decided", facts)
+
+    def delivery_ended(self, **facts: Any) -> None:
+        self._tell("delivery_ended", facts)
+
+    def call_started(self, **facts: Any) -> None:
+        self._tell("call_started", facts)
+
+    def call_ended(self, **facts: Any) -> None:
+        self._tell("call_ended", facts)
+
+    def beat_started(self, **facts: Any) -> None:
+        self._tell("beat_started", facts)
+
+    def beat_ended(self, **facts: Any) -> None:
+        self._tell("beat_ended", facts)
 
 
 #: What the flow calls: every added sink hears it.

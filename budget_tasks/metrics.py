@@ -154,6 +154,7 @@ def registry_for(ledger: Any) -> CollectorRegistry:
             ACTUAL_TO_ESTIMATE,
             STALE_HOLDS,
             RECONCILIATIONS,
+            UNTRUSTED_ANSWERS,
         ):
             registry.register(collector)
     registry.register(LedgerCollector(ledger))

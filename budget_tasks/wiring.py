@@ -100,7 +100,8 @@ def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
     as defaults. Every ``BUDGET_TASKS_*`` variable the README lists sets its setting,
     over the app's own (the CLI reads them in that order too), so the worker, beat and
     the CLI agree; ``ledger_url`` sets ``budget_ledger_url`` over both. The worker
-    serves metrics when ``budget_metrics_port`` is set. Returns ``app``."""
+    serves metrics when ``budget_metrics_port`` is set, and draws OpenTelemetry spans
+    when the ``otel`` extra is installed (see ``BUDGET_TASKS_OTEL``). Returns ``app``."""
     from . import (
         beat,  # noqa: F401  (registers the beat jobs as shared tasks)
         metrics,
@@ -130,7 +131,32 @@ def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
     else:
         app.on_after_configure.connect(wire, weak=False)
     metrics.install(app)
+    _install_tracing()
     return app
+
+
+#: ``1`` draws spans (the ``otel`` extra required), ``0`` does not; unset: drawn when
+#: the extra is installed.
+OTEL_ENV = "BUDGET_TASKS_OTEL"
+
+
+def _install_tracing(environ: Mapping[str, str] | None = None) -> bool:
+    """Add the tracing sink as ``BUDGET_TASKS_OTEL`` says (see :data:`OTEL_ENV`)."""
+    environ = os.environ if environ is None else environ
+    wanted = environ.get(OTEL_ENV, "").strip()
+    if wanted and not _flag(wanted):
+        return False
+    try:
+        from . import tracing
+    except ImportError as exc:
+        if wanted:
+            raise RuntimeError(
+                f"{OTEL_ENV}={wanted} but OpenTelemetry is not installed: "
+                "pip install 'budget-tasks[otel]'"
+            ) from exc
+        return False
+    tracing.install()
+    return True
 
 
 def _transport_from_environment(conf: Any) -> None:
@@ -200,6 +226,7 @@ __all__ = [
     "BEAT_SCHEDULE",
     "DELIVERY_DEFAULTS",
     "ENV_SETTINGS",
+    "OTEL_ENV",
     "configure",
     "redis_broker",
     "settings_from_environment",

@@ -138,7 +138,21 @@ class OperationManager:
 
     def deliver(self, d: Delivery) -> Any:
         """Run one delivery to its end: the result (run or replayed), or an exception:
-        RetryLater, or the error the operation ended with."""
+        RetryLater, or the error the operation ended with. The hooks hear it start,
+        what it decided, and how it ended."""
+        token = self.told.started(d.key, d.budget)
+        try:
+            result = self._deliver(d)
+        except RetryLater as later:
+            self.told.finished(token, "retry_later", later)
+            raise
+        except BaseException as exc:
+            self.told.finished(token, "error", exc)
+            raise
+        self.told.finished(token, "ok")
+        return result
+
+    def _deliver(self, d: Delivery) -> Any:
         # A redelivered message may be one whose task code killed its worker before the
         # admission committed (estimate_cost itself): its lease is taken, and the run
         # counted, before any of that code runs again, so poison detection sees it.
@@ -165,6 +179,7 @@ class OperationManager:
             except _Replayed as replayed:
                 return replayable(d.key, replayed.result)
             if opened is not None:
+                self.told.decided(d.key, "admitted", opened.key, site.ask.amount)
                 return self._run(d, self._scope(d, site, start.call, opened))
         raise RetryLater("in_progress", OperationInProgress(d.key))
 
@@ -174,11 +189,14 @@ class OperationManager:
             log.info("operation %s replayed: no provider call, no charge", d.key)
             self.told.replayed(d.key)
         elif start.decision is Decision.FAILED:
+            self.told.decided(d.key, "failed")
             raise OperationFailed(d.key, start.error or PURGED_ERROR)
         elif start.decision is Decision.POISONED:
             log.error("operation %s stopped as a poison message: %s", d.key, start.error)
+            self.told.decided(d.key, "poisoned")
             raise PoisonMessage(d.key, start.error)
         elif start.decision is Decision.IN_PROGRESS:
+            self.told.decided(d.key, "in_progress")
             raise RetryLater("in_progress", OperationInProgress(d.key))
 
     @staticmethod
@@ -313,6 +331,7 @@ class OperationManager:
             owner=d.owner,
             described=site.ask.facts if opened.described else None,
             next_reason=here.next_reason,
+            told=self.told,
         )
 
     def _run(self, d: Delivery, scope: AttemptScope) -> Any:
@@ -559,7 +578,15 @@ class OperationManager:
             if isinstance(opened, Found):
                 return self._found_call(scope, site, opened.attempt)
             described = ask.facts if opened.described else None
-            return Call(opened.key, ask.amount, str(ask.label), self.ledger, described=described)
+            return Call(
+                opened.key,
+                ask.amount,
+                str(ask.label),
+                self.ledger,
+                described=described,
+                told=self.told,
+                budget=scope.budget,
+            )
         raise OutcomeUnknown(scope.operation_key, site.key(0))
 
     def _call_failed(

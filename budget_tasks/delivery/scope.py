@@ -15,6 +15,7 @@ from .._trust import Bound, doubt
 from ..errors import LedgerUnavailable, ResendRefused
 from ..ledger import CallFacts, CallLedger
 from .fates import before_send
+from .told import Told
 
 _running: ContextVar[AttemptScope | None] = ContextVar("budget_tasks_run", default=None)
 #: Every run in progress in this process, by the thread it runs on.
@@ -99,7 +100,14 @@ class Recorded:
     Response) has its ids written at once, since reconciliation reads it by them."""
 
     def __init__(
-        self, key: str, amount: int, ledger: Any = None, described: CallFacts | None = None
+        self,
+        key: str,
+        amount: int,
+        ledger: Any = None,
+        described: CallFacts | None = None,
+        *,
+        told: Told | None = None,
+        budget: str = "",
     ) -> None:
         self._key = key
         self.amount = amount
@@ -118,6 +126,10 @@ class Recorded:
         #: why an answer's usage cannot be charged as it is (past what its request
         #: allowed, or the ledger's ceiling): its hold stays unknown for an operator
         self.doubted: str | None = None
+        #: who hears of each send (call started, answered), and the budget it charges
+        self._told = told
+        self._budget = budget
+        self._sends = 0
 
     @property
     def key(self) -> str:
@@ -129,6 +141,17 @@ class Recorded:
             raise ResendRefused(self._key)
         self.used = True
         self.in_flight = True
+        if self._told is not None:
+            self._sends += 1
+            facts = self._described
+            self._told.call_started(
+                self._budget,
+                self._key,
+                self._sends,
+                self.amount,
+                None if facts is None else facts.lookup,
+                None if facts is None else facts.model,
+            )
         return self._key
 
     @property
@@ -163,6 +186,8 @@ class Recorded:
         check.money(cost, "cost")
         self.actual = (self.actual or 0) + cost
         self.in_flight = False
+        if self._told is not None:
+            self._told.call_reported(self._key, cost)
 
     def record_request_id(self, request_id: str) -> None:
         """The provider's request id, written with the attempt's settlement."""
@@ -221,16 +246,22 @@ class Recorded:
         if why is not None:
             self.doubted = why
             self.in_flight = False
+            self._answered(sent, "untrusted")
             return
         if sent.cost is not None:
             self.actual = (self.actual or 0) + sent.cost
         else:
             self.awaiting_usage = True
         self.in_flight = False
+        self._answered(sent, "answered" if sent.cost is not None else "awaiting_usage")
         if sent.cost is None and self._ledger is not None:
             self._ledger.record_call(
                 self._key, request_id=sent.request_id, response_id=sent.response_id
             )
+
+    def _answered(self, sent: Any, outcome: str) -> None:
+        if self._told is not None:
+            self._told.call_answered(self._key, sent, outcome)
 
 
 class AttemptScope(Recorded):
@@ -251,8 +282,9 @@ class AttemptScope(Recorded):
         owner: str = "",
         described: CallFacts | None = None,
         next_reason: str | None = None,
+        told: Told | None = None,
     ) -> None:
-        super().__init__(key, amount, ledger, described)
+        super().__init__(key, amount, ledger, described, told=told, budget=budget)
         self.owner = owner
         #: why the main attempt exists (a labelled call's first attempt shares it)
         self.reason = reason
@@ -331,8 +363,10 @@ class Call(Recorded):
         result: Any = None,
         reconciled: bool = False,
         described: CallFacts | None = None,
+        told: Told | None = None,
+        budget: str = "",
     ) -> None:
-        super().__init__(key, amount, ledger, described)
+        super().__init__(key, amount, ledger, described, told=told, budget=budget)
         self.label = label
         self.replayed = replayed
         self.result = result

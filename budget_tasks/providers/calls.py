@@ -150,8 +150,18 @@ def _priced(
     if reported is None:
         raise StreamIncomplete(provider, "the answer carried no usage")
     cost = reported.cost(prices, provider, None)
+    # the model that answered (a snapshot of the one asked for), as the transport says
+    answered = reported.parts[0].model if reported.parts else model
     return Sent(
-        provider, model, request_id, result["id"], reported.usage, cost, result, response, bound
+        provider,
+        answered or model,
+        request_id,
+        result["id"],
+        reported.usage,
+        cost,
+        result,
+        response,
+        bound,
     )
 
 

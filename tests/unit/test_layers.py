@@ -40,21 +40,22 @@ def imports_of(package: str) -> set[str]:
         ("providers", ("..ledger", "...ledger", "budget_tasks.ledger", "celery", "..delivery")),
         ("pricing", ("..ledger", "..providers", "..delivery", "celery")),
         # the operation state machine is Celery-free; Celery's side is task.py
-        ("delivery", ("celery", "kombu", "..metrics", "..task", "..transport")),
+        ("delivery", ("celery", "kombu", "..metrics", "..tracing", "..task", "..transport")),
         # inside it, nothing points back up at the flow that drives it
         ("delivery/scope.py", (".flow", ".owed")),
         ("delivery/fates.py", (".flow", ".owed", ".scope")),
         ("delivery/owed.py", (".flow",)),
         ("delivery/keys.py", (".flow", ".owed", ".scope", ".fates")),
-        # metrics is a hooks sink: nothing it observes imports it
-        ("task.py", (".metrics", ".dashboard", "starlette")),
-        ("beat.py", (".metrics", ".task", ".dashboard", "starlette")),
-        ("cli.py", (".metrics", ".task")),
+        # metrics and tracing are hooks sinks: nothing they observe imports them
+        ("task.py", (".metrics", ".tracing", ".dashboard", "starlette")),
+        ("beat.py", (".metrics", ".tracing", ".task", ".dashboard", "starlette")),
+        ("cli.py", (".metrics", ".tracing", ".task")),
         ("config.py", (".task", ".metrics", "celery")),
-        ("hooks.py", (".metrics", ".task", ".ledger", "celery")),
+        ("hooks.py", (".metrics", ".tracing", ".task", ".ledger", "celery", "opentelemetry")),
         ("metrics.py", (".task", ".delivery")),
+        ("tracing.py", (".task", ".delivery", ".beat", ".metrics", "celery")),
         # the guarded transport works wherever a run's scope is set: no Celery in it
-        ("transport", ("celery", "kombu", "..task", "..metrics", "..beat")),
+        ("transport", ("celery", "kombu", "..task", "..metrics", "..tracing", "..beat")),
     ],
 )
 def test_layer_imports(package: str, forbidden: tuple[str, ...]) -> None:
