@@ -12,6 +12,7 @@ host's log.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -40,6 +41,7 @@ from ..services import REDIS_HOST, REDIS_PORT, check_redis, missing
 from ..workers import ROOT, Worker
 
 HOST_TASKS = "tests.hosts.host_tasks"
+BEAT_READY = "beat: Starting..."
 REDIS_DB = 14  # the hosts suite's database on the shared Redis; flushed before each test
 #: What every host runs with: Redis hands an unacknowledged message to another host
 #: after 3 s, and a host looks for such messages every second.
@@ -166,10 +168,12 @@ class Host:
             return entered
         return [*entered, "setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"]
 
-    def start(self, concurrency: int = 2, *, user: int | None = None, **env: str) -> Worker:
-        """A worker on this host (``env`` over SETTINGS), once it is ready; ``user``:
-        the uid it runs as (a host with ``hidepid`` only, whose processes share one
-        PID namespace)."""
+    def start(
+        self, concurrency: int = 2, *, user: int | None = None, wait: bool = True, **env: str
+    ) -> Worker:
+        """A worker on this host (``env`` over SETTINGS), once it is ready (unless not
+        ``wait``); ``user``: the uid it runs as (a host with ``hidepid`` only, whose
+        processes share one PID namespace)."""
         if user is not None and self._anchor is None:
             raise ValueError("another user's worker shares a namespace: make the host hidepid")
         worker = Worker(
@@ -181,7 +185,21 @@ class Host:
             prefix=self._prefix(user),
         )
         self.processes.append(worker)
-        return worker.wait_ready()
+        return worker.wait_ready() if wait else worker
+
+    def start_beat(self, *, wait: bool = True, **env: str) -> Worker:
+        """``celery beat`` on this host (its schedule, as the workers' env, over
+        SETTINGS), once it runs (unless not ``wait``)."""
+        beat = Worker(
+            self._env(env),
+            f"{self.name}-beat-{uuid.uuid4().hex[:4]}",
+            self._log_dir,
+            app=HOST_TASKS,
+            command="beat",
+            prefix=self._prefix(),
+        )
+        self.processes.append(beat)
+        return beat.wait_ready(mark=BEAT_READY) if wait else beat
 
     def run(self, argv: list[str], *, user: int | None = None) -> str:
         """Run ``argv`` in this host's namespaces (as ``user``); its output."""
@@ -257,6 +275,35 @@ def hosts(
     if failed:
         for host in made:
             print(host.logs())
+
+
+#: Per scenario, the counts of its last run (``hosts_counts``), printed at the end of
+#: the session and written as JSON to ``$HOSTS_COUNTS_FILE`` if set: the figures of
+#: docs' per-scenario table come from a real run.
+COUNTS_ENV = "HOSTS_COUNTS_FILE"
+_counts: dict[str, dict[str, int]] = {}
+
+
+@pytest.fixture
+def hosts_counts(request: pytest.FixtureRequest) -> Callable[..., None]:
+    """``hosts_counts(5, tasks=12, ...)``: this scenario's counts from this run."""
+
+    def record(scenario: int, **counts: int) -> None:
+        _counts[f"{scenario}: {request.node.name}"] = counts
+        print(f"hosts counts, scenario {scenario}: {counts}")
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _counts:
+        return
+    terminalreporter.section("hosts suite: counts per scenario")
+    for name, counts in sorted(_counts.items()):
+        terminalreporter.write_line(f"{name}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
+    target = os.environ.get(COUNTS_ENV)
+    if target:
+        Path(target).write_text(json.dumps(_counts, indent=2, sort_keys=True) + "\n")
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
