@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 from budget_tasks import Ledger
 from budget_tasks.testing import FakeProvider
@@ -124,6 +124,7 @@ class Host:
         log_dir: Path,
         *,
         hidepid: bool = False,
+        standby: str | None = None,
     ) -> None:
         self.name = name
         self.address = f"127.0.0.{10 + index}"
@@ -133,6 +134,20 @@ class Host:
         self.ledger_url = pg.set(host=self.address, port=self.pg.port).render_as_string(
             hide_password=False
         )
+        #: With ``standby`` (a second server's URL, same database), a proxy to it too,
+        #: and a multi-host ledger URL: libpq tries the primary's path, then the
+        #: standby's, and keeps the first that accepts writes (as after a failover).
+        self.pg_standby: FaultProxy | None = None
+        if standby is not None:
+            other = make_url(standby)
+            self.pg_standby = FaultProxy(
+                other.host or "127.0.0.1", other.port or 5432, listen_host=self.address
+            )
+            paths = (f"{self.address}:{self.pg.port}", f"{self.address}:{self.pg_standby.port}")
+            multi = {**pg.query, "host": paths, "target_session_attrs": "read-write"}
+            self.ledger_url = URL.create(
+                pg.drivername, pg.username, pg.password, database=pg.database, query=multi
+            ).render_as_string(hide_password=False)
         self.broker = f"redis://{self.address}:{self.redis.port}/{REDIS_DB}"
         self._fake = fake
         self._log_dir = log_dir
@@ -230,6 +245,8 @@ class Host:
             os.killpg(self._anchor.pid, signal.SIGKILL)
             self._anchor.wait(timeout=10)
         self.pg.close()
+        if self.pg_standby is not None:
+            self.pg_standby.close()
         self.redis.close()
 
     def logs(self) -> str:
@@ -260,8 +277,14 @@ def hosts(
     pg_ledger.create_budget("default", 10_000_000)
     made: list[Host] = []
 
-    def make(name: str, *, hidepid: bool = False) -> Host:
-        host = Host(name, len(made), pg_url, fake, tmp_path, hidepid=hidepid)
+    def make(
+        name: str, *, hidepid: bool = False, ledger: str | None = None, standby: str | None = None
+    ) -> Host:
+        """``ledger``: the URL of another ledger than the session's (``standby``: its
+        synchronous standby's)."""
+        host = Host(
+            name, len(made), ledger or pg_url, fake, tmp_path, hidepid=hidepid, standby=standby
+        )
         made.append(host)
         return host
 
