@@ -118,6 +118,8 @@ def test_a_sqlite_ledger_locked_by_another_writer_is_unavailable_not_a_type_erro
     [
         "postgresql://u@/ledger?host=db1:5432&host=db2:5433&target_session_attrs=read-write",
         "postgresql://u@/ledger?host=db1,db2&port=5432,5433&target_session_attrs=read-write",
+        # as failover tools print it (pg_autoctl show uri): libpq's list in the netloc
+        "postgres://u@db1:5432,db2:5433/ledger?target_session_attrs=read-write",
     ],
 )
 def test_a_multi_host_ledger_url_reaches_psycopg_whole(url: str) -> None:
