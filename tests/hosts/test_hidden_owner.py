@@ -46,7 +46,7 @@ print(json.dumps({
 
 
 def test_a_live_lease_whose_owner_proc_hides_is_never_taken_for_gone(
-    hosts: Any, client: Celery, fake: FakeProvider, pg_ledger: Ledger
+    hosts: Any, client: Celery, fake: FakeProvider, pg_ledger: Ledger, hosts_counts: Any
 ) -> None:
     h = hosts("host-h", hidepid=True)
     h.start(concurrency=1)  # as root: busy with the call, it takes no other message
@@ -101,3 +101,10 @@ def test_a_live_lease_whose_owner_proc_hides_is_never_taken_for_gone(
     attempt = pg_ledger.attempt("hosts:h1#1")
     assert (attempt.state, attempt.actual) == ("settled", fake.billed_for("hosts:h1#1", pg_ledger))
     assert pg_ledger.audit() == []
+    hosts_counts(
+        7,
+        tasks=1,
+        deliveries=lease(pg_ledger, "hosts:h1")[2],
+        sends=1,
+        replays=operation.replays,
+    )
