@@ -126,6 +126,9 @@ class Host:
         hidepid: bool = False,
         standby: str | None = None,
     ) -> None:
+        for tool in ("nsenter", "setpriv", "mount") if hidepid else ():
+            if shutil.which(tool) is None:  # before anything is made that would leak
+                missing(tool, "a hidepid host joins its namespaces with it")
         self.name = name
         self.address = f"127.0.0.{10 + index}"
         pg = make_url(pg_url)
