@@ -212,7 +212,8 @@ def _reconcile_one(
         if why is not None:
             # What a provider (or a gateway) claims past what the request allowed is
             # never charged: the hold stays for an operator, and no later lookup asks.
-            ledger.upkeep.distrust(attempt.key, why)
+            if not ledger.upkeep.distrust(attempt.key, why):
+                return _moved(attempt.key, ledger.attempt(attempt.key).state)
             hooks.untrusted(budget=attempt.budget, attempt=attempt.key, reason=why, by="reconcile")
             log.warning("reconciling %s: found, but not charged: %s", attempt.key, why)
             return "untrusted"
@@ -225,6 +226,8 @@ def _reconcile_one(
             answer=outcome.result,
             expected="unknown",
         )
+        if not done.applied:
+            return _moved(done.key, done.state)
         _told_settled(attempt, actual)
         # A labelled call found leaves the rest of its run to do: its operation is
         # retryable, and its next delivery replays what was found.
@@ -244,6 +247,8 @@ def _reconcile_one(
             by="reconcile",
             expected="unknown",
         )
+        if not done.applied:
+            return _moved(done.key, done.state)
         if recorded:
             _told_settled(attempt, recorded)
         else:
@@ -257,16 +262,30 @@ def _reconcile_one(
     if name == "unknowable" and recorded:
         # The provider keeps no record, but the run recorded what the call reported:
         # that is proof of billing, and the charge.
-        ledger.upkeep.resolve_attempt(
+        done = ledger.upkeep.resolve_attempt(
             attempt.key,
             recorded,
             note=f"the usage its run recorded ({outcome.reason})",
             by="reconcile",
             expected="unknown",
         )
+        if not done.applied:
+            return _moved(done.key, done.state)
         _told_settled(attempt, recorded)
     log.info("reconciled %s: %s%s", attempt.key, name, _because(outcome.reason))
     return name
+
+
+def _moved(key: str, state: str) -> str:
+    """An attempt another writer resolved between this run's claim and its write (a
+    late run, an operator, another beat's reconciliation whose claim this one's
+    outlived): nothing was written, so nothing is told as settled or released."""
+    log.warning(
+        "reconciling %s: it moved meanwhile (now %s): another writer resolved it",
+        key,
+        state,
+    )
+    return "failed"
 
 
 def _requeue_if_retryable(ledger: Ledger, done: Resolved, requeue: Requeue | None) -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sqlite3
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
@@ -27,15 +29,34 @@ UNDEFINED_TABLE = "42P01"
 URL_EXAMPLES = "postgresql://USER@HOST:5432/DBNAME or sqlite:///PATH/ledger.db"
 
 
+#: libpq's multi-host form, ``scheme://[user@]h1:p1,h2:p2/db?...``, as failover
+#: tools print it (``pg_autoctl show uri``): SQLAlchemy reads no comma in the host.
+_HOST_LIST = re.compile(
+    r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://(?:[^@/?]*@)?)(?P<hosts>[^@/?]*,[^@/?]*)(?P<tail>[/?].*)?$"
+)
+
+
+def _hosts_as_query(url: str) -> str:
+    """libpq's ``h1:p1,h2:p2`` host list as SQLAlchemy's ``?host=h1:p1&host=h2:p2``,
+    which it hands to libpq as the same list; any other URL as it is."""
+    found = _HOST_LIST.match(url)
+    if found is None:
+        return url
+    path, _, query = (found["tail"] or "/").partition("?")
+    hosts = "&".join(f"host={quote(h, safe=':[]')}" for h in found["hosts"].split(","))
+    return f"{found['head']}{path}?{hosts}" + (f"&{query}" if query else "")
+
+
 def normalise_url(url: str) -> str:
-    """Accept ``postgresql://`` and ``postgres://`` and use psycopg 3 for them.
+    """Accept ``postgresql://`` and ``postgres://`` and use psycopg 3 for them; a
+    failover cluster's hosts may be listed as libpq lists them (``h1:p1,h2:p2``).
 
     A URL that does not parse raises LedgerConfigError (its text is not repeated: it may
     hold a password)."""
     if not url:
         raise LedgerConfigError(f"it is empty; expected {URL_EXAMPLES}")
     try:
-        parsed = make_url(url)
+        parsed = make_url(_hosts_as_query(url))
     except ArgumentError as exc:
         raise LedgerConfigError(f"it does not parse; expected {URL_EXAMPLES}") from exc
     except ValueError as exc:  # SQLAlchemy's int() of the port

@@ -34,7 +34,7 @@ def db_now(ledger: Ledger) -> Any:
 
 
 def test_hosts_whose_clocks_disagree_follow_the_databases_clock(
-    hosts: Any, client: Celery, fake: FakeProvider, pg_ledger: Ledger
+    hosts: Any, client: Celery, fake: FakeProvider, pg_ledger: Ledger, hosts_counts: Any
 ) -> None:
     a, b = hosts("host-a"), hosts("host-b")
     a.start(**{SKEW_ENV: str(SKEW)})
@@ -62,3 +62,4 @@ def test_hosts_whose_clocks_disagree_follow_the_databases_clock(
     assert len(requests_for(fake, pg_ledger, "s1")) == 1
     assert pg_ledger.attempt("hosts:s1#1").state == "unknown"
     assert pg_ledger.audit() == []
+    hosts_counts(4, tasks=1, kills=1, skew_seconds=SKEW, sends=1, replays=0)

@@ -31,7 +31,12 @@ DURING = ("k3", "k4")
 
 @pytest.mark.parametrize("fault", ["reset", "blackhole"])
 def test_a_host_cut_off_from_postgresql_sends_nothing_unheld_and_loses_no_hold(
-    fault: str, hosts: Any, client: Celery, fake: FakeProvider, pg_ledger: Ledger
+    fault: str,
+    hosts: Any,
+    client: Celery,
+    fake: FakeProvider,
+    pg_ledger: Ledger,
+    hosts_counts: Any,
 ) -> None:
     a = hosts("host-a")
     a.start()
@@ -68,13 +73,14 @@ def test_a_host_cut_off_from_postgresql_sends_nothing_unheld_and_loses_no_hold(
             ends[job] = type(exc).__name__
     assert set(ends.values()) <= {"ok", "OutcomeUnknown"}, ends
     assert all(ends[job] == "ok" for job in DURING), ends  # sent after the heal
+    reconciled = 0
     if "OutcomeUnknown" in ends.values():
         wait_for(
             lambda: all(fake.billed_for(f"hosts:{j}#1", pg_ledger) for j in IN_FLIGHT),
             60,
             "the provider's bills",
         )
-        client.send_task("budget_tasks.reconcile_unknown").get(timeout=60)
+        reconciled = client.send_task("budget_tasks.reconcile_unknown").get(timeout=60)["found"]
 
     # every request served is one attempt, settled at what the provider billed
     for job in (*IN_FLIGHT, *DURING):
@@ -86,3 +92,11 @@ def test_a_host_cut_off_from_postgresql_sends_nothing_unheld_and_loses_no_hold(
         ), job
     assert pg_ledger.balance("default").held == 0
     assert pg_ledger.audit() == []
+    hosts_counts(
+        2,
+        tasks=len(ends),
+        partitions=1,
+        sends=len(ends),
+        unknown_at_heal=list(ends.values()).count("OutcomeUnknown"),
+        reconciled=reconciled,
+    )

@@ -41,7 +41,7 @@ def lease(ledger: Ledger, key: str) -> tuple[str | None, Any, int]:
 
 
 def test_a_host_killed_mid_call_is_waited_for_then_reconciled_never_resent(
-    hosts: Any, client: Celery, fake: FakeProvider, pg_ledger: Ledger
+    hosts: Any, client: Celery, fake: FakeProvider, pg_ledger: Ledger, hosts_counts: Any
 ) -> None:
     a, b = hosts("host-a"), hosts("host-b")
     a.start()
@@ -93,3 +93,12 @@ def test_a_host_killed_mid_call_is_waited_for_then_reconciled_never_resent(
     assert pg_ledger.balance("default").held == 0
     assert len(requests_for(fake, pg_ledger, "k1")) == 1
     assert pg_ledger.audit() == []
+    hosts_counts(
+        1,
+        tasks=1,
+        kills=1,
+        deliveries=lease(pg_ledger, "hosts:k1")[2],
+        sends=1,
+        replays=0,
+        reconciled=counts["found"],
+    )

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.hosts
 
 
 def test_a_message_handed_to_a_second_host_while_the_first_runs_it_is_never_sent_twice(
-    hosts: Any, client: Celery, fake: FakeProvider, pg_ledger: Ledger
+    hosts: Any, client: Celery, fake: FakeProvider, pg_ledger: Ledger, hosts_counts: Any
 ) -> None:
     a, b = hosts("host-a"), hosts("host-b")
     a.start()
@@ -52,3 +52,11 @@ def test_a_message_handed_to_a_second_host_while_the_first_runs_it_is_never_sent
     assert (attempt.state, attempt.actual) == ("settled", fake.billed_for("hosts:r1#1", pg_ledger))
     a.redis.restore()
     assert pg_ledger.audit() == []
+    hosts_counts(
+        3,
+        tasks=1,
+        partitions=1,
+        deliveries=lease(pg_ledger, "hosts:r1")[2],
+        sends=1,
+        replays=operation.replays,
+    )

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from sqlalchemy import text
 
 from budget_tasks import Ledger
 from budget_tasks.testing import FakeProvider
@@ -40,7 +41,7 @@ ACTIONS = ("kill", "pg-cut", "pg-blackhole", "redis-cut")
 
 
 def test_three_hosts_under_kills_and_partitions_keep_every_invariant(
-    hosts: Any, client: Celery, fake: FakeProvider, pg_ledger: Ledger
+    hosts: Any, client: Celery, fake: FakeProvider, pg_ledger: Ledger, hosts_counts: Any
 ) -> None:
     seed = int(os.environ.get("HOSTS_SEED", random.randrange(10**6)))
     print(f"hosts soak: HOSTS_SEED={seed}")
@@ -105,8 +106,9 @@ def test_three_hosts_under_kills_and_partitions_keep_every_invariant(
 
     # reconciliation settles what the provider finished; what it cannot see stays held
     time.sleep(2)  # the provider finishes what dead hosts left with it (0.5 s delays)
+    reconciled = 0
     for _ in range(3):
-        client.send_task("budget_tasks.reconcile_unknown").get(timeout=120)
+        reconciled += client.send_task("budget_tasks.reconcile_unknown").get(timeout=120)["found"]
 
     sent = check_requests_match_attempts(pg_ledger, fake)
     check_no_hold_lost(pg_ledger)
@@ -121,4 +123,18 @@ def test_three_hosts_under_kills_and_partitions_keep_every_invariant(
     print(
         f"hosts soak: {sent} provider requests, {len(attempts)} attempts, "
         f"{len(unknown)} unknown left held, spent {spent} of cap {fits}"
+    )
+    with pg_ledger.engine.connect() as conn:
+        replays = conn.execute(text("SELECT COALESCE(SUM(replays), 0) FROM operations")).scalar()
+    hosts_counts(
+        8,
+        seed=seed,
+        tasks=TASKS,
+        kills=done["kill"],
+        partitions=sum(n for action, n in done.items() if action != "kill"),
+        sends=sent,
+        replays=int(replays),
+        reconciled=reconciled,
+        unknown_left_held=len(unknown),
+        denied=ends["BudgetExceeded"],
     )

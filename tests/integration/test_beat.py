@@ -533,6 +533,47 @@ def test_settlements_by_reconciliation_feed_the_overrun_and_ratio_metrics(
     assert sample("budget_tasks_actual_to_estimate_ratio_count") == ratios + 1
 
 
+def test_a_reconciler_whose_claim_another_outlived_tells_nothing_it_did_not_write(
+    pg_ledger: Ledger, fake: FakeProvider, clock: ManualClock
+) -> None:
+    """Two beats: one claims an attempt, and its run is slow (a lookup before it, a
+    slow provider); past the claim's back-off the other beat claims it too, finds it
+    and settles it. The first then finds the call as well: its settlement changes
+    nothing, and it must not count, log or tell (metrics) a second settlement."""
+    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
+    pg_ledger.create_budget("team", 1_000_000)
+    pg_ledger.calls.reserve("team", "slow", 10_000)
+    pg_ledger.calls.describe_attempt("slow", lookup=LOOKUP_OPENAI_CHAT, model="gpt-4o-mini")
+    pg_ledger.calls.mark_sending("slow")
+    openai_chat(client, key=pg_ledger.provider_key("slow"), **PROMPT)
+    pg_ledger.calls.mark_unknown("slow", "worker lost")
+    ratios = (
+        REGISTRY.get_sample_value("budget_tasks_actual_to_estimate_ratio_count", {"budget": "team"})
+        or 0.0
+    )
+    other: list[dict[str, int]] = []
+
+    def slow_clients(kind: str) -> Any:
+        if not other:  # the first run's lookup: meanwhile the other beat runs through
+            clock.advance(minutes=2)
+            other.append(reconcile_unknown(pg_ledger, lambda kind: client, margin=timedelta(0)))
+        return client
+
+    first = reconcile_unknown(pg_ledger, slow_clients, margin=timedelta(0))
+    assert other[0]["found"] == 1
+    assert (first["found"], first["failed"]) == (0, 1)
+    settled = pg_ledger.attempt("slow")
+    assert (settled.state, settled.actual) == ("settled", fake.billed_for("slow", pg_ledger))
+    with pg_ledger.engine.connect() as conn:
+        charges = conn.execute(text("SELECT count(*) FROM journal WHERE kind = 'charge'")).scalar()
+    assert charges == 1
+    assert (
+        REGISTRY.get_sample_value("budget_tasks_actual_to_estimate_ratio_count", {"budget": "team"})
+        == ratios + 1
+    )
+    assert pg_ledger.audit() == []
+
+
 def test_a_run_that_outlives_its_lease_while_beat_finds_its_call_returns_what_was_stored(
     pg_ledger: Ledger, fake: FakeProvider, clock: ManualClock
 ) -> None:

@@ -111,3 +111,29 @@ def test_a_sqlite_ledger_locked_by_another_writer_is_unavailable_not_a_type_erro
         holder.close()
     assert ledger.calls.reserve("team", "k", 10).created  # once the lock is gone
     ledger.dispose()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u@/ledger?host=db1:5432&host=db2:5433&target_session_attrs=read-write",
+        "postgresql://u@/ledger?host=db1,db2&port=5432,5433&target_session_attrs=read-write",
+        # as failover tools print it (pg_autoctl show uri): libpq's list in the netloc
+        "postgres://u@db1:5432,db2:5433/ledger?target_session_attrs=read-write",
+    ],
+)
+def test_a_multi_host_ledger_url_reaches_psycopg_whole(url: str) -> None:
+    """A failover cluster's URL names every server and asks for the one that takes
+    writes: the ledger passes all of it to libpq (see README, "Many hosts")."""
+    from budget_tasks.ledger.engine import build_engine
+
+    engine = build_engine(url)
+    try:
+        args, kwargs = engine.dialect.create_connect_args(engine.url)
+        params = {**dict(enumerate(args)), **kwargs}
+        assert engine.url.drivername == "postgresql+psycopg"
+        assert params["host"] == "db1,db2"
+        assert params["port"] == "5432,5433"
+        assert params["target_session_attrs"] == "read-write"
+    finally:
+        engine.dispose()
