@@ -15,6 +15,7 @@ from typing import IO, Any
 
 import click
 
+from ._display import age
 from .config import LEDGER_URL_ENV, LEDGER_URL_SETTING
 from .errors import BudgetTasksError
 
@@ -183,17 +184,7 @@ def _plain(value: Any) -> Any:
 
 
 def _age(delta: timedelta | None) -> str:
-    """A person's reading of a duration: 45s, 12m05s, 3h20m, 2d04h."""
-    if delta is None:
-        return "-"
-    seconds = int(delta.total_seconds())
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+    return age(None if delta is None else int(delta.total_seconds()))
 
 
 def _safe(text: str) -> str:

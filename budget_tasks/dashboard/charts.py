@@ -6,7 +6,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from .._display import age
+
 WIDTH, HEIGHT, PAD = 720, 220, 36
+
+__all__ = ["age", "bar", "spend_chart", "usd"]
 
 
 def usd(micros: int | None) -> str:
@@ -16,19 +20,6 @@ def usd(micros: int | None) -> str:
     sign = "-" if micros < 0 else ""
     whole, frac = divmod(abs(micros), 1_000_000)
     return f"{sign}${whole:,}.{frac:06d}"
-
-
-def age(seconds: int | None) -> str:
-    """A person's reading of a duration: 45s, 12m05s, 3h20m, 2d04h."""
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
 def bar(row: dict[str, Any]) -> dict[str, Any]:

@@ -112,20 +112,7 @@ class Oversight(Operations, Reports):
                 .where(attempts.c.operation_id == row.id)
                 .order_by(attempts.c.id)
             ).all()
-            owner = budgets.alias("owner")  # a slice's rows are its owner's
-            entries = cur.execute(
-                select(
-                    journal,
-                    attempts.c.key.label("attempt"),
-                    func.coalesce(owner.c.name, budgets.c.name).label("budget"),
-                )
-                .join(attempts, attempts.c.id == journal.c.attempt_id)
-                .join(budget_periods, budget_periods.c.id == journal.c.period_id)
-                .join(budgets, budgets.c.id == budget_periods.c.budget_id)
-                .outerjoin(owner, owner.c.id == budgets.c.slice_of)
-                .where(attempts.c.operation_id == row.id)
-                .order_by(journal.c.id)
-            ).all()
+            entries = cur.execute(_journal_of(attempts.c.operation_id == row.id)).all()
             events = cur.execute(
                 select(operation_events)
                 .where(operation_events.c.operation_id == row.id)
@@ -145,22 +132,8 @@ class Oversight(Operations, Reports):
         """Attempt ``key``'s journal entries (one per budget in its chain for each
         hold, charge, release or correction), oldest first."""
         check.text(key, "key")
-        owner = budgets.alias("owner")  # a slice's rows are its owner's
-        query = (
-            select(
-                journal,
-                attempts.c.key.label("attempt"),
-                func.coalesce(owner.c.name, budgets.c.name).label("budget"),
-            )
-            .join(attempts, attempts.c.id == journal.c.attempt_id)
-            .join(budget_periods, budget_periods.c.id == journal.c.period_id)
-            .join(budgets, budgets.c.id == budget_periods.c.budget_id)
-            .outerjoin(owner, owner.c.id == budgets.c.slice_of)
-            .where(attempts.c.key == key)
-            .order_by(journal.c.id)
-        )
         with self._driver.transaction() as cur:
-            rows = cur.execute(query).all()
+            rows = cur.execute(_journal_of(attempts.c.key == key)).all()
         return [_entry(e) for e in rows]
 
     def operation_attempts(self, keys: list[str]) -> dict[str, list[Attempt]]:
@@ -223,4 +196,23 @@ class Oversight(Operations, Reports):
 def _entry(e: Any) -> JournalEntry:
     return JournalEntry(
         e.attempt, e.budget, e.kind, e.held_delta, e.spent_delta, e.note, e.created_at, e.actor
+    )
+
+
+def _journal_of(which: Any) -> Any:
+    """The journal entries of the attempts ``which`` selects, oldest first, each with
+    its attempt's key and its budget (a slice's rows are its owner's)."""
+    owner = budgets.alias("owner")
+    return (
+        select(
+            journal,
+            attempts.c.key.label("attempt"),
+            func.coalesce(owner.c.name, budgets.c.name).label("budget"),
+        )
+        .join(attempts, attempts.c.id == journal.c.attempt_id)
+        .join(budget_periods, budget_periods.c.id == journal.c.period_id)
+        .join(budgets, budgets.c.id == budget_periods.c.budget_id)
+        .outerjoin(owner, owner.c.id == budgets.c.slice_of)
+        .where(which)
+        .order_by(journal.c.id)
     )
