@@ -287,7 +287,10 @@ class Maintenance(Operations, Reports):
     ) -> list[Attempt]:
         """Claim unknown attempts due for a provider lookup, and push each one's next
         lookup back (doubling, up to ``max_backoff``). Rows another claimer holds are
-        skipped, so concurrent reconcilers never look up the same attempt at once."""
+        skipped and a claimed row is not due again before its back-off, so concurrent
+        reconcilers do not claim the same attempt at once; a run slower than the
+        back-off may see it claimed again and looked up twice. Its settlement is
+        compare-and-set, so it is charged once whoever looks it up."""
         check.positive(limit, "limit")
         check.duration(backoff, "backoff")
         check.duration(max_backoff, "max_backoff")
