@@ -137,13 +137,34 @@ class LedgerCollector(Collector):
         yield from gauges.values()
 
 
+def _collector_of_written_files() -> Any:
+    """prometheus_client's collector of every process's files, passing over a file a
+    new process has made but not sized yet: it holds nothing, and reading it fails the
+    whole scrape (prometheus/client_python#1199; with a child per task, every fork)."""
+    import glob
+
+    from prometheus_client import multiprocess
+
+    class Collector(multiprocess.MultiProcessCollector):
+        def collect(self) -> Any:
+            files = glob.glob(os.path.join(self._path, "*.db"))
+            return self.merge([f for f in files if _has_data(f)], accumulate=True)  # type: ignore[no-untyped-call]
+
+    return Collector
+
+
+def _has_data(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0  # once sized, a file never shrinks
+    except OSError:  # gone meanwhile (mark_process_dead)
+        return False
+
+
 def registry_for(ledger: Any) -> CollectorRegistry:
     """What a worker exposes: every process's counters, and the ledger's balances."""
     registry = CollectorRegistry()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        _collector_of_written_files()(registry)
     else:
         for collector in (
             ADMISSIONS,

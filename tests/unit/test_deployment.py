@@ -186,3 +186,29 @@ def test_compose_runs_your_own_module_and_restarts_its_services() -> None:
     for name in ("postgres", "redis", "fake-provider", "worker", "beat"):
         assert services[name]["restart"] == "unless-stopped", name
     assert services["migrate"]["restart"] == "no"  # a one-shot job
+
+
+def test_a_scrape_passes_over_a_metrics_file_a_new_process_has_not_sized_yet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from budget_tasks.metrics import registry_for
+
+    written = MmapedDict(str(tmp_path / "counter_101.db"))
+    written.write_value(
+        mmap_key("budget_tasks_denials_total", "budget_tasks_denials_total", ["budget"], ["a"], ""),
+        3.0,
+        0.0,
+    )
+    written.close()
+    (tmp_path / "counter_102.db").touch()  # made by a fork, not sized yet
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+
+    class NoLedger:
+        def report(self) -> list[object]:
+            return []
+
+    text = generate_latest(registry_for(NoLedger())).decode()
+    assert 'budget_tasks_denials_total{budget="a"} 3.0' in text
