@@ -152,7 +152,8 @@ class CallPath:
             raise
         except LedgerUnavailable as exc:
             operation_id, key = seen[0] if seen else (None, None)
-            raise GrantUnanswered(exc, operation_id, key) from exc
+            # 0: the plan of a first delivery, made before its operation had an id
+            raise GrantUnanswered(exc, operation_id or None, key) from exc
 
     @staticmethod
     def _at_once(site: CallSite, here: CallAdmission) -> tuple[str, str] | None:

@@ -262,9 +262,9 @@ class OperationManager:
         Each write is compare-and-set on this run's lease: should the lease have moved
         on meanwhile, another run may be sending under that very attempt."""
         writes: list[Write] = []
-        if lost.key is not None and lost.operation_id is not None:
-            writes.append(unsent_write(lost.key, lost.operation_id, d.owner))
         operation = d.key if lost.operation_id is None else lost.operation_id
+        if lost.key is not None:
+            writes.append(unsent_write(lost.key, operation, d.owner))
         writes.append(end_write(operation, d.owner, OperationStatus.PENDING, str(lost.cause)))
         owe(self.ledger, d.key, d.owner, writes)
 

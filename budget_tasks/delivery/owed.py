@@ -159,8 +159,9 @@ def end_write(operation: int | str, owner: str, status: str, error: str) -> Writ
     )
 
 
-def unsent_write(key: str, operation_id: int, owner: str) -> Write:
+def unsent_write(key: str, operation: int | str, owner: str) -> Write:
     """Undoing a grant of ``key`` whose answer was lost: the run sent nothing under it
-    (released if it committed and is still ``owner``'s, else nothing)."""
+    (released if it committed and is still ``owner``'s, else nothing). ``operation``:
+    its id, or its key where the admission's answer was lost before it had an id."""
     call = CallEnd(key, "unsent")
-    return Write("end_call", {"call": call, "operation_id": operation_id, "owner": owner})
+    return Write("end_call", {"call": call, "operation_id": operation, "owner": owner})

@@ -14,7 +14,7 @@ from . import statements as sql
 from .base import Found
 from .driver import Cursor
 from .holds import CallPlan
-from .operations import Operations, _decode
+from .operations import Operations, _decode, _operation_ref
 from .records import AttemptRef, CallAdmission, CallAsk, CallEnd
 
 __all__ = ["Steps"]
@@ -97,14 +97,15 @@ class Steps(Operations):
         self,
         call: CallEnd,
         *,
-        operation_id: int,
+        operation_id: int | str,
         owner: str,
         record: str | None = None,
         result: Any = None,
     ) -> bool:
         """Write what one ``call`` of ``owner``'s run came to, the main call or a
         labelled one, in one transaction; with ``record``, ``result`` is stored under
-        it for replay.
+        it for replay. ``operation_id``: the operation's id, or its key where its
+        admission's answer was lost before it had an id.
 
         A write kept through an outage may land after the run's lease moved on. A
         settlement lands all the same (it is what the provider billed: an attempt
@@ -112,17 +113,18 @@ class Steps(Operations):
         or an unknown lands only while ``owner`` still holds the lease: once another
         run has taken the operation, that run or reconciliation decides the hold, and
         False is returned. False too where nothing changed."""
+        where = _operation_ref(operation_id)
         check.text(owner, "lease owner")
         encoded = None if record is None else self._kept(json.dumps(result))
         stamp = self._driver.ts(self.now())
         with self._driver.transaction() as cur:
-            _, ended = self._call_and_operation_in(cur, call, owner, stamp, op_id=operation_id)
+            row, ended = self._call_and_operation_in(cur, call, owner, stamp, **where)
             if ended is None:
                 return False
             if record is not None:
                 cur.run(
                     sql.STORE_SIDE_EFFECT,
-                    {"operation_id": operation_id, "name": record, "result": encoded, "now": stamp},
+                    {"operation_id": row.id, "name": record, "result": encoded, "now": stamp},
                 )
             changed = self._apply_call(cur, ended)
         self._log_call(ended)
