@@ -34,10 +34,10 @@ from ..errors import (
     UnknownBudget,
     UsageRecorded,
 )
-from . import escrow, partitions
+from . import escrow, functions, partitions
 from . import statements as sql
 from .counters import _apply, _journal
-from .driver import DEADLOCK, Cursor, Driver
+from .driver import DEADLOCK, Cursor, Declined, Driver
 from .engine import build_engine
 from .periods import (
     PeriodClosed,
@@ -104,6 +104,18 @@ def attempt_row(
     }
 
 
+def made_now(
+    owner: str, start: datetime, row: dict[str, Any], facts: CallFacts | None
+) -> Reservation:
+    """The reservation an admission made of ``row`` (see :func:`attempt_row`): on
+    ``owner``'s budget, in the period from ``start``, granted where ``facts`` say what
+    the call is."""
+    state = "sending" if facts is not None else "reserved"
+    return Reservation(
+        row["key"], owner, row["amount"], start, state, row["reason"], row["fingerprint"], True
+    )
+
+
 #: How often a host reads again how many slices a sliced budget has.
 SLICES_REREAD_SECONDS = 60.0
 #: A slice of budget ``x`` is the budget ``x#slice<k>``; no other budget is so named.
@@ -150,6 +162,7 @@ class LedgerBase:
         *,
         clock: Clock | None = None,
         max_stored_bytes: int | None = None,
+        server_functions: bool = True,
         **engine_options: Any,
     ) -> None:
         self._max_stored = stored_limit(max_stored_bytes)
@@ -173,6 +186,9 @@ class LedgerBase:
         self._dialect = self.engine.dialect.name
         self._installation: str | None = None
         self._driver = Driver(self.engine)
+        #: PostgreSQL: a delivery's admission and a run's settlement are first sent as
+        #: one statement each (see :mod:`.functions`); False sends only the statements.
+        self._functions = server_functions and not self._driver.sqlite
 
     def __repr__(self) -> str:
         return f"Ledger({self.url!r})"
@@ -413,6 +429,61 @@ class LedgerBase:
                 self._forget_periods(budget_id for budget_id, _, _ in chain)
         raise AssertionError("unreachable")
 
+    def _sent_alone(self, statement: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
+        """A call of one of the server-side functions (:mod:`.functions`), sent alone: its
+        row; None where it declined (nothing was written: the caller runs the
+        statement path). A database whose migrations predate the functions is told
+        once, and then sent the statements only."""
+        try:
+            row = self._driver.call(statement, params)
+        except Declined as declined:
+            if declined.sqlstate == functions.UNDEFINED_FUNCTION:
+                log.warning(
+                    "the ledger's database lacks its functions: run `budget-tasks db upgrade`"
+                )
+                self._functions = False
+            return None
+        assert row is not None
+        return row
+
+    def _settled_alone(
+        self,
+        key: str,
+        actual: int,
+        stamp: Any,
+        *,
+        estimate_only: bool = False,
+        note: str | None = None,
+        ids: tuple[str | None, str | None] = (None, None),
+        operation_id: int | None = None,
+        owner: str | None = None,
+        result: str | None = None,
+    ) -> bool:
+        """A settlement of a ``sending`` attempt as one function call (see
+        :mod:`.functions`); with ``operation_id``, its operation ends succeeded with
+        ``result`` under ``owner``'s lease, in the same statement. False where the
+        function declined: nothing was written, the statement path decides."""
+        settled = self._sent_alone(
+            functions.FINISH,
+            {
+                "operation_id": operation_id,
+                "owner": owner,
+                "key": key,
+                "actual": actual,
+                "estimate_only": estimate_only,
+                "note": None if note is None else redact(note),
+                "request_id": ids[0],
+                "response_id": ids[1],
+                "result": result,
+                "now": stamp,
+            },
+        )
+        if settled is None:
+            return False
+        if actual > settled[0]:
+            self._log_overrun(key, int(settled[0]), actual)
+        return True
+
     def _in_batches(self, statement: str, params: dict[str, Any]) -> int:
         """Run ``statement`` (one batch of ``params["batch"]`` rows) until a batch is
         short, each batch committed; the rows it changed."""
@@ -493,17 +564,7 @@ class LedgerBase:
         for _, period_id in holds:
             _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
         self._admit_in(cur, found, amount, names, stamp)
-        start = periods[chain[0][0]][1]
-        return Reservation(
-            key,
-            owner,
-            amount,
-            start,
-            "sending" if granted else "reserved",
-            reason,
-            row["fingerprint"],
-            True,
-        )
+        return made_now(owner, periods[chain[0][0]][1], row, call)
 
     @staticmethod
     def _admit_in(

@@ -28,5 +28,7 @@ class LedgerCore(Budgets, Maintenance, Steps, Oversight, Views, Audits, Retentio
     (:class:`~.faces.Ledger`, :class:`~.faces.CallLedger`, :class:`~.faces.Upkeep`).
 
     ``clock`` returns the current time as an aware datetime; tests pass their own to
-    move between periods.
+    move between periods. ``server_functions=False`` sends a delivery's admission and
+    a run's settlement on PostgreSQL statement by statement, as on SQLite, instead of
+    as one server-side function call each (the same rows; a comparison baseline).
     """

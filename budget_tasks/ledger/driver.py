@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -49,6 +50,7 @@ class Driver:
             dbapi.InterfaceError,
         )
         self.integrity: type[Exception] = dbapi.IntegrityError
+        self.error: type[Exception] = dbapi.Error
         self.failures: tuple[type[Exception], ...] = (DBAPIError, *self.unreachable)
         self._sql: dict[str, str] = {}
         _engines.add(engine)
@@ -87,14 +89,7 @@ class Driver:
     def checkout(self) -> Connection:
         """A connection from the pool, its transaction begun (SQLite: BEGIN IMMEDIATE,
         by the engine's begin event); the caller gives it back (``close()``)."""
-        try:
-            conn = self.engine.connect()
-        except PoolTimeout as exc:
-            raise LedgerUnavailable(f"no free ledger connection: {_first_line(exc)}") from exc
-        except DBAPIError as exc:
-            raise unavailable(exc) from exc
-        except self.unreachable as exc:
-            raise unavailable(exc) from exc
+        conn = self._connect()
         try:
             conn.begin()
         except BaseException as exc:
@@ -132,8 +127,80 @@ class Driver:
             with suppress(Exception):
                 cursor.conn.close()  # back to the pool (an invalidated one is discarded)
 
+    def call(self, statement: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        """One statement as a transaction of its own (PostgreSQL, autocommit): one round
+        trip, no BEGIN or COMMIT sent; its first row.
+
+        Any error the database answers with (a server-side function that declines, a
+        deadlock, a function not yet made by the migrations) raises :class:`Declined`:
+        the statement wrote nothing, and the caller runs the statement path. A
+        connection lost before the answer raises LedgerUnavailable: it may have
+        committed, as a COMMIT whose answer was lost."""
+        assert not self.sqlite
+        conn = self._connect()
+        try:
+            dbapi = conn.connection.dbapi_connection
+            assert dbapi is not None
+            if _stale(dbapi):
+                # A connection the server closed while it sat in the pool (a restart)
+                # has the server's goodbye waiting in its socket: replaced before
+                # anything is sent, so nothing is sent twice.
+                with suppress(Exception):
+                    conn.invalidate()
+                with suppress(Exception):
+                    conn.close()
+                self.engine.dispose()
+                conn = self._connect()
+                dbapi = conn.connection.dbapi_connection
+                assert dbapi is not None
+            dbapi.autocommit = True
+            try:
+                cursor = dbapi.cursor()
+                cursor.execute(self.sql(statement), params)
+                row: tuple[Any, ...] | None = cursor.fetchone()
+            except self.error as exc:
+                sqlstate = getattr(exc, "sqlstate", None)
+                if sqlstate is not None:
+                    raise Declined(str(sqlstate)) from exc
+                with suppress(Exception):
+                    conn.invalidate(exc if isinstance(exc, Exception) else None)
+                raise unavailable(exc) from exc
+            finally:
+                with suppress(Exception):
+                    dbapi.autocommit = False
+            return row
+        finally:
+            with suppress(Exception):
+                conn.close()
+
+    def _connect(self) -> Connection:
+        try:
+            return self.engine.connect()
+        except PoolTimeout as exc:
+            raise LedgerUnavailable(f"no free ledger connection: {_first_line(exc)}") from exc
+        except self.failures as exc:
+            raise unavailable(exc) from exc
+
     def close(self) -> None:
         """Nothing is kept between transactions: kept for callers of earlier versions."""
+
+
+class Declined(Exception):
+    """A statement sent alone was answered with an error (its SQLSTATE): it wrote
+    nothing."""
+
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(sqlstate)
+        self.sqlstate = sqlstate
+
+
+def _stale(dbapi: Any) -> bool:
+    """Whether an idle connection has something to read: the server closed it."""
+    try:
+        readable, _, _ = select.select([dbapi.pgconn.socket], [], [], 0)
+    except (OSError, ValueError, AttributeError):
+        return True
+    return bool(readable)
 
 
 def _lost(exc: BaseException, unreachable: tuple[type[Exception], ...]) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
+from typing import Any
 
 from .. import _validate as check
 from ..errors import (
@@ -13,8 +14,9 @@ from ..errors import (
     UnknownAttempt,
     UnknownOperation,
 )
+from . import functions
 from . import statements as sql
-from .base import Chain, Found, LedgerBase, _ids, attempt_row
+from .base import Chain, Found, LedgerBase, _ids, attempt_row, made_now
 from .counters import _apply, _journal
 from .driver import Cursor
 from .records import (
@@ -54,6 +56,77 @@ def _check_reservation(
 CallPlan = Callable[[CallAdmission], "tuple[str, str] | None"]
 
 
+#: The delivery's part of :data:`.functions.ADMIT`, for a reservation alone: none.
+NO_DELIVERY: dict[str, Any] = dict.fromkeys(
+    ("key", "fingerprint", "task", "payload", "owner", "expires")
+)
+#: The attempt's part, for a delivery whose call is not admitted with it: none.
+NO_ATTEMPT: dict[str, Any] = dict.fromkeys(
+    (
+        *("a_key", "budget_id", "period_id", "a_fingerprint", "reason", "amount"),
+        *("price_version", "operation_id", "label", "step", "granted", "lookup", "model"),
+        *("timeout_ms", "request_digest", "input_bound", "output_bound", "holds"),
+        *("escrow_period", "escrow_chain", "escrow_sources"),
+    )
+)
+
+
+def call_row(
+    chain: Chain, call: CallAsk, planned: tuple[str, str], operation_id: int | None
+) -> dict[str, Any]:
+    """The attempt row a call's admission makes where ``planned`` names it (key,
+    reason), the main call or a labelled one (see :func:`~.base.attempt_row`)."""
+    key, reason = planned
+    return attempt_row(
+        chain,
+        key,
+        call.amount,
+        reason,
+        fingerprint=call.fingerprint,
+        price_version=call.price_version,
+        operation_id=operation_id,
+        label=call.label,
+        step=call.step,
+    )
+
+
+def attempt_params(
+    chain: Chain, found: Found, row: dict[str, Any], facts: CallFacts | None, stamp: Any
+) -> dict[str, Any]:
+    """The attempt's part of :data:`.functions.ADMIT`: the row
+    :meth:`~.base.LedgerBase._reserve_in` inserts (``row``: see
+    :func:`~.base.attempt_row`), granted where ``facts`` say what the call is, and the
+    periods it holds in (``found``)."""
+    bound = None if facts is None else facts.bound
+    stop = found.escrow
+    return {
+        "now": stamp,
+        "a_key": row["key"],
+        "budget_id": row["budget_id"],
+        "period_id": found.periods[chain[0][0]][0],
+        "a_fingerprint": row["fingerprint"],
+        "reason": row["reason"],
+        "amount": row["amount"],
+        "price_version": row["price_version"],
+        "operation_id": row["operation_id"],
+        "label": row["label"],
+        "step": row["step"],
+        "granted": facts is not None,
+        "lookup": None if facts is None else facts.lookup,
+        "model": None if facts is None else facts.model,
+        "timeout_ms": None if facts is None else facts.timeout_ms,
+        "request_digest": None if facts is None else facts.request,
+        "input_bound": None if bound is None else bound.input_tokens,
+        "output_bound": None if bound is None else bound.output_tokens,
+        "holds": [period_id for _, period_id in found.holds],
+        "escrow_period": None if stop is None else found.periods[stop.budget_id][0],
+        "escrow_chain": None if stop is None else list(stop.chain_ids),
+        "escrow_sources": (
+            None if stop is None else [found.periods[b][0] for b, _, _ in stop.ancestors]
+        ),
+    }
+
+
 class Holds(LedgerBase):
     """The hold methods of :class:`~budget_tasks.Ledger`."""
 
@@ -75,20 +148,21 @@ class Holds(LedgerBase):
         planned = plan(found_here)
         if planned is None:
             return found_here
-        key, reason = planned
-        row = attempt_row(
-            chain,
-            key,
-            ask.amount,
-            reason,
-            fingerprint=ask.fingerprint,
-            price_version=ask.price_version,
-            operation_id=found_here.operation_id,
-            label=ask.label,
-            step=ask.step,
-        )
+        row = call_row(chain, ask, planned, found_here.operation_id)
         reservation = self._reserve_in(cur, chain, found, row, now, ask.facts)
         return replace(found_here, reservation=reservation)
+
+    def _reserved_alone(
+        self, chain: Chain, row: dict[str, Any], grant: CallFacts | None
+    ) -> Reservation | None:
+        """:meth:`reserve`'s common case as one function call (see :mod:`.functions`);
+        None where it declined."""
+        now = self.now()
+        found = self._holds(chain, now)
+        params = {**NO_DELIVERY, **attempt_params(chain, found, row, grant, self._driver.ts(now))}
+        if self._sent_alone(functions.ADMIT, params) is None:
+            return None
+        return made_now(self._owner(chain), found.periods[chain[0][0]][1], row, grant)
 
     def reserve(
         self,
@@ -138,6 +212,10 @@ class Holds(LedgerBase):
             return self._reserve_in(cur, chain, found, row, now, grant)
 
         try:
+            if self._functions:
+                alone = self._reserved_alone(chain, row, grant)
+                if alone is not None:
+                    return alone
             return self._admitting(chain, admission)
         except self._driver.integrity as exc:
             if operation_id is None:
@@ -260,6 +338,13 @@ class Holds(LedgerBase):
         check.text(key, "key")
         check.money(actual, "actual")
         check.optional_text(note, "note", max_length=10_000)
+        ids = _ids(request_id, response_id)
+        if self._functions and expected in (None, "sending"):
+            stamp = self._driver.ts(self.now())
+            if self._settled_alone(
+                key, actual, stamp, estimate_only=estimate_only, note=note, ids=ids
+            ):
+                return True
         applied, amount = self._resolve(
             key,
             actual,
@@ -268,7 +353,7 @@ class Holds(LedgerBase):
             note,
             estimate_only=estimate_only,
             expected=expected,
-            ids=_ids(request_id, response_id),
+            ids=ids,
         )
         if applied and actual > amount:
             self._log_overrun(key, amount, actual)

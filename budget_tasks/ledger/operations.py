@@ -38,10 +38,11 @@ from ..errors import (
     UnknownBudget,
     UnknownOperation,
 )
+from . import functions
 from . import statements as sql
-from .base import Chain, Found, _Resolution
+from .base import Chain, Found, _Resolution, made_now
 from .driver import Cursor
-from .holds import CallPlan, Holds
+from .holds import NO_ATTEMPT, CallPlan, Holds, attempt_params, call_row
 from .leases import lease_is_live, owner_id
 from .records import AttemptRef, CallAdmission, CallAsk, CallEnd
 from .states import FINISHED, OPEN, AttemptState, OperationStatus, operation_may
@@ -130,6 +131,18 @@ def _decode(text: str | None) -> Any:
 
 def _payload(payload: Any) -> str | None:
     return None if payload is None else json.dumps(payload, default=repr)
+
+
+def _delivery_params(ask: _Ask, now: datetime, ts: Any) -> dict[str, Any]:
+    """The delivery's part of :data:`.functions.ADMIT`."""
+    return {
+        "key": ask.key,
+        "fingerprint": ask.fingerprint,
+        "task": ask.task,
+        "payload": _payload(ask.payload),
+        "owner": ask.owner,
+        "expires": ts(now + ask.lease),
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +348,10 @@ class Operations(Holds):
         ask = _Ask(key, fingerprint, owner, lease, max_runs, task, payload)
         _check_delivery(ask)
         chain = None if call is None else self._chain_or_none(call.budget)
+        if self._functions:
+            alone = self._admitted_alone(ask, call, chain, plan)
+            if alone is not None:
+                return alone
 
         def admission(cur: Cursor, found: Found | None, now: datetime) -> OperationStart:
             start = self._begin_or_replay_in(cur, ask, now)
@@ -353,6 +370,42 @@ class Operations(Holds):
         except _Refused as refused:
             self._record_refusal(key, fingerprint, task, payload, str(refused.exc))
             raise refused.exc from None
+
+    def _admitted_alone(
+        self, ask: _Ask, call: CallAsk | None, chain: Chain | None, plan: CallPlan | None
+    ) -> OperationStart | None:
+        """The common case of :meth:`admit` (a finished key's replay; a first delivery,
+        its main call reserved and granted) as one function call (see
+        :mod:`.functions`); None where it declined: the statement path decides."""
+        now = self.now()
+        found = None if chain is None else self._holds(chain, now)
+        stamp = self._driver.ts(now)
+        params = {**_delivery_params(ask, now, self._driver.ts), **NO_ATTEMPT, "now": stamp}
+        row = None
+        if call is not None and chain is not None and found is not None and plan is not None:
+            # A first delivery finds nothing at its main call's position: its plan then.
+            planned = plan(CallAdmission(0))
+            if planned is not None:
+                row = call_row(chain, call, planned, None)
+                params.update(attempt_params(chain, found, row, call.facts, stamp))
+        answer = self._sent_alone(functions.ADMIT, params)
+        if answer is None:
+            return None
+        decision, op_id, stored, runs = answer
+        if decision == "replay":
+            result = _decode(stored)
+            return OperationStart(Decision.REPLAY, op_id, ask.key, result=result, runs=runs)
+        made = None
+        if row is not None and call is not None and chain is not None and found is not None:
+            made = made_now(self._owner(chain), found.periods[chain[0][0]][1], row, call.facts)
+        return OperationStart(
+            Decision.RUN,
+            op_id,
+            ask.key,
+            runs=runs,
+            lease_expires_at=now + ask.lease,
+            call=CallAdmission(op_id, reservation=made),
+        )
 
     def _chain_or_none(self, budget: str) -> Chain | None:
         """The budget chain a delivery's main call is admitted on; None for a budget
@@ -682,6 +735,8 @@ class Operations(Holds):
         encoded = self._kept(json.dumps(result) if encoded is None else encoded)
         now = self.now()
         stamp = self._driver.ts(now)
+        if self._finished_alone(operation_id, call, owner, encoded, stamp):
+            return RunEnd(OperationStatus.SUCCEEDED, json.loads(encoded), None, applied=True)
         with self._driver.transaction() as cur:
             row, ended = self._call_and_operation_in(cur, call, owner, stamp, op_id=operation_id)
             attempt = None if call is None else call.key
@@ -689,6 +744,25 @@ class Operations(Holds):
             self._apply_call(cur, ended)
         self._log_call(ended)
         return end
+
+    def _finished_alone(
+        self, operation_id: int, call: CallEnd | None, owner: str | None, encoded: str, stamp: Any
+    ) -> bool:
+        """:meth:`finish_operation`'s common case (the run's own main call settled) as
+        one function call (see :mod:`.functions`); False where it is not that case or
+        the function declined: the statement path decides."""
+        if not self._functions or call is None or call.action != "settle" or owner is None:
+            return False
+        return self._settled_alone(
+            call.key,
+            call.actual,
+            stamp,
+            estimate_only=call.estimate_only,
+            ids=call.ids,
+            operation_id=operation_id,
+            owner=owner,
+            result=encoded,
+        )
 
     def _call_and_operation_in(
         self,

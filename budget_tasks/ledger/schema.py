@@ -34,6 +34,7 @@ from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.types import TypeDecorator
 
+from .functions import FUNCTIONS_DDL
 from .partitions import FIXED_DDL
 
 NAMING = {
@@ -465,6 +466,8 @@ def _journal_append_only(target: Table, connection: Connection, **kw: Any) -> No
     if connection.dialect.name == "postgresql":
         statements.append(NO_TRUNCATE_DDL)
         statements.extend(FIXED_DDL)
+        # admission and settlement as one statement each (see .functions)
+        statements.extend(FUNCTIONS_DDL)
     for statement in statements:
         connection.execute(DDL(statement))  # type: ignore[no-untyped-call]
 

@@ -21,6 +21,10 @@ from budget_tasks.migrations import current, include_object, upgrade
 from ..services import check_postgres, pg_conninfo, scratch_database
 
 
+#: The latest revision: bumped by each new migration.
+HEAD = "0016"
+
+
 def describe(url: str) -> dict[str, Any]:
     """Tables, columns, keys, constraints, indexes and triggers, in comparable form."""
     engine = create_engine(url)
@@ -102,7 +106,7 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
         assert len([t for t in a if t.startswith("journal_y")]) == 4
         assert a["triggers"], "the append-only trigger must exist"
         assert a == b
-        assert current(migrated) == "0015"
+        assert current(migrated) == HEAD
         # each made its own installation id, once
         ids = [LedgerCore(url).installation_id() for url in (migrated, created)]
         assert ids[0] != ids[1] and all(len(i) == 32 for i in ids)
@@ -135,7 +139,7 @@ def test_cli_db_upgrade_then_the_ledger_works() -> None:
             check=False,
         )
         assert done.returncode == 0, done.stderr
-        assert "revision 0015" in done.stdout
+        assert f"revision {HEAD}" in done.stdout
         ledger = Ledger(url)
         ledger.create_budget("acme", 10)
         assert ledger.calls.reserve("acme", "k", 10).created
@@ -252,7 +256,7 @@ def _upgrade_with_data(url: str, revision: str) -> None:
     upgrade(url, revision)
     _fill(url, revision)
     upgrade(url)  # to head, over the data
-    assert current(url) == "0015"
+    assert current(url) == HEAD
     ledger = Ledger(url)
     assert ledger.audit() == []
     assert [(a.key, a.state, a.actual) for a in ledger.attempts()] == [
@@ -302,8 +306,8 @@ def test_two_upgrades_at_once_take_turns() -> None:
         outcomes = [(p.wait(120), *p.communicate()) for p in runs]
         for code, out, err in outcomes:
             assert code == 0 and "Traceback" not in err, err
-            assert "revision 0015" in out
-        assert current(url) == "0015"
+            assert f"revision {HEAD}" in out
+        assert current(url) == HEAD
         ledger = Ledger(url)
         ledger.create_budget("after", 10)
         assert ledger.audit() == []
