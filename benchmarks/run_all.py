@@ -20,6 +20,8 @@ prints a table and rewrites benchmarks/RESULTS.md.
 8. The ledger over months: every per-call operation, the scrape, holds, each beat job
    and the incremental audit on 2 million finished calls against an empty ledger, then
    a retention run (ledger_growth.py).
+9. Round trips and CPU (client and PostgreSQL) per first run and per replay, the
+   statement path against one server-side call per transaction (round_trips.py).
 
 Needs PostgreSQL (scratch databases, user postgres on 127.0.0.1:5432, or env
 BUDGET_TASKS_TEST_PG_URL) and Redis on 127.0.0.1:6379 (database 10, flushed). The machine
@@ -56,6 +58,7 @@ from benchmarks import (  # noqa: E402
     hot_budgets,
     ledger_bench,
     ledger_growth,
+    round_trips,
     scrape_bench,
     task_overhead,
 )
@@ -93,6 +96,8 @@ class Sizes:
     growth_calls: int
     growth_budgets: int
     growth_samples: int
+    trips_runs: int
+    trips_rounds: int
 
 
 FULL = Sizes(
@@ -120,6 +125,8 @@ FULL = Sizes(
     growth_calls=2_000_000,
     growth_budgets=1_000,
     growth_samples=50,
+    trips_runs=2_000,
+    trips_rounds=2,
 )
 QUICK = Sizes(
     ledger_procs=(2,),
@@ -146,6 +153,8 @@ QUICK = Sizes(
     growth_calls=5_000,
     growth_budgets=50,
     growth_samples=3,
+    trips_runs=50,
+    trips_rounds=1,
 )
 
 
@@ -669,6 +678,65 @@ def growth_section(report: Report) -> None:
     report.problems += [f"growth audit: {finding}" for finding in result.audit]
 
 
+def trips_section(report: Report) -> None:
+    s = report.sizes
+
+    def show(mode: str, n: int, done: round_trips.Round) -> None:
+        print(f"  round {n}, {mode}: {done.first_trips:.2f} round trips per first run", flush=True)
+
+    result = round_trips.run(runs=s.trips_runs, rounds=s.trips_rounds, report=show)
+    statements, functions = result.modes["statements"], result.modes["functions"]
+    trips: dict[str, Callable[[round_trips.ModeFigures], float]] = {
+        "first run": lambda m: m.first_trips,
+        "replay": lambda m: m.replay_trips,
+    }
+    for kind, of in trips.items():
+        target = round_trips.TARGETS[kind]
+        report.figures.append(
+            Figure(
+                9,
+                f"ledger round trips per {kind}",
+                "round trips",
+                "statements" if result.compared else "target of server functions",
+                of(statements) if result.compared else float(target),
+                "server functions" if result.compared else "statements",
+                of(functions) if result.compared else of(statements),
+                f"lower is better; target {'<=' if kind == 'first run' else '=='} {target}"
+                + ("" if result.compared else "; server functions not available"),
+            )
+        )
+    if result.compared:
+        report.figures.append(
+            Figure(
+                9,
+                "ledger CPU per first run, client + PostgreSQL",
+                "ms",
+                "statements",
+                statements.cpu_ms,
+                "server functions",
+                functions.cpu_ms,
+                f"lower is better; target <= {round_trips.CPU_TARGET}",
+            )
+        )
+    for m in result.modes.values():
+        if not m.available:
+            report.note(9, f"{m.mode}: {m.note}")
+            continue
+        report.note(
+            9,
+            f"{m.mode}: round trips per first run, runs: "
+            f"{round_trips.describe_counts(m.counts('first run'))} (admission "
+            f"{m.usual('admission')}, settlement {m.usual('settlement')}); per replay: "
+            f"{round_trips.describe_counts(m.counts('replay'))}; CPU per first run "
+            f"{m.client_ms:.2f} ms client + {m.backend_ms:.2f} ms PostgreSQL, "
+            f"{m.wall_ms:.2f} ms wall; CPU per replay {m.replay_cpu_ms:.2f} ms",
+        )
+    for what, value, met in result.targets():
+        report.note(9, f"target {what}: {value}, {'met' if met else 'NOT met'}")
+    report.note(9, f"ledger audit after the run: {'; '.join(result.audit) or 'clean'}")
+    report.problems += [f"round trips audit: {finding}" for finding in result.audit]
+
+
 # -- output ------------------------------------------------------------------------------
 
 
@@ -810,6 +878,21 @@ SECTIONS = {
         "the two ledgers; the median of the rounds' medians is shown. Then a retention "
         "run on the large one, and the sizes before and after.",
     ),
+    9: (
+        "Ledger round trips and CPU per delivery: statements against one call",
+        "A first run is what a BudgetTask does per task whose call is answered at once: "
+        "the delivery's admission (its main call reserved, granted and described in the "
+        "same commit) and `finish_operation` (the call settled, the result stored, the "
+        "lease given back); a replay is the same delivery once it finished. Each mode is "
+        "a `Ledger` with one pooled connection: `server_functions=False` (statement by "
+        "statement) and `server_functions=True` (one server-side call per transaction), "
+        "on budgets of their own in one scratch database, alternating in rounds after a "
+        "warm-up; the medians of the rounds are shown. Round trips are counted by libpq's "
+        "protocol trace of that connection (each request answered by one ReadyForQuery), "
+        "run by run; CPU in a second pass with the trace off: this process's and the "
+        "PostgreSQL backend's (/proc/<pid>/stat), per run. Where the Ledger does not take "
+        "`server_functions`, the statement path is shown against the targets.",
+    ),
 }
 
 
@@ -874,7 +957,8 @@ def markdown(report: Report) -> str:
         f"{s.concurrency}; scrape: {s.scrape_budgets:,} budgets, {s.scrape_holds:,} holds; "
         f"commits: {s.commit_tasks} tasks of each kind; hot budgets: "
         f"{', '.join(map(str, s.hot_procs))} processes, {s.hot_seconds:g} s x "
-        f"{s.hot_rounds} rounds.",
+        f"{s.hot_rounds} rounds; round trips: {s.trips_runs:,} first runs and replays "
+        f"per mode x {s.trips_rounds} rounds.",
         "",
     ]
     return "\n".join(out)
@@ -952,6 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
     timed(6, lambda: commits_section(report))
     timed(7, lambda: hot_section(report))
     timed(8, lambda: growth_section(report))
+    timed(9, lambda: trips_section(report))
     report.problems += [f"task ledger audit: {finding}" for finding in audit]
     report.total_seconds = time.perf_counter() - begun
 
