@@ -20,7 +20,6 @@ from budget_tasks.migrations import current, include_object, upgrade
 
 from ..services import check_postgres, pg_conninfo, scratch_database
 
-
 #: The latest revision: bumped by each new migration.
 HEAD = "0016"
 

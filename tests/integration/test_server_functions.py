@@ -275,7 +275,10 @@ class ParityMachine(RuleBasedStateMachine):
 
         def fail(ledger: LedgerCore) -> Any:
             end = ledger.fail_operation(
-                self.ids[key][self.side], owner=holder, error="boom", call=CallEnd(calls[-1], "release")
+                self.ids[key][self.side],
+                owner=holder,
+                error="boom",
+                call=CallEnd(calls[-1], "release"),
             )
             return (end.status, end.error, end.applied)
 
