@@ -30,6 +30,27 @@ UNDEFINED_FUNCTION = "42883"
 
 _NOT_HERE = f"RAISE EXCEPTION USING ERRCODE = '{NOT_HERE}', MESSAGE ="
 
+_ESCROW_ADMIT = f"""UPDATE budget_periods SET held = held + a_amount
+            WHERE id = hold
+              AND {AVAILABLE} >= a_amount
+              AND {GRANT_ROOM} >= a_amount
+              AND closed_at IS NULL
+              AND NOT EXISTS (SELECT 1 FROM budgets WHERE frozen AND id = ANY(a_escrow_chain))
+              AND NOT EXISTS (
+                SELECT 1 FROM budget_periods a WHERE a.id = ANY(a_escrow_sources)
+                  AND a.cap - a.spent - a.held - a.granted
+                      < a_amount - (budget_periods.drawn - budget_periods.spent
+                                    - budget_periods.held));"""
+
+#: A grant's journal row in a period (counters.record_grant); ``{period}``, ``{drawn}``
+#: and ``{granted}`` name the function's variables.
+_GRANT_ROW = """INSERT INTO journal
+                    (attempt_id, period_id, kind, held_delta, spent_delta, note, ref,
+                     created_at, actor, drawn_delta, granted_delta, cap_delta, period_start)
+                VALUES (NULL, {period}, 'grant', 0, 0, NULL, NULL, p_now, NULL, {drawn},
+                        {granted}, 0,
+                        (SELECT period_start FROM budget_periods WHERE id = {period}));"""
+
 ADMIT_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION budget_tasks_admit(
     p_key text, p_fingerprint text, p_task text, p_payload text, p_owner text,
@@ -39,11 +60,18 @@ CREATE OR REPLACE FUNCTION budget_tasks_admit(
     a_granted boolean, a_lookup text, a_model text, a_timeout_ms bigint,
     a_request_digest text, a_input_bound bigint, a_output_bound bigint, a_holds bigint[],
     a_escrow_period bigint, a_escrow_chain bigint[], a_escrow_sources bigint[],
+    a_draw_share bigint,
     OUT decision text, OUT operation_id bigint, OUT stored text, OUT runs integer)
 LANGUAGE plpgsql AS $$
 DECLARE
     hold bigint;
     made bigint;
+    source bigint;
+    own_left bigint;
+    room bigint;
+    closed boolean;
+    smallest bigint;
+    size bigint;
 BEGIN
     IF p_key IS NOT NULL THEN
         -- a finished key replays (statements.REPLAY)
@@ -106,17 +134,41 @@ BEGIN
     FOREACH hold IN ARRAY a_holds LOOP
         IF hold = a_escrow_period THEN
             -- escrow.admit's first statement (statements.escrow_admit)
-            UPDATE budget_periods SET held = held + a_amount
-            WHERE id = hold
-              AND {AVAILABLE} >= a_amount
-              AND {GRANT_ROOM} >= a_amount
-              AND closed_at IS NULL
-              AND NOT EXISTS (SELECT 1 FROM budgets WHERE frozen AND id = ANY(a_escrow_chain))
-              AND NOT EXISTS (
-                SELECT 1 FROM budget_periods a WHERE a.id = ANY(a_escrow_sources)
-                  AND a.cap - a.spent - a.held - a.granted
-                      < a_amount - (budget_periods.drawn - budget_periods.spent
-                                    - budget_periods.held));
+            {_ESCROW_ADMIT}
+            IF NOT FOUND AND a_draw_share IS NOT NULL THEN
+                -- short of grant: escrow._draw, where one grant from each ancestor is
+                -- the whole story (a shrunk grant or a take-back is the statements')
+                SELECT {AVAILABLE}, {GRANT_ROOM}, closed_at IS NOT NULL
+                INTO own_left, room, closed FROM budget_periods WHERE id = hold;
+                IF closed OR own_left < a_amount OR room >= a_amount
+                   OR EXISTS (SELECT 1 FROM budgets WHERE frozen AND id = ANY(a_escrow_chain))
+                THEN
+                    {_NOT_HERE} 'the escrowed budget cannot draw here';
+                END IF;
+                SELECT min(GREATEST({AVAILABLE}, 0)) INTO smallest FROM budget_periods
+                WHERE id = ANY(a_escrow_sources);
+                size := GREATEST(a_amount - room,
+                                 LEAST(own_left - room, COALESCE(smallest, 0) / a_draw_share));
+                FOREACH source IN ARRAY a_escrow_sources LOOP
+                    -- statements.GRANT
+                    UPDATE budget_periods SET granted = granted + size
+                    WHERE id = source
+                      AND {AVAILABLE} >= size
+                      AND closed_at IS NULL
+                      AND budget_id IN (SELECT id FROM budgets WHERE NOT frozen);
+                    IF NOT FOUND THEN
+                        {_NOT_HERE} 'an ancestor cannot grant the whole draw';
+                    END IF;
+                END LOOP;
+                -- counters.record_grant: statements.DRAW, the grant's journal rows
+                UPDATE budget_periods SET drawn = drawn + size, drawn_at = p_now
+                WHERE id = hold;
+                {_GRANT_ROW.format(period="hold", drawn="size", granted="0")}
+                FOREACH source IN ARRAY a_escrow_sources LOOP
+                    {_GRANT_ROW.format(period="source", drawn="0", granted="size")}
+                END LOOP;
+                {_ESCROW_ADMIT}
+            END IF;
         ELSE
             -- statements.ADMIT
             UPDATE budget_periods SET held = held + a_amount
@@ -225,7 +277,7 @@ SELECT decision, operation_id, stored, runs FROM budget_tasks_admit(
     :step, :granted, :lookup, :model, :timeout_ms, :request_digest, :input_bound,
     :output_bound,
     CAST(:holds AS bigint[]), :escrow_period, CAST(:escrow_chain AS bigint[]),
-    CAST(:escrow_sources AS bigint[]))"""
+    CAST(:escrow_sources AS bigint[]), :draw_share)"""
 
 FINISH = """
 SELECT amount FROM budget_tasks_finish(

@@ -14,11 +14,12 @@ from ..errors import (
     UnknownAttempt,
     UnknownOperation,
 )
-from . import functions
+from . import escrow, functions
 from . import statements as sql
 from .base import Chain, Found, LedgerBase, _ids, attempt_row, made_now
 from .counters import _apply, _journal
 from .driver import Cursor
+from .periods import period_start
 from .records import (
     CallAdmission,
     CallAsk,
@@ -66,7 +67,7 @@ NO_ATTEMPT: dict[str, Any] = dict.fromkeys(
         *("a_key", "budget_id", "period_id", "a_fingerprint", "reason", "amount"),
         *("price_version", "operation_id", "label", "step", "granted", "lookup", "model"),
         *("timeout_ms", "request_digest", "input_bound", "output_bound", "holds"),
-        *("escrow_period", "escrow_chain", "escrow_sources"),
+        *("escrow_period", "escrow_chain", "escrow_sources", "draw_share"),
     )
 )
 
@@ -124,7 +125,18 @@ def attempt_params(
         "escrow_sources": (
             None if stop is None else [found.periods[b][0] for b, _, _ in stop.ancestors]
         ),
+        # a draw is the function's where each ancestor's period contains the escrowed
+        # one's (else this host admits in a period they left: the statements decide)
+        "draw_share": escrow.GRANT_SHARE if stop is not None and _aligned(stop, found) else None,
     }
+
+
+def _aligned(stop: escrow.Escrow, found: Found) -> bool:
+    start = found.periods[stop.budget_id][1]
+    return all(
+        found.periods[budget_id][1] == period_start(kind, start)  # type: ignore[arg-type]
+        for budget_id, _, kind in stop.ancestors
+    )
 
 
 class Holds(LedgerBase):
