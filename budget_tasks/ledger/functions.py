@@ -14,9 +14,11 @@ place, the statement path; these are its first step, sent in one message. The pa
 test (``tests/integration/test_server_functions.py``) drives both with the same
 operations and compares every row.
 
-The hot period rows are locked first, in budget-id order (the order every writer locks
-them in), before any row that references them is inserted: a foreign-key check on a
-row its own transaction already locked adds no MultiXact.
+Each writes in the statement path's order, so its row locks are taken in the order
+every writer takes them: the attempt, then its operation, and the hot period rows
+last, by budget id, by the conditional UPDATE itself. The references to a period row
+are checked at commit (deferred foreign keys), when the transaction holds the row's
+lock: no other transaction shares it, so no MultiXact is made.
 """
 
 from __future__ import annotations
@@ -84,9 +86,6 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    FOREACH hold IN ARRAY COALESCE(a_holds, '{{}}') LOOP
-        PERFORM 1 FROM budget_periods WHERE id = hold FOR UPDATE;
-    END LOOP;
     IF p_key IS NOT NULL THEN
         -- a first delivery (statements.INSERT_RUNNING_OPERATION)
         INSERT INTO operations
@@ -222,9 +221,6 @@ BEGIN
     SELECT array_agg(j.period_id ORDER BY p.budget_id) INTO periods
     FROM journal j JOIN budget_periods p ON p.id = j.period_id
     WHERE j.attempt_id = made AND j.kind = 'hold';
-    FOREACH hold IN ARRAY periods LOOP
-        PERFORM 1 FROM budget_periods WHERE id = hold FOR UPDATE;
-    END LOOP;
     FOREACH hold IN ARRAY periods LOOP
         INSERT INTO journal
             (attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at,
