@@ -181,6 +181,8 @@ class LedgerBase:
         self._period_ids: dict[tuple[int, datetime], tuple[int, datetime]] = {}
         #: escrowed budget id -> its parent's id
         self._escrowed: dict[int, int] = {}
+        #: chain -> where its holds stop (see _escrow_of)
+        self._stops: dict[Chain, escrow.Escrow | None] = {}
         #: a sliced budget's name -> (when read, its slices' names)
         self._slice_names: dict[str, tuple[float, tuple[str, ...]]] = {}
         self._dialect = self.engine.dialect.name
@@ -333,13 +335,20 @@ class LedgerBase:
         return chain[1][1] if len(chain) > 1 and is_slice_name(name) else name
 
     def _escrow_of(self, chain: Chain) -> escrow.Escrow | None:
-        """Where the chain's holds stop: its first escrowed budget, from the bottom."""
+        """Where the chain's holds stop: its first escrowed budget, from the bottom
+        (kept: a chain and its budgets' escrow never change)."""
+        if chain in self._stops:
+            return self._stops[chain]
+        stop = None
         for depth, (budget_id, name, _) in enumerate(chain):
             parent_id = self._escrowed.get(budget_id)
             if parent_id is not None:
                 above = sorted(chain[depth + 1 :])
-                return escrow.Escrow(budget_id, name, parent_id, tuple(above))
-        return None
+                stop = escrow.Escrow(budget_id, name, parent_id, tuple(above))
+                break
+        with self._lock:
+            self._stops[chain] = stop
+        return stop
 
     def _period_id(self, budget_id: int, start: datetime) -> tuple[int, datetime]:
         """The id and start of the period admission uses when the clock says ``start``:
