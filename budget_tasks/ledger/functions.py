@@ -218,9 +218,11 @@ BEGIN
             {_NOT_HERE} 'holds of the operation are still to release';
         END IF;
     END IF;
-    SELECT array_agg(j.period_id ORDER BY p.budget_id) INTO periods
-    FROM journal j JOIN budget_periods p ON p.id = j.period_id
-    WHERE j.attempt_id = made AND j.kind = 'hold';
+    -- its holds' periods by budget id (statements.LOCK_ATTEMPT), each period read by
+    -- its key: an attempt holds in one to a few
+    SELECT array_agg(j.period_id ORDER BY (SELECT p.budget_id FROM budget_periods p
+                                           WHERE p.id = j.period_id))
+    INTO periods FROM journal j WHERE j.attempt_id = made AND j.kind = 'hold';
     FOREACH hold IN ARRAY periods LOOP
         INSERT INTO journal
             (attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at,
