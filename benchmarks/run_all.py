@@ -781,20 +781,17 @@ SECTIONS = {
         "conditional UPDATE of the period row, COMMIT; settle: lock the attempt, charge "
         "journal entry, resolve, apply the actual to the period row, COMMIT) on one "
         "budget, through `Ledger` and as the same statements in the same order written by "
-        "hand with psycopg (the ledger's own statements, on one connection the process "
+        "hand with psycopg (the ledger's own statement path, on one connection the process "
         "keeps). The two alternate in rounds (the median is shown); every process measures "
         "the same window after a warm-up, and its own CPU time; a sampler reads what the "
-        "backends are doing. Reading the profile: the statements and round trips are the "
-        "same, so the gap is the client's own work per transaction (a pool checkout and "
-        "check-in, the connection's begin and commit, argument checks, the journal and "
-        "resolution logic): its CPU per cycle is printed beside the raw client's. On two "
-        "cores shared by every client and its backend, each client millisecond also delays "
-        "the others, including the holder of the hot row's lock, so the gap grows with the "
-        "process count. The lock-wait shares of the backends are alike for both, and at "
-        "32 processes most samples are backends running: the server's CPU, which both pay. "
-        "What would close it: fewer client round trips per transaction (admission and "
-        "settlement each as one statement, a CTE or a server-side function, or psycopg's "
-        "pipeline mode), and less Python per transaction.",
+        "backends are doing. Reading it: on PostgreSQL `Ledger` sends each transaction as "
+        "one call of a server-side function (section 9), so it makes two round trips per "
+        "cycle where the hand-written statements make eleven, and the hot row's lock is "
+        "held for the function's last steps and its commit, not across round trips: a "
+        "ratio above 1 is what the functions save beyond the library's own client work. "
+        "Its CPU per cycle is printed beside the raw client's. On two cores shared by every "
+        "client and its backend, each client millisecond also delays the others, "
+        "including the holder of the hot row's lock.",
     ),
     2: (
         "BudgetTask vs a plain Celery task, the same provider call",

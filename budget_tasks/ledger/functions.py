@@ -44,6 +44,14 @@ _ESCROW_ADMIT = f"""UPDATE budget_periods SET held = held + a_amount
                       < a_amount - (budget_periods.drawn - budget_periods.spent
                                     - budget_periods.held));"""
 
+#: A compare-and-set take of ``{amount}`` from a period's available money into its
+#: ``{column}`` (statements.ADMIT, statements.GRANT): open, not frozen, enough left.
+_TAKE = f"""UPDATE budget_periods SET {{column}} = {{column}} + {{amount}}
+            WHERE id = {{period}}
+              AND {AVAILABLE} >= {{amount}}
+              AND closed_at IS NULL
+              AND budget_id IN (SELECT id FROM budgets WHERE NOT frozen);"""
+
 #: A grant's journal row in a period (counters.record_grant); ``{period}``, ``{drawn}``
 #: and ``{granted}`` name the function's variables.
 _GRANT_ROW = """INSERT INTO journal
@@ -150,11 +158,7 @@ BEGIN
                                  LEAST(own_left - room, COALESCE(smallest, 0) / a_draw_share));
                 FOREACH source IN ARRAY a_escrow_sources LOOP
                     -- statements.GRANT
-                    UPDATE budget_periods SET granted = granted + size
-                    WHERE id = source
-                      AND {AVAILABLE} >= size
-                      AND closed_at IS NULL
-                      AND budget_id IN (SELECT id FROM budgets WHERE NOT frozen);
+                    {_TAKE.format(column="granted", amount="size", period="source")}
                     IF NOT FOUND THEN
                         {_NOT_HERE} 'an ancestor cannot grant the whole draw';
                     END IF;
@@ -170,11 +174,7 @@ BEGIN
             END IF;
         ELSE
             -- statements.ADMIT
-            UPDATE budget_periods SET held = held + a_amount
-            WHERE id = hold
-              AND {AVAILABLE} >= a_amount
-              AND closed_at IS NULL
-              AND budget_id IN (SELECT id FROM budgets WHERE NOT frozen);
+            {_TAKE.format(column="held", amount="a_amount", period="hold")}
         END IF;
         IF NOT FOUND THEN
             {_NOT_HERE} 'the hold needs more than one admission statement';
