@@ -145,8 +145,10 @@ BEGIN
             IF NOT FOUND AND a_draw_share IS NOT NULL THEN
                 -- short of grant: escrow._draw, where one grant from each ancestor is
                 -- the whole story (a shrunk grant or a take-back is the statements')
+                -- statements.LOCK_FOR_DRAW: the escrowed period locked before its
+                -- ancestors' (the order of every draw, settlement and return)
                 SELECT {AVAILABLE}, {GRANT_ROOM}, closed_at IS NOT NULL
-                INTO own_left, room, closed FROM budget_periods WHERE id = hold;
+                INTO own_left, room, closed FROM budget_periods WHERE id = hold FOR UPDATE;
                 IF closed OR own_left < a_amount OR room >= a_amount
                    OR EXISTS (SELECT 1 FROM budgets WHERE frozen AND id = ANY(a_escrow_chain))
                 THEN
