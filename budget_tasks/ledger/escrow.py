@@ -122,6 +122,16 @@ def _left(cur: Cursor, period_id: int, *, lock: bool = False) -> int:
     return 0 if row is None else int(row[0])
 
 
+def aligned(escrow: Escrow, periods: dict[int, tuple[int, datetime]]) -> bool:
+    """Whether each ancestor's admitting period is the one that contains the escrowed
+    budget's: only then may it draw (else this host admits in a period they left)."""
+    start = periods[escrow.budget_id][1]
+    return all(
+        periods[budget_id][1] == period_start(kind, start)  # type: ignore[arg-type]
+        for budget_id, _, kind in escrow.ancestors
+    )
+
+
 def _draw(
     cur: Cursor,
     escrow: Escrow,
@@ -133,11 +143,9 @@ def _draw(
 ) -> None:
     # A room below 0 (never left so: a charge above the grant draws at once) is owed too.
     need = amount - room
-    start = periods[escrow.budget_id][1]
-    for budget_id, _, kind in escrow.ancestors:
-        if periods[budget_id][1] != period_start(kind, start):  # type: ignore[arg-type]
-            # This host admits in a period its ancestors have left behind: admit again.
-            raise PeriodClosed(periods[escrow.budget_id][0])
+    if not aligned(escrow, periods):
+        # This host admits in a period its ancestors have left behind: admit again.
+        raise PeriodClosed(periods[escrow.budget_id][0])
     sources = [(periods[budget_id][0], budget_id, name) for budget_id, name, _ in escrow.ancestors]
     least = min(max(_left(cur, source), 0) for source, _, _ in sources)
     grant = max(need, min(headroom, least // GRANT_SHARE))
@@ -191,4 +199,12 @@ def give_back(cur: Cursor, period_id: int, stamp: Any, note: str, *, busy_ok: bo
     return unused
 
 
-__all__ = ["GRANT_SHARE", "Escrow", "admit", "give_back", "grant_sources", "reclaim_under"]
+__all__ = [
+    "GRANT_SHARE",
+    "Escrow",
+    "admit",
+    "aligned",
+    "give_back",
+    "grant_sources",
+    "reclaim_under",
+]

@@ -19,7 +19,6 @@ from . import statements as sql
 from .base import Chain, Found, LedgerBase, _ids, attempt_row, made_now
 from .counters import _apply, _journal
 from .driver import Cursor
-from .periods import period_start
 from .records import (
     CallAdmission,
     CallAsk,
@@ -127,7 +126,9 @@ def attempt_params(
         ),
         # a draw is the function's where each ancestor's period contains the escrowed
         # one's (else this host admits in a period they left: the statements decide)
-        "draw_share": escrow.GRANT_SHARE if stop is not None and _aligned(stop, found) else None,
+        "draw_share": (
+            escrow.GRANT_SHARE if stop is not None and escrow.aligned(stop, found.periods) else None
+        ),
     }
 
 
@@ -135,14 +136,6 @@ def _array(ids: Iterable[int]) -> str:
     """Ids as a PostgreSQL array literal, which the statement casts: cheaper to send
     than a list psycopg must inspect and dump on every admission."""
     return "{" + ",".join(str(int(i)) for i in ids) + "}"
-
-
-def _aligned(stop: escrow.Escrow, found: Found) -> bool:
-    start = found.periods[stop.budget_id][1]
-    return all(
-        found.periods[budget_id][1] == period_start(kind, start)  # type: ignore[arg-type]
-        for budget_id, _, kind in stop.ancestors
-    )
 
 
 class Holds(LedgerBase):
