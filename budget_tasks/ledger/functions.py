@@ -52,14 +52,39 @@ _TAKE = f"""UPDATE budget_periods SET {{column}} = {{column}} + {{amount}}
               AND closed_at IS NULL
               AND budget_id IN (SELECT id FROM budgets WHERE NOT frozen);"""
 
-#: A grant's journal row in a period (counters.record_grant); ``{period}``, ``{drawn}``
-#: and ``{granted}`` name the function's variables.
-_GRANT_ROW = """INSERT INTO journal
-                    (attempt_id, period_id, kind, held_delta, spent_delta, note, ref,
-                     created_at, actor, drawn_delta, granted_delta, cap_delta, period_start)
-                VALUES (NULL, {period}, 'grant', 0, 0, NULL, NULL, p_now, NULL, {drawn},
-                        {granted}, 0,
-                        (SELECT period_start FROM budget_periods WHERE id = {period}));"""
+#: A journal row (statements.INSERT_JOURNAL, written by counters._journal in the
+#: statement path), in its period's partition; each ``{name}`` is an expression of the
+#: function's variables.
+_JOURNAL_ROW = """INSERT INTO journal
+        (attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at,
+         actor, drawn_delta, granted_delta, cap_delta, period_start)
+    VALUES ({attempt}, {period}, '{kind}', {held}, {spent}, {note}, NULL, p_now, NULL,
+            {drawn}, {granted}, 0,
+            (SELECT period_start FROM budget_periods WHERE id = {period}));"""
+
+
+def _journal_row(
+    attempt: str,
+    period: str,
+    kind: str,
+    *,
+    held: str = "0",
+    spent: str = "0",
+    note: str = "NULL",
+    drawn: str = "0",
+    granted: str = "0",
+) -> str:
+    return _JOURNAL_ROW.format(
+        attempt=attempt,
+        period=period,
+        kind=kind,
+        held=held,
+        spent=spent,
+        note=note,
+        drawn=drawn,
+        granted=granted,
+    )
+
 
 ADMIT_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION budget_tasks_admit(
@@ -93,8 +118,6 @@ BEGIN
             decision := 'replay';
             RETURN;
         END IF;
-    END IF;
-    IF p_key IS NOT NULL THEN
         -- a first delivery (statements.INSERT_RUNNING_OPERATION)
         INSERT INTO operations
             (key, fingerprint, task, payload, status, lease_owner, lease_expires_at, runs,
@@ -132,11 +155,7 @@ BEGIN
         {_NOT_HERE} 'the attempt exists';
     END IF;
     FOREACH hold IN ARRAY a_holds LOOP
-        INSERT INTO journal
-            (attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at,
-             actor, drawn_delta, granted_delta, cap_delta, period_start)
-        VALUES (made, hold, 'hold', a_amount, 0, a_reason, NULL, p_now, NULL, 0, 0, 0,
-                (SELECT period_start FROM budget_periods WHERE id = hold));
+        {_journal_row("made", "hold", "hold", held="a_amount", note="a_reason")}
     END LOOP;
     FOREACH hold IN ARRAY a_holds LOOP
         IF hold = a_escrow_period THEN
@@ -168,9 +187,9 @@ BEGIN
                 -- counters.record_grant: statements.DRAW, the grant's journal rows
                 UPDATE budget_periods SET drawn = drawn + size, drawn_at = p_now
                 WHERE id = hold;
-                {_GRANT_ROW.format(period="hold", drawn="size", granted="0")}
+                {_journal_row("NULL", "hold", "grant", drawn="size")}
                 FOREACH source IN ARRAY a_escrow_sources LOOP
-                    {_GRANT_ROW.format(period="source", drawn="0", granted="size")}
+                    {_journal_row("NULL", "source", "grant", granted="size")}
                 END LOOP;
                 {_ESCROW_ADMIT}
             END IF;
@@ -226,11 +245,7 @@ BEGIN
                                            WHERE p.id = j.period_id))
     INTO periods FROM journal j WHERE j.attempt_id = made AND j.kind = 'hold';
     FOREACH hold IN ARRAY periods LOOP
-        INSERT INTO journal
-            (attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at,
-             actor, drawn_delta, granted_delta, cap_delta, period_start)
-        VALUES (made, hold, 'charge', -amount, p_actual, p_note, NULL, p_now, NULL, 0, 0, 0,
-                (SELECT period_start FROM budget_periods WHERE id = hold));
+        {_journal_row("made", "hold", "charge", held="-amount", spent="p_actual", note="p_note")}
     END LOOP;
     -- statements.RESOLVE_ATTEMPT
     UPDATE attempts SET state = 'settled', actual = p_actual, resolved_at = p_now,
