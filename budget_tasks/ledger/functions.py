@@ -23,6 +23,9 @@ lock: no other transaction shares it, so no MultiXact is made.
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 from .statements import AVAILABLE, GRANT_ROOM
 
 #: The SQLSTATE the functions raise for "not the common case: run the statement path".
@@ -298,3 +301,17 @@ FINISH = """
 SELECT amount FROM budget_tasks_finish(
     :operation_id, :owner, :key, :actual, :estimate_only, :note, :request_id,
     :response_id, :result, :now)"""
+
+#: Every parameter ADMIT names, in order.
+ADMIT_PARAMS = tuple(re.findall(r"(?<!:):(\w+)", ADMIT))
+
+
+def admit_params(*parts: dict[str, Any]) -> dict[str, Any]:
+    """ADMIT's parameters from ``parts`` (the delivery's, the attempt's), each one not
+    given NULL; a name ADMIT does not take is a mistake."""
+    params: dict[str, Any] = dict.fromkeys(ADMIT_PARAMS)
+    for part in parts:
+        unknown = part.keys() - params.keys()
+        assert not unknown, unknown
+        params.update(part)
+    return params

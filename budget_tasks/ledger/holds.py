@@ -56,21 +56,6 @@ def _check_reservation(
 CallPlan = Callable[[CallAdmission], "tuple[str, str] | None"]
 
 
-#: The delivery's part of :data:`.functions.ADMIT`, for a reservation alone: none.
-NO_DELIVERY: dict[str, Any] = dict.fromkeys(
-    ("key", "fingerprint", "task", "payload", "owner", "expires")
-)
-#: The attempt's part, for a delivery whose call is not admitted with it: none.
-NO_ATTEMPT: dict[str, Any] = dict.fromkeys(
-    (
-        *("a_key", "budget_id", "period_id", "a_fingerprint", "reason", "amount"),
-        *("price_version", "operation_id", "label", "step", "granted", "lookup", "model"),
-        *("timeout_ms", "request_digest", "input_bound", "output_bound", "holds"),
-        *("escrow_period", "escrow_chain", "escrow_sources", "draw_share"),
-    )
-)
-
-
 def call_row(
     chain: Chain, call: CallAsk, planned: tuple[str, str], operation_id: int | None
 ) -> dict[str, Any]:
@@ -170,7 +155,9 @@ class Holds(LedgerBase):
         None where it declined."""
         now = self.now()
         found = self._holds(chain, now)
-        params = {**NO_DELIVERY, **attempt_params(chain, found, row, grant, self._driver.ts(now))}
+        params = functions.admit_params(
+            attempt_params(chain, found, row, grant, self._driver.ts(now))
+        )
         if self._sent_alone(functions.ADMIT, params) is None:
             return None
         return made_now(self._owner(chain), found.periods[chain[0][0]][1], row, grant)

@@ -42,7 +42,7 @@ from . import functions
 from . import statements as sql
 from .base import Chain, Found, _Resolution, made_now
 from .driver import Cursor
-from .holds import NO_ATTEMPT, CallPlan, Holds, attempt_params, call_row
+from .holds import CallPlan, Holds, attempt_params, call_row
 from .leases import lease_is_live, owner_id
 from .records import AttemptRef, CallAdmission, CallAsk, CallEnd
 from .states import FINISHED, OPEN, AttemptState, OperationStatus, operation_may
@@ -378,26 +378,27 @@ class Operations(Holds):
         its main call reserved and granted) as one function call (see
         :mod:`.functions`); None where it declined: the statement path decides."""
         now = self.now()
+        # the chain's periods, opened if new, as the statement path's admission opens them
         found = None if chain is None else self._holds(chain, now)
         stamp = self._driver.ts(now)
-        params = {**_delivery_params(ask, now, self._driver.ts), **NO_ATTEMPT, "now": stamp}
-        row = None
+        delivery = {**_delivery_params(ask, now, self._driver.ts), "now": stamp}
+        attempt: dict[str, Any] = {}
+        made = None
         if call is not None and chain is not None and found is not None and plan is not None:
             # A first delivery finds nothing at its main call's position: its plan then.
             planned = plan(CallAdmission(0))
             if planned is not None:
                 row = call_row(chain, call, planned, None)
-                params.update(attempt_params(chain, found, row, call.facts, stamp))
-        answer = self._sent_alone(functions.ADMIT, params)
+                attempt = attempt_params(chain, found, row, call.facts, stamp)
+                start = found.periods[chain[0][0]][1]
+                made = made_now(self._owner(chain), start, row, call.facts)
+        answer = self._sent_alone(functions.ADMIT, functions.admit_params(delivery, attempt))
         if answer is None:
             return None
         decision, op_id, stored, runs = answer
         if decision == "replay":
             result = _decode(stored)
             return OperationStart(Decision.REPLAY, op_id, ask.key, result=result, runs=runs)
-        made = None
-        if row is not None and call is not None and chain is not None and found is not None:
-            made = made_now(self._owner(chain), found.periods[chain[0][0]][1], row, call.facts)
         return OperationStart(
             Decision.RUN,
             op_id,
