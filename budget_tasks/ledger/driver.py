@@ -145,11 +145,7 @@ class Driver:
                 # A connection the server closed while it sat in the pool (a restart)
                 # has the server's goodbye waiting in its socket: replaced before
                 # anything is sent, so nothing is sent twice.
-                with suppress(Exception):
-                    conn.invalidate()
-                with suppress(Exception):
-                    conn.close()
-                self.engine.dispose()
+                self._drop_stale(conn, None)
                 conn = self._connect()
                 dbapi = conn.connection.dbapi_connection
                 assert dbapi is not None
@@ -172,6 +168,15 @@ class Driver:
         finally:
             with suppress(Exception):
                 conn.close()
+
+    def _drop_stale(self, conn: Connection, exc: BaseException | None) -> None:
+        """Discard a connection that went stale (a database restart), and renew the
+        pool: the pooled ones are as old."""
+        with suppress(Exception):
+            conn.invalidate(exc if isinstance(exc, Exception) else None)
+        with suppress(Exception):
+            conn.close()
+        self.engine.dispose()
 
     def _connect(self) -> Connection:
         try:
@@ -239,13 +244,8 @@ class Cursor:
     def _replace_stale(self, exc: BaseException) -> None:
         # Nothing has run in this transaction yet, so a connection that went stale (a
         # database restart) is replaced once: this stands in for a ping on every
-        # checkout, which would cost a round trip per call. The pooled ones are as
-        # old, so the pool is renewed too.
-        with suppress(Exception):
-            self.conn.invalidate(exc if isinstance(exc, Exception) else None)
-        with suppress(Exception):
-            self.conn.close()
-        self.driver.engine.dispose()
+        # checkout, which would cost a round trip per call.
+        self.driver._drop_stale(self.conn, exc)
         self.conn = self.driver.checkout()
         self.raw = self.conn.connection.cursor()
 
