@@ -28,8 +28,7 @@ these machines). The modes alternate in rounds, each on a budget of its own in o
 scratch database; the medians of the rounds are shown.
 
 Targets of the one-call path: at most 2 round trips per first run, 1 per replay, and
-CPU (client + PostgreSQL) per first run at most 0.5 x the statement path's. A Ledger
-that does not take ``server_functions`` (TypeError) runs the statement path alone.
+CPU (client + PostgreSQL) per first run at most 0.5 x the statement path's.
 """
 
 from __future__ import annotations
@@ -363,9 +362,6 @@ class ModeFigures:
     """One mode: each round, and the medians of the rounds."""
 
     mode: str
-    available: bool = True
-    #: how the mode was run, or why it was not
-    note: str = ""
     rounds: list[Round] = field(default_factory=list)
 
     def _median(self, figure: Callable[[Round], float]) -> float:
@@ -433,22 +429,12 @@ class RoundTripsResult:
     modes: dict[str, ModeFigures]
     audit: list[str]
 
-    @property
-    def compared(self) -> bool:
-        """Whether the one-call path ran beside the statement path."""
-        return self.modes["functions"].available
-
     def ratio(self, figure: Callable[[ModeFigures], float]) -> float:
-        """functions / statements of a figure (NaN where functions did not run)."""
-        if not self.compared:
-            return math.nan
+        """functions / statements of a figure."""
         return figure(self.modes["functions"]) / figure(self.modes["statements"])
 
     def targets(self) -> list[tuple[str, str, bool]]:
-        """Each target of the one-call path: what it is, the figure, and whether met
-        (empty where that path did not run)."""
-        if not self.compared:
-            return []
+        """Each target of the one-call path: what it is, the figure, and whether met."""
         functions = self.modes["functions"]
         first, replay = functions.usual("first run"), functions.usual("replay")
         cpu = self.ratio(lambda m: m.cpu_ms)
@@ -469,20 +455,6 @@ class RoundTripsResult:
                 cpu <= CPU_TARGET,
             ),
         ]
-
-
-def _open(url: str, name: str) -> tuple[Ledger | None, str]:
-    """The mode's ledger, one connection in its pool; None where the Ledger does not
-    take ``server_functions`` and the mode needs it."""
-    functions = MODES[name]
-    try:
-        return Ledger(url, server_functions=functions, **POOL), ""
-    except TypeError as exc:
-        if "server_functions" not in str(exc):
-            raise
-        if functions:
-            return None, "not available: Ledger does not take server_functions"
-        return Ledger(url, **POOL), "Ledger does not take server_functions: its only path"
 
 
 def _warm(mode: _Mode, runs: int) -> None:
@@ -515,11 +487,8 @@ def run(
         setup.dispose()
         modes: list[_Mode] = []
         try:
-            for name in MODES:
-                ledger, figures[name].note = _open(url, name)
-                if ledger is None:
-                    figures[name].available = False
-                    continue
+            for name, functions in MODES.items():
+                ledger = Ledger(url, server_functions=functions, **POOL)
                 tracer = Tracer(ledger.engine)  # before the ledger first connects
                 modes.append(_Mode(name, ledger, tracer, _main_call(f"rt-{name}"), owner_id()))
                 _warm(modes[-1], warmup)
@@ -569,10 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(runs=args.runs, rounds=args.rounds, warmup=args.warmup, report=show)
     print(f"\n{result.runs} first runs and {result.runs} replays per mode and round")
     for name, m in result.modes.items():
-        if not m.available:
-            print(f"{name}: {m.note}")
-            continue
-        print(f"{name}{f' ({m.note})' if m.note else ''}:")
+        print(f"{name}:")
         print(
             f"  round trips per first run {m.first_trips:.2f} "
             f"(runs: {describe_counts(m.counts('first run'))}; admission "
@@ -589,16 +555,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{m.backend_ms:.2f} ms = {m.cpu_ms:.2f} ms ({m.wall_ms:.2f} ms wall); "
             f"per replay {m.replay_cpu_ms:.2f} ms"
         )
-    if result.compared:
-        print("functions / statements:")
-        for what, of in (
-            ("round trips per first run", lambda m: m.first_trips),
-            ("round trips per replay", lambda m: m.replay_trips),
-            ("client CPU per first run", lambda m: m.client_ms),
-            ("PostgreSQL CPU per first run", lambda m: m.backend_ms),
-            ("CPU per first run", lambda m: m.cpu_ms),
-        ):
-            print(f"  {what:29s} {result.ratio(of):.2f}")
+    print("functions / statements:")
+    for what, of in (
+        ("round trips per first run", lambda m: m.first_trips),
+        ("round trips per replay", lambda m: m.replay_trips),
+        ("client CPU per first run", lambda m: m.client_ms),
+        ("PostgreSQL CPU per first run", lambda m: m.backend_ms),
+        ("CPU per first run", lambda m: m.cpu_ms),
+    ):
+        print(f"  {what:29s} {result.ratio(of):.2f}")
     missed = False
     for what, value, met in result.targets():
         missed = missed or not met
