@@ -96,13 +96,14 @@ ATTEMPT_REQUEST_ID = "SELECT state, request_id FROM attempts WHERE key = :key"
 
 # The attempt row, locked, with each period row it holds: one row per period, in the
 # order reserve locked them (budget id), so settlement takes locks in the same order.
+# Each period is read by its key: joined, PostgreSQL merge-joins the whole periods index
+# (every budget's every day) to find an attempt's one to three.
 LOCK_ATTEMPT = """
 SELECT a.id, a.amount, a.actual, a.state, a.recorded_actual, j.period_id
 FROM attempts a
 JOIN journal j ON j.attempt_id = a.id AND j.kind = 'hold'
-JOIN budget_periods p ON p.id = j.period_id
 WHERE a.key = :key
-ORDER BY p.budget_id{for_update}"""
+ORDER BY (SELECT p.budget_id FROM budget_periods p WHERE p.id = j.period_id){for_update}"""
 
 # Each change of a period's counters returns, for what must follow it: whether the
 # period is escrowed and its grant room (a charge above its hold draws the rest), what

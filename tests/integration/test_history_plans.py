@@ -10,6 +10,7 @@ from sqlalchemy import text
 from sqlalchemy.dialects.postgresql import psycopg as pg
 
 from budget_tasks import Ledger
+from budget_tasks.ledger import CallFacts
 from budget_tasks.ledger import statements as sql
 from budget_tasks.ledger.periods import PERIODS, period_start, previous_period_start
 from budget_tasks.ledger.reports import _report_query
@@ -130,3 +131,27 @@ def test_holds_and_the_incremental_audit_never_scan_the_periods_history(
     plan = _plan(pg_ledger, sql.AUDIT_PERIODS, {"since": 10**9})
     assert "Seq Scan on budget_periods" not in plan, plan
     assert "ix_budget_periods_open" in plan, plan
+
+
+def test_a_settlement_reads_its_holds_periods_by_key_when_the_journals_statistics_lag(
+    pg_ledger: Ledger,
+) -> None:
+    # The journal's statistics were taken when the only period was an early one; the
+    # periods grew since (new budgets, new days): its period ids have passed what the
+    # planner knows, as they do every day between two ANALYZEs of a large journal.
+    pg_ledger.create_budget("early", 10**9)
+    for i in range(200):
+        pg_ledger.calls.reserve("early", f"k{i}", 10, grant=CallFacts())
+        pg_ledger.calls.settle(f"k{i}", 5)
+    with pg_ledger.engine.begin() as conn:
+        conn.execute(text("ANALYZE"))
+    _history(pg_ledger)  # 91,000 periods, analyzed; the journal has no new rows
+    pg_ledger.create_budget("late", 10**9)
+    pg_ledger.calls.reserve("late", "new", 10, grant=CallFacts())
+    statement = sql.LOCK_ATTEMPT.replace("{for_update}", " FOR UPDATE OF a")
+    plan = _plan(pg_ledger, statement, {"key": "new"})
+    # not a merge join along the whole periods index up to the new period's id
+    assert "Join" not in plan and "Seq Scan on budget_periods" not in plan, plan
+    assert "SubPlan" in plan and "pk_budget_periods" in plan, plan
+    pg_ledger.calls.settle("new", 7)
+    assert pg_ledger.balance("late").spent == 7
