@@ -50,12 +50,16 @@ REFUSAL = f"""
 SELECT {AVAILABLE}, (SELECT frozen FROM budgets WHERE budgets.id = budget_id), closed_at
 FROM budget_periods WHERE id = :period_id"""
 
+#: An attempt by its key: its budget's name (a slice's owner's), what it asked, and its
+#: period's start. Each row it names is read by its key, as in LOCK_ATTEMPT.
 EXISTING_ATTEMPT = """
-SELECT COALESCE(o.name, b.name), a.amount, a.fingerprint, a.state, a.reason, p.period_start
+SELECT COALESCE(
+        (SELECT o.name FROM budgets o
+         WHERE o.id = (SELECT b.slice_of FROM budgets b WHERE b.id = a.budget_id)),
+        (SELECT b.name FROM budgets b WHERE b.id = a.budget_id)),
+    a.amount, a.fingerprint, a.state, a.reason,
+    (SELECT p.period_start FROM budget_periods p WHERE p.id = a.period_id)
 FROM attempts a
-JOIN budgets b ON b.id = a.budget_id
-LEFT JOIN budgets o ON o.id = b.slice_of
-JOIN budget_periods p ON p.id = a.period_id
 WHERE a.key = :key"""
 
 #: A journal row, in its period's partition (PostgreSQL) by the period's start.
@@ -315,13 +319,14 @@ WHERE operation_id = :operation_id AND name = :name"""
 #: Where an attempt sits in its operation, and whether it is still the latest attempt
 #: of its call (the main call, or one labelled call).
 ATTEMPT_POSITION = """
-SELECT a.operation_id, o.key, a.label, a.state,
+SELECT a.operation_id, (SELECT o.key FROM operations o WHERE o.id = a.operation_id),
+    a.label, a.state,
     CASE WHEN EXISTS (
         SELECT 1 FROM attempts b
         WHERE b.operation_id = a.operation_id AND b.id > a.id
           AND ((a.label IS NULL AND b.label IS NULL) OR (a.step IS NOT NULL AND b.step = a.step))
     ) THEN 0 ELSE 1 END
-FROM attempts a LEFT JOIN operations o ON o.id = a.operation_id
+FROM attempts a
 WHERE a.key = :key"""
 
 #: Attempts held by runs that may be gone: open (sending) or never granted (reserved),

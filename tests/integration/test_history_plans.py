@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import pytest
 from sqlalchemy import text
 from sqlalchemy.dialects.postgresql import psycopg as pg
 
-from budget_tasks import Ledger
+from budget_tasks import IdempotencyConflict, Ledger
 from budget_tasks.ledger import CallFacts
 from budget_tasks.ledger import statements as sql
 from budget_tasks.ledger.periods import PERIODS, period_start, previous_period_start
@@ -148,10 +149,17 @@ def test_a_settlement_reads_its_holds_periods_by_key_when_the_journals_statistic
     _history(pg_ledger)  # 91,000 periods, analyzed; the journal has no new rows
     pg_ledger.create_budget("late", 10**9)
     pg_ledger.calls.reserve("late", "new", 10, grant=CallFacts())
-    statement = sql.LOCK_ATTEMPT.replace("{for_update}", " FOR UPDATE OF a")
-    plan = _plan(pg_ledger, statement, {"key": "new"})
-    # not a merge join along the whole periods index up to the new period's id
-    assert "Join" not in plan and "Seq Scan on budget_periods" not in plan, plan
-    assert "SubPlan" in plan and "pk_budget_periods" in plan, plan
+    # the settlement's lock, and the read of an attempt by its key (a redelivery's)
+    for statement in (
+        sql.LOCK_ATTEMPT.replace("{for_update}", " FOR UPDATE OF a"),
+        sql.EXISTING_ATTEMPT,
+    ):
+        plan = _plan(pg_ledger, statement, {"key": "new"})
+        # not a merge join along the whole periods index up to the new period's id
+        assert "Join" not in plan and "Seq Scan on budget_periods" not in plan, plan
+        assert "SubPlan" in plan and "pk_budget_periods" in plan, plan
+    with pytest.raises(IdempotencyConflict):  # EXISTING_ATTEMPT's answer, by name
+        pg_ledger.calls.reserve("late", "new", 11)
     pg_ledger.calls.settle("new", 7)
     assert pg_ledger.balance("late").spent == 7
+    assert pg_ledger.calls.reserve("late", "new", 10).budget == "late"  # a replay
