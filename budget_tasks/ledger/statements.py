@@ -53,10 +53,8 @@ FROM budget_periods WHERE id = :period_id"""
 #: An attempt by its key: its budget's name (a slice's owner's), what it asked, and its
 #: period's start. Each row it names is read by its key, as in LOCK_ATTEMPT.
 EXISTING_ATTEMPT = """
-SELECT COALESCE(
-        (SELECT o.name FROM budgets o
-         WHERE o.id = (SELECT b.slice_of FROM budgets b WHERE b.id = a.budget_id)),
-        (SELECT b.name FROM budgets b WHERE b.id = a.budget_id)),
+SELECT (SELECT COALESCE((SELECT o.name FROM budgets o WHERE o.id = b.slice_of), b.name)
+        FROM budgets b WHERE b.id = a.budget_id),
     a.amount, a.fingerprint, a.state, a.reason,
     (SELECT p.period_start FROM budget_periods p WHERE p.id = a.period_id)
 FROM attempts a
@@ -100,8 +98,8 @@ ATTEMPT_REQUEST_ID = "SELECT state, request_id FROM attempts WHERE key = :key"
 
 # The attempt row, locked, with each period row it holds: one row per period, in the
 # order reserve locked them (budget id), so settlement takes locks in the same order.
-# Each period is read by its key: joined, PostgreSQL merge-joins the whole periods index
-# (every budget's every day) to find an attempt's one to three.
+# Each period is read by its key: joined, PostgreSQL may merge-join the whole periods
+# index (every budget's every day) to find an attempt's one to three.
 LOCK_ATTEMPT = """
 SELECT a.id, a.amount, a.actual, a.state, a.recorded_actual, j.period_id
 FROM attempts a
