@@ -11,7 +11,7 @@ from budget_tasks.testing import FakeProvider, ManualClock
 from .services import check_postgres, scratch_database
 
 LEDGER_TABLES = (
-    "archived_periods, archives, audit_position, audit_checkpoints, journal, "
+    "archived_periods, archives, audit_position, audit_checkpoints, audit_partitions, journal, "
     "operation_events, side_effects, attempts, operations, budget_periods, budgets"
 )
 

@@ -9,6 +9,11 @@ period (their one period starts at the epoch and never closes) keep their rows i
 ``journal_none``; a row whose month has no partition yet lands in ``journal_default``,
 and retention never touches either. The beat job that renews periods makes the months
 ahead of need (:data:`AHEAD`); two beats that race make each month once.
+
+Each partition refuses TRUNCATE as the journal does (:func:`no_truncate_ddl`): the
+journal's row triggers are cloned to its partitions, but a statement trigger such as
+TRUNCATE's is not, and a partition can be named in a TRUNCATE of its own. Retention's
+DETACH and DROP of an archived month are not refused.
 """
 
 from __future__ import annotations
@@ -34,11 +39,27 @@ LOCK_KEY = 0x6274_7061  # "btpa"
 
 _MONTH = re.compile(r"^journal_y(\d{4})m(\d{2})$")
 
-#: The two partitions every partitioned journal has, made with it.
+#: The name of the journal's TRUNCATE guard, on the journal and on each partition.
+NO_TRUNCATE = "journal_no_truncate"
+
+
+def no_truncate_ddl(name: str) -> str:
+    """The TRUNCATE guard of partition ``name``, made with it (the journal's own is
+    on the partitioned table alone: PostgreSQL clones row triggers to partitions, not
+    statement triggers). It runs the journal's append-only function (migration 0001)."""
+    return (
+        f"CREATE TRIGGER {NO_TRUNCATE} BEFORE TRUNCATE ON {name} "
+        "FOR EACH STATEMENT EXECUTE FUNCTION budget_tasks_journal_append_only()"
+    )
+
+
+#: The two partitions every partitioned journal has, made with it, and their guards.
 FIXED_DDL = (
     f"CREATE TABLE IF NOT EXISTS {NONE_PARTITION} PARTITION OF journal "
     "FOR VALUES FROM (MINVALUE) TO ('1970-01-02 00:00:00+00')",
+    no_truncate_ddl(NONE_PARTITION),
     f"CREATE TABLE IF NOT EXISTS {DEFAULT_PARTITION} PARTITION OF journal DEFAULT",
+    no_truncate_ddl(DEFAULT_PARTITION),
 )
 
 PARTITIONS = """
@@ -91,9 +112,10 @@ def month_ddl(start: datetime) -> str:
 
 
 def make_months(cur: Cursor, first: datetime, last: datetime) -> list[str]:
-    """Make the month partitions from ``first``'s month to ``last``'s, those missing;
-    the names made. A month that already has rows in the default partition is left
-    there (PostgreSQL refuses the new partition) and said in the log."""
+    """Make the month partitions from ``first``'s month to ``last``'s, those missing,
+    each with its TRUNCATE guard; the names made. A month that already has rows in the
+    default partition is left there (PostgreSQL refuses the new partition) and said in
+    the log."""
     cur.run("SELECT pg_advisory_xact_lock(:key)", {"key": LOCK_KEY})
     existing = {row[0] for row in cur.all(PARTITIONS, {})}
     made: list[str] = []
@@ -111,6 +133,7 @@ def make_months(cur: Cursor, first: datetime, last: datetime) -> list[str]:
                 )
             else:
                 cur.ddl(month_ddl(start))
+                cur.ddl(no_truncate_ddl(name))
                 made.append(name)
         start = next_month(start)
     return made

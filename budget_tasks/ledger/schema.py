@@ -382,6 +382,23 @@ audit_position = Table(
     CheckConstraint("id = 1", name="one_row"),
 )
 
+# Added in migration 0017 (PostgreSQL): what the audit proved of each journal partition,
+# its lowest and its highest journal row (id and period start, the row's key) and how
+# many rows, so that each audit finds by key, without reading the history, that every
+# partition it proved still holds them: a partition emptied or detached behind the
+# journal's triggers is found. A month retention archived (``archives``) is gone by
+# design.
+audit_partitions = Table(
+    "audit_partitions",
+    metadata,
+    Column("partition", String(63), primary_key=True),
+    Column("low_id", BigInteger, nullable=False),
+    Column("low_start", UTCDateTime, nullable=False),
+    Column("high_id", BigInteger, nullable=False),
+    Column("high_start", UTCDateTime, nullable=False),
+    Column("journal_rows", BigInteger, nullable=False),
+)
+
 # Added in migration 0015 (retention, PostgreSQL): what each archived month removed. A
 # month's journal partition leaves by DETACH once its periods are closed, settled and
 # audited: ``kept_as`` names the directory it was exported to, or the detached table
@@ -455,7 +472,9 @@ BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
 }
 
 
-#: Added in migration 0006: TRUNCATE fires no row trigger, so it has its own.
+#: Added in migration 0006: TRUNCATE fires no row trigger, so it has its own. It is on
+#: the partitioned journal alone; each partition has its own (``FIXED_DDL`` and
+#: :func:`.partitions.make_months` make them, migration 0017 on existing partitions).
 NO_TRUNCATE_DDL = """CREATE TRIGGER journal_no_truncate BEFORE TRUNCATE ON journal
 FOR EACH STATEMENT EXECUTE FUNCTION budget_tasks_journal_append_only()"""
 

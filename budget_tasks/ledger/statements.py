@@ -749,6 +749,59 @@ INSERT INTO audit_checkpoints (period_id, held, spent, overrun, drawn, granted)
 SELECT period_id, {_JOURNAL_SUMS} FROM journal
 WHERE id > :since AND id <= :upto GROUP BY period_id{_ADD_TO_CHECKPOINTS}"""
 
+# What the audit proved of each journal partition (PostgreSQL): its lowest and highest
+# row, by key (id and period start), and how many. A partition emptied (TRUNCATE with
+# its guard off) or detached behind the journal leaves the incremental audit's sums
+# standing, since it reads only the rows after its position: these find it by key.
+
+#: Whether the table is there (a database not yet migrated to 0017 has none).
+AUDIT_PARTITIONS_MADE = "SELECT to_regclass('audit_partitions') IS NOT NULL"
+
+#: The partitions (by name) of the rows after ``:since`` up to ``:upto``, their lowest
+#: and highest row and how many: added to what the audit proved of them, or (the first
+#: or a full audit, from 0) in place of it.
+_RECORD_PARTITIONS = """
+INSERT INTO audit_partitions (partition, low_id, low_start, high_id, high_start, journal_rows)
+SELECT (SELECT c.relname FROM pg_class c WHERE c.oid = b.part), b.low_id,
+    (SELECT j.period_start FROM journal j WHERE j.id = b.low_id AND j.tableoid = b.part),
+    b.high_id,
+    (SELECT j.period_start FROM journal j WHERE j.id = b.high_id AND j.tableoid = b.part),
+    b.n
+FROM (
+    SELECT tableoid AS part, MIN(id) AS low_id, MAX(id) AS high_id, COUNT(*) AS n
+    FROM journal WHERE id > :since AND id <= :upto GROUP BY tableoid
+) b
+ON CONFLICT (partition) DO UPDATE SET {update}"""
+RECORD_PARTITIONS = _RECORD_PARTITIONS.format(
+    update="""high_id = excluded.high_id, high_start = excluded.high_start,
+    journal_rows = audit_partitions.journal_rows + excluded.journal_rows"""
+)
+RECORD_ALL_PARTITIONS = _RECORD_PARTITIONS.format(
+    update="""low_id = excluded.low_id, low_start = excluded.low_start,
+    high_id = excluded.high_id, high_start = excluded.high_start,
+    journal_rows = excluded.journal_rows"""
+)
+
+#: The proved partitions whose lowest or highest proved row is gone: two lookups by key
+#: each, pruned as they run to the partition the row's period start names. Each is a
+#: scalar subquery, which the planner never turns into a join or a hash of the journal.
+#: An archived month is gone by design.
+LOST_PARTITIONS = """
+SELECT a.partition, a.low_id, a.low_start, a.high_id, a.journal_rows
+FROM audit_partitions a
+WHERE a.partition NOT IN (SELECT r.partition FROM archives r)
+  AND ((SELECT j.id FROM journal j WHERE j.id = a.low_id AND j.period_start = a.low_start)
+       IS NULL
+       OR (SELECT j.id FROM journal j WHERE j.id = a.high_id AND j.period_start = a.high_start)
+       IS NULL)
+ORDER BY a.partition"""
+
+#: How many of the rows the audit proved in a lost partition it still holds (read only
+#: for a partition found lost: PostgreSQL cannot prune by ``tableoid``).
+PARTITION_ROWS_LEFT = """
+SELECT COUNT(*) FROM journal
+WHERE id >= :low_id AND id <= :high_id AND tableoid = to_regclass(:partition)"""
+
 # -- retention (PostgreSQL): a month's journal partition and what goes with it --------
 # ``{partition}`` is a month partition's name, made by .partitions (never user input).
 

@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import text
 
 from budget_tasks import Ledger
+from budget_tasks.ledger import statements as sql
 from budget_tasks.testing import ManualClock
 from budget_tasks.testing.harness import race
 
@@ -161,3 +162,97 @@ def test_the_cli_says_how_much_it_reads(ledger: Ledger, backend_url: str, full: 
     assert "journal rows" in done.stderr
     if not full:
         assert "reading 2 journal rows" in done.stderr
+
+
+def _lose(ledger: Ledger, partition: str, how: str) -> None:
+    """Take the rows of ``partition`` behind the journal, as a superuser could: its
+    TRUNCATE guard off for one TRUNCATE, or the partition detached."""
+    with ledger.engine.begin() as conn:
+        if how == "truncate":
+            conn.execute(text(f"ALTER TABLE {partition} DISABLE TRIGGER journal_no_truncate"))
+            conn.execute(text(f"TRUNCATE {partition}"))
+            conn.execute(text(f"ALTER TABLE {partition} ENABLE TRIGGER journal_no_truncate"))
+        else:
+            conn.execute(text(f"ALTER TABLE journal DETACH PARTITION {partition}"))
+
+
+@pytest.mark.parametrize(
+    ("budget", "how"),
+    [("monthly", "truncate"), ("monthly", "detach"), ("forever", "truncate")],
+)
+def test_a_partition_that_lost_its_rows_is_found_by_the_incremental_audit(
+    pg_ledger: Ledger, pg_url: str, clock: ManualClock, budget: str, how: str
+) -> None:
+    """The incremental audit reads only the rows after its position, so the sums it
+    proved stand after a partition lost its rows: what it proved of each partition (its
+    lowest and highest row, by key) finds it, in every audit after, and the CLI exits 1."""
+    from datetime import UTC, datetime
+
+    from budget_tasks.ledger.partitions import month_start, name_of
+
+    from .test_cli import cli
+
+    pg_ledger.upkeep.make_partitions(ahead=0)
+    pg_ledger.create_budget("monthly", 10_000, period="month")
+    pg_ledger.create_budget("forever", 10_000)
+    for i in range(3):
+        settle(pg_ledger, f"m{i}", 100, 90, budget="monthly")
+    settle(pg_ledger, "f0", 100, 90, budget="forever")
+    assert pg_ledger.audit() == []
+    settle(pg_ledger, "m3", 100, 90, budget="monthly")  # proved by the next audit
+    assert pg_ledger.audit() == []
+    month = name_of(month_start(clock()))
+    partition, start, rows = (
+        (month, month_start(clock()), 8)
+        if budget == "monthly"
+        else ("journal_none", datetime(1970, 1, 1, tzinfo=UTC), 2)
+    )
+    _lose(pg_ledger, partition, how)
+    try:
+        lost = (partition, start, "rows", rows, 0)
+        findings = pg_ledger.audit()
+        assert [(f.budget, f.period_start, f.counter, f.recorded, f.journal) for f in findings] == [
+            lost
+        ]
+        assert pg_ledger.audit() == findings  # still found: nothing was taken back
+        # a full audit finds it too, and the counter its rows proved (what they held
+        # nets to 0: a hold and its charge)
+        full = pg_ledger.audit(full=True)
+        assert findings[0] in full and {f.counter for f in full} == {"rows", "spent"}
+        done = cli(pg_url, "audit")
+        assert done.returncode == 1 and partition in done.stdout, done.stdout + done.stderr
+    finally:
+        if how == "detach":  # the session's database makes it again when it needs it
+            with pg_ledger.engine.begin() as conn:
+                conn.execute(text(f"DROP TABLE {partition}"))
+
+
+def test_the_audit_reads_each_partition_it_proved_by_key(pg_ledger: Ledger) -> None:
+    """What the audit keeps of each partition: its lowest and highest row and how many,
+    added to by each audit; the check of them is a lookup by key, not a scan."""
+    pg_ledger.upkeep.make_partitions(ahead=0)
+    pg_ledger.create_budget("monthly", 10_000, period="month")
+    settle(pg_ledger, "a", 100, 90, budget="monthly")
+    assert pg_ledger.audit() == []
+    settle(pg_ledger, "b", 100, 90, budget="monthly")
+    assert pg_ledger.audit() == []
+    with pg_ledger.engine.connect() as conn:
+        kept = conn.execute(
+            text("SELECT partition, low_id, high_id, journal_rows FROM audit_partitions")
+        ).all()
+        ids = conn.execute(text("SELECT MIN(id), MAX(id) FROM journal")).one()
+        plan = "\n".join(
+            conn.execute(
+                text(
+                    "EXPLAIN (COSTS OFF) "
+                    + sql.LOST_PARTITIONS.replace(
+                        "IN (SELECT r.partition FROM archives r)", "IN ('')"
+                    )
+                )
+            ).scalars()
+        )
+    assert [tuple(k) for k in kept] == [("journal_y2026m01", ids[0], ids[1], 4)]
+    # a lookup per recorded partition, by its key: never a join or a hash of the journal
+    assert "Join" not in plan and "Hash" not in plan, plan
+    assert "(id = a.low_id) AND (period_start = a.low_start)" in plan, plan
+    assert pg_ledger.audit(full=True) == []

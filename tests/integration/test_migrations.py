@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,7 @@ from budget_tasks.migrations import current, include_object, upgrade
 from ..services import check_postgres, pg_conninfo, scratch_database
 
 #: The latest revision: bumped by each new migration.
-HEAD = "0016"
+HEAD = "0017"
 
 
 def describe(url: str) -> dict[str, Any]:
@@ -87,6 +89,7 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
             "archived_periods",
             "archives",
             "audit_checkpoints",
+            "audit_partitions",
             "audit_position",
             "attempts",
             "budget_periods",
@@ -311,3 +314,140 @@ def test_two_upgrades_at_once_take_turns() -> None:
         ledger.create_budget("after", 10)
         assert ledger.audit() == []
         ledger.dispose()
+
+
+# -- an upgraded database is a fresh one -----------------------------------------------
+
+VERSIONS = Path(__file__).resolve().parents[2] / "budget_tasks" / "migrations" / "versions"
+
+
+def _revisions() -> list[str]:
+    """Every revision, oldest first."""
+    from alembic.script import ScriptDirectory
+
+    from budget_tasks.migrations import alembic_config
+
+    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    return [r.revision for r in reversed(list(script.walk_revisions()))]
+
+
+def _functions(url: str) -> dict[str, str]:
+    with psycopg.connect(pg_conninfo(url)) as conn:
+        return dict(
+            conn.execute(
+                "SELECT proname, prosrc FROM pg_proc WHERE proname LIKE 'budget_tasks_%'"
+            ).fetchall()
+        )
+
+
+def _partitions(url: str) -> list[str]:
+    with psycopg.connect(pg_conninfo(url)) as conn:
+        return [
+            row[0]
+            for row in conn.execute(
+                "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                "WHERE i.inhparent = 'journal'::regclass ORDER BY c.relname"
+            )
+        ]
+
+
+def assert_every_partition_refuses_truncate(url: str) -> None:
+    """TRUNCATE of the journal and of each of its partitions (the month ones, journal_none
+    and journal_default, and a month the partition-making code makes now) is refused."""
+    from datetime import UTC, datetime
+
+    from budget_tasks.testing import ManualClock
+
+    later = Ledger(url, clock=ManualClock(datetime(2040, 1, 15, tzinfo=UTC)))
+    assert later.upkeep.make_partitions(ahead=0) == ["journal_y2040m01"]
+    later.dispose()
+    names = _partitions(url)
+    assert {"journal_none", "journal_default", "journal_y2040m01"} <= set(names)
+    assert len([n for n in names if n.startswith("journal_y")]) >= 5
+    with psycopg.connect(pg_conninfo(url)) as conn:
+        for name in ["journal", *names]:
+            refused = pytest.raises(psycopg.Error, match=r"append-only \(TRUNCATE refused\)")
+            with refused, conn.transaction():
+                conn.execute(f"TRUNCATE {name}")
+
+
+def test_no_migration_imports_the_ledgers_code() -> None:
+    """A migration carries the text it installs: it imports alembic, SQLAlchemy and the
+    standard library only, never budget_tasks (whose code goes on changing)."""
+    allowed = {"alembic", "sqlalchemy", *sys.stdlib_module_names}
+    files = sorted(VERSIONS.glob("*.py"))
+    assert len(files) >= 17
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{path.name}: relative import"
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+def _frozen_functions() -> tuple[str, tuple[str, ...]]:
+    """The latest migration that installs the server-side functions, and their text."""
+    for path in sorted(VERSIONS.glob("*.py"), reverse=True):
+        spec = importlib.util.spec_from_file_location(f"_revision_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if getattr(module, "FUNCTIONS_DDL", None):
+            return path.name, module.FUNCTIONS_DDL
+    raise AssertionError("no migration installs the functions")
+
+
+def test_the_latest_migration_carries_todays_function_text() -> None:
+    from budget_tasks.ledger.functions import FUNCTIONS_DDL
+
+    name, frozen = _frozen_functions()
+    assert frozen == FUNCTIONS_DDL, (
+        f"budget_tasks/ledger/functions.py changed since {name} froze its text: until "
+        f"{name} has landed, run `python -m tests.frozen_text "
+        f"budget_tasks/migrations/versions/{name}`; after, add a migration"
+    )
+
+
+def test_upgrading_one_revision_at_a_time_gives_a_fresh_install() -> None:
+    """A ledger made at 0001 with data in it, then upgraded one revision at a time, has
+    the tables, keys, indexes, triggers and functions (their text) of a fresh install,
+    works, and its journal and every partition refuse TRUNCATE. 0016's functions are
+    the text frozen when it was written, not today's: 0017 brings today's."""
+    check_postgres()
+    revisions = _revisions()
+    assert revisions[0] == "0001" and revisions[-1] == HEAD
+    assert revisions == [f"{n:04d}" for n in range(1, len(revisions) + 1)]
+    with scratch_database() as migrated, scratch_database() as created:
+        Ledger(created).create_schema()
+        today = _functions(created)
+        at: dict[str, dict[str, str]] = {}
+        for revision in revisions:
+            upgrade(migrated, revision)
+            assert current(migrated) == revision
+            if revision == "0001":
+                _fill(migrated, revision)
+            at[revision] = _functions(migrated)
+        # each revision installed the text it was written with: 0001's append-only
+        # function until 0015 replaced it, 0016's admission until 0017 replaced it
+        guard, admit = "budget_tasks_journal_append_only", "budget_tasks_admit"
+        assert at["0001"][guard] == at["0014"][guard] != today[guard]
+        assert at["0015"][guard] == today[guard]
+        assert set(at["0016"]) == set(today) == {guard, admit, "budget_tasks_finish"}
+        assert at["0016"][admit] != today[admit]
+        assert at[HEAD] == today
+        a, b = describe(migrated), describe(created)
+        assert a["triggers"] and a["functions"] and "audit_partitions" in a
+        assert a == b
+        ledger = Ledger(migrated)
+        assert ledger.audit() == []
+        assert ledger.balance("team").spent == 70
+        ledger.calls.settle("held", 150)
+        assert ledger.audit() == []
+        ledger.dispose()
+        assert_every_partition_refuses_truncate(migrated)
+        assert_every_partition_refuses_truncate(created)

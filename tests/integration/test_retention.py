@@ -230,6 +230,35 @@ def test_archiving_a_month_the_audit_had_not_reached_keeps_the_audit_clean(
     assert ledger.audit(full=True) == []
 
 
+def test_every_partition_refuses_truncate_and_an_archived_month_still_leaves(
+    ledger: Ledger, clock: ManualClock, tmp_path: Path
+) -> None:
+    """Each partition has its own TRUNCATE guard (PostgreSQL does not clone the
+    journal's): journal_none and journal_default made with the journal, the months the
+    beat's partition code made. Retention's DETACH and DROP of an archived month are not
+    refused, and the audit, which had proved that month's rows, expects them gone."""
+    ledger.create_budget("daily", 10_000, period="day")
+    ledger.create_budget("forever", 10_000)
+    spend(ledger, "daily", "a", 100, 90)
+    spend(ledger, "forever", "b", 100, 90)
+    names = sorted(_partitions(ledger))
+    assert {"journal_none", "journal_default", "journal_y2026m01", "journal_y2026m07"} <= set(names)
+    for name in ["journal", *names]:
+        refused = pytest.raises(Exception, match=r"append-only \(TRUNCATE refused\)")
+        with refused, ledger.engine.begin() as conn:
+            conn.execute(text(f"TRUNCATE {name}"))
+    assert _count(ledger, "SELECT COUNT(*) FROM journal") == 4
+    assert ledger.audit() == []
+    assert _count(ledger, "SELECT COUNT(*) FROM audit_partitions") == 2  # none, January
+    clock.advance(days=100)
+    renew_periods(ledger)
+    assert ledger.upkeep.retain(KEEP, archive_to=tmp_path).archived == ("journal_y2026m01",)
+    assert "journal_y2026m01" not in _partitions(ledger)
+    assert ledger.audit() == []
+    assert ledger.audit(full=True) == []
+    assert ledger.audit() == []
+
+
 def test_bad_retention_input_is_refused_and_changes_nothing(
     ledger: Ledger, tmp_path: Path, sqlite_ledger: Ledger
 ) -> None:

@@ -10,12 +10,35 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from budget_tasks.ledger.schema import APPEND_ONLY_DDL, Id, UTCDateTime
-
 revision = "0001"
 down_revision = None
 branch_labels = None
 depends_on = None
+
+#: The ledger's id and timestamp types as they render (schema.Id, schema.UTCDateTime).
+Id = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+When = sa.DateTime(timezone=True)
+
+#: The journal's append-only triggers as this revision made them. (On PostgreSQL,
+#: 0015 replaced the function with one that words its message without a format string.)
+APPEND_ONLY_DDL: dict[str, tuple[str, ...]] = {
+    "postgresql": (
+        """CREATE OR REPLACE FUNCTION budget_tasks_journal_append_only() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'the budget-tasks journal is append-only (% refused)', TG_OP;
+END
+$$""",
+        """CREATE TRIGGER journal_append_only BEFORE UPDATE OR DELETE ON journal
+FOR EACH ROW EXECUTE FUNCTION budget_tasks_journal_append_only()""",
+    ),
+    "sqlite": (
+        """CREATE TRIGGER journal_no_update BEFORE UPDATE ON journal
+BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
+        """CREATE TRIGGER journal_no_delete BEFORE DELETE ON journal
+BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
+    ),
+}
 
 
 def upgrade() -> None:
@@ -30,7 +53,7 @@ def upgrade() -> None:
         sa.Column("renewal", sa.String(16), nullable=False),
         sa.Column("rollover_ceiling", sa.BigInteger, nullable=True),
         sa.Column("frozen", sa.Boolean(create_constraint=False), nullable=False),
-        sa.Column("created_at", UTCDateTime, nullable=False),
+        sa.Column("created_at", When, nullable=False),
         sa.UniqueConstraint("name"),
         sa.CheckConstraint("cap >= 0", name="cap_not_negative"),
         sa.CheckConstraint("period IN ('none', 'day', 'week', 'month')", name="period_known"),
@@ -44,11 +67,11 @@ def upgrade() -> None:
         "budget_periods",
         sa.Column("id", Id, primary_key=True, autoincrement=True),
         sa.Column("budget_id", Id, sa.ForeignKey("budgets.id"), nullable=False),
-        sa.Column("period_start", UTCDateTime, nullable=False),
+        sa.Column("period_start", When, nullable=False),
         sa.Column("cap", sa.BigInteger, nullable=False),
         sa.Column("spent", sa.BigInteger, nullable=False),
         sa.Column("held", sa.BigInteger, nullable=False),
-        sa.Column("opened_at", UTCDateTime, nullable=False),
+        sa.Column("opened_at", When, nullable=False),
         sa.UniqueConstraint("budget_id", "period_start"),
         sa.CheckConstraint("cap >= 0", name="cap_not_negative"),
         sa.CheckConstraint("held >= 0", name="held_not_negative"),
@@ -68,9 +91,9 @@ def upgrade() -> None:
         sa.Column("provider", sa.String(64), nullable=True),
         sa.Column("request_id", sa.String(255), nullable=True),
         sa.Column("note", sa.Text, nullable=True),
-        sa.Column("created_at", UTCDateTime, nullable=False),
-        sa.Column("sending_at", UTCDateTime, nullable=True),
-        sa.Column("resolved_at", UTCDateTime, nullable=True),
+        sa.Column("created_at", When, nullable=False),
+        sa.Column("sending_at", When, nullable=True),
+        sa.Column("resolved_at", When, nullable=True),
         sa.UniqueConstraint("key"),
         sa.CheckConstraint("amount >= 0", name="amount_not_negative"),
         sa.CheckConstraint("actual IS NULL OR actual >= 0", name="actual_not_negative"),
@@ -98,7 +121,7 @@ def upgrade() -> None:
         sa.Column("spent_delta", sa.BigInteger, nullable=False),
         sa.Column("note", sa.Text, nullable=True),
         sa.Column("ref", sa.String(255), nullable=True),
-        sa.Column("created_at", UTCDateTime, nullable=False),
+        sa.Column("created_at", When, nullable=False),
         sa.CheckConstraint(
             "kind IN ('hold', 'release', 'charge', 'adjustment')", name="kind_known"
         ),

@@ -11,12 +11,14 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from budget_tasks.ledger.schema import Id, UTCDateTime
-
 revision = "0003"
 down_revision = "0002"
 branch_labels = None
 depends_on = None
+
+#: The ledger's id and timestamp types as they render (schema.Id, schema.UTCDateTime).
+Id = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+When = sa.DateTime(timezone=True)
 
 
 def upgrade() -> None:
@@ -30,14 +32,14 @@ def upgrade() -> None:
         sa.Column("result", sa.Text, nullable=True),
         sa.Column("error", sa.Text, nullable=True),
         sa.Column("lease_owner", sa.String(255), nullable=True),
-        sa.Column("lease_expires_at", UTCDateTime, nullable=True),
+        sa.Column("lease_expires_at", When, nullable=True),
         sa.Column("runs", sa.Integer, nullable=False),
         sa.Column("deliveries", sa.Integer, nullable=False),
         sa.Column("replays", sa.Integer, nullable=False),
         sa.Column("next_reason", sa.String(32), nullable=True),
-        sa.Column("created_at", UTCDateTime, nullable=False),
-        sa.Column("updated_at", UTCDateTime, nullable=False),
-        sa.Column("completed_at", UTCDateTime, nullable=True),
+        sa.Column("created_at", When, nullable=False),
+        sa.Column("updated_at", When, nullable=False),
+        sa.Column("completed_at", When, nullable=True),
         sa.UniqueConstraint("key"),
         sa.CheckConstraint(
             "status IN ('pending', 'running', 'succeeded', 'failed', 'unknown', 'retryable')",
@@ -51,8 +53,8 @@ def upgrade() -> None:
         sa.Column("name", sa.String(255), nullable=False),
         sa.Column("state", sa.String(16), nullable=False),
         sa.Column("result", sa.Text, nullable=True),
-        sa.Column("created_at", UTCDateTime, nullable=False),
-        sa.Column("completed_at", UTCDateTime, nullable=True),
+        sa.Column("created_at", When, nullable=False),
+        sa.Column("completed_at", When, nullable=True),
         sa.UniqueConstraint("operation_id", "name"),
         sa.CheckConstraint("state IN ('started', 'done')", name="state_known"),
     )

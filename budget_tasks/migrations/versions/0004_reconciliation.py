@@ -11,12 +11,13 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from budget_tasks.ledger.schema import UTCDateTime
-
 revision = "0004"
 down_revision = "0003"
 branch_labels = None
 depends_on = None
+
+#: schema.UTCDateTime as it renders.
+When = sa.DateTime(timezone=True)
 
 
 def upgrade() -> None:
@@ -25,8 +26,8 @@ def upgrade() -> None:
         batch.add_column(sa.Column("model", sa.String(100), nullable=True))
         batch.add_column(sa.Column("response_id", sa.String(255), nullable=True))
         batch.add_column(sa.Column("lookups", sa.Integer, nullable=False, server_default="0"))
-        batch.add_column(sa.Column("next_lookup_at", UTCDateTime, nullable=True))
-        batch.add_column(sa.Column("flagged_at", UTCDateTime, nullable=True))
+        batch.add_column(sa.Column("next_lookup_at", When, nullable=True))
+        batch.add_column(sa.Column("flagged_at", When, nullable=True))
     op.add_column("operations", sa.Column("payload", sa.Text, nullable=True))
 
 

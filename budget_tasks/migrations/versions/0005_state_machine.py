@@ -13,12 +13,13 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from budget_tasks.ledger.schema import UTCDateTime
-
 revision = "0005"
 down_revision = "0004"
 branch_labels = None
 depends_on = None
+
+#: schema.UTCDateTime as it renders.
+When = sa.DateTime(timezone=True)
 
 
 def upgrade() -> None:
@@ -30,7 +31,7 @@ def upgrade() -> None:
     op.add_column("attempts", sa.Column("timeout_ms", sa.BigInteger, nullable=True))
     # A labelled call's first attempt was keyed by its position: that is its step.
     op.execute("UPDATE attempts SET step = key WHERE label IS NOT NULL")
-    op.add_column("budget_periods", sa.Column("closed_at", UTCDateTime, nullable=True))
+    op.add_column("budget_periods", sa.Column("closed_at", When, nullable=True))
     op.add_column(
         "budget_periods",
         sa.Column("carried_out", sa.BigInteger, nullable=False, server_default="0"),

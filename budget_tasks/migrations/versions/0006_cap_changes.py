@@ -12,12 +12,23 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from budget_tasks.ledger.schema import APPEND_ONLY_DDL, NO_TRUNCATE_DDL, Id
-
 revision = "0006"
 down_revision = "0005"
 branch_labels = None
 depends_on = None
+
+#: schema.Id as it renders.
+Id = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+#: The journal's append-only triggers on SQLite (as 0001 made them).
+SQLITE_APPEND_ONLY = (
+    """CREATE TRIGGER journal_no_update BEFORE UPDATE ON journal
+BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
+    """CREATE TRIGGER journal_no_delete BEFORE DELETE ON journal
+BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
+)
+#: TRUNCATE fires no row trigger, so it has its own (PostgreSQL).
+NO_TRUNCATE_DDL = """CREATE TRIGGER journal_no_truncate BEFORE TRUNCATE ON journal
+FOR EACH STATEMENT EXECUTE FUNCTION budget_tasks_journal_append_only()"""
 
 KINDS = "kind IN ('hold', 'release', 'charge', 'adjustment', 'cap')"
 OLD_KINDS = "kind IN ('hold', 'release', 'charge', 'adjustment')"
@@ -41,7 +52,7 @@ def upgrade() -> None:
         batch.create_check_constraint(op.f("ck_journal_kind_known"), KINDS)
     if dialect == "sqlite":
         # The batch rebuild dropped the table and with it its triggers: put them back.
-        for statement in APPEND_ONLY_DDL["sqlite"]:
+        for statement in SQLITE_APPEND_ONLY:
             op.execute(statement)
     else:
         op.execute(NO_TRUNCATE_DDL)
@@ -57,7 +68,7 @@ def downgrade() -> None:
         batch.drop_column("cap_delta")
         batch.alter_column("attempt_id", existing_type=Id, nullable=False)
     if dialect == "sqlite":
-        for statement in APPEND_ONLY_DDL["sqlite"]:
+        for statement in SQLITE_APPEND_ONLY:
             op.execute(statement)
     with op.batch_alter_table("budget_periods") as batch:
         batch.drop_column("overrun")

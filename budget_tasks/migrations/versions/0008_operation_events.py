@@ -10,12 +10,14 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from budget_tasks.ledger.schema import Id, UTCDateTime
-
 revision = "0008"
 down_revision = "0007"
 branch_labels = None
 depends_on = None
+
+#: The ledger's id and timestamp types as they render (schema.Id, schema.UTCDateTime).
+Id = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+When = sa.DateTime(timezone=True)
 
 
 def upgrade() -> None:
@@ -28,7 +30,7 @@ def upgrade() -> None:
         sa.Column("to_status", sa.String(16), nullable=False),
         sa.Column("by", sa.String(100), nullable=False),
         sa.Column("note", sa.Text, nullable=False),
-        sa.Column("created_at", UTCDateTime, nullable=False),
+        sa.Column("created_at", When, nullable=False),
         sa.CheckConstraint("kind IN ('reopen')", name="kind_known"),
     )
     op.create_index("ix_operation_events_operation_id", "operation_events", ["operation_id"])

@@ -12,12 +12,18 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from budget_tasks.ledger.schema import APPEND_ONLY_DDL
-
 revision = "0009"
 down_revision = "0008"
 branch_labels = None
 depends_on = None
+
+#: The journal's append-only triggers on SQLite (as 0001 made them).
+SQLITE_APPEND_ONLY = (
+    """CREATE TRIGGER journal_no_update BEFORE UPDATE ON journal
+BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
+    """CREATE TRIGGER journal_no_delete BEFORE DELETE ON journal
+BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
+)
 
 KINDS = "kind IN ('hold', 'release', 'charge', 'adjustment', 'cap', 'freeze', 'unfreeze', 'reopen')"
 OLD_KINDS = "kind IN ('hold', 'release', 'charge', 'adjustment', 'cap')"
@@ -49,5 +55,5 @@ def _journal(kinds: str, *, add_actor: bool) -> None:
         batch.create_check_constraint(op.f("ck_journal_kind_known"), kinds)
     if op.get_bind().dialect.name == "sqlite":
         # The batch rebuild dropped the table and with it its triggers: put them back.
-        for statement in APPEND_ONLY_DDL["sqlite"]:
+        for statement in SQLITE_APPEND_ONLY:
             op.execute(statement)

@@ -13,12 +13,18 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from budget_tasks.ledger.schema import PURGEABLE
-
 revision = "0011"
 down_revision = "0010"
 branch_labels = None
 depends_on = None
+
+#: What the purge looks for, by table (schema.PURGEABLE as of this revision).
+PURGEABLE = {
+    "operations": "result IS NOT NULL OR payload IS NOT NULL OR error IS NOT NULL",
+    "waiting": "completed_at IS NULL AND payload IS NOT NULL",
+    "side_effects": "result IS NOT NULL",
+    "attempts": "note IS NOT NULL OR answer IS NOT NULL",
+}
 
 INDEXES = (
     ("ix_attempts_purgeable", "attempts", "resolved_at", PURGEABLE["attempts"]),

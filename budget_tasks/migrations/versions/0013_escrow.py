@@ -14,12 +14,18 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from budget_tasks.ledger.schema import APPEND_ONLY_DDL
-
 revision = "0013"
 down_revision = "0012"
 branch_labels = None
 depends_on = None
+
+#: The journal's append-only triggers on SQLite (as 0001 made them).
+SQLITE_APPEND_ONLY = (
+    """CREATE TRIGGER journal_no_update BEFORE UPDATE ON journal
+BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
+    """CREATE TRIGGER journal_no_delete BEFORE DELETE ON journal
+BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
+)
 
 KINDS = (
     "kind IN ('hold', 'release', 'charge', 'adjustment', 'cap', 'freeze', 'unfreeze', "
@@ -93,5 +99,5 @@ def downgrade() -> None:
 def _triggers() -> None:
     if op.get_bind().dialect.name == "sqlite":
         # The batch rebuild dropped the journal and with it its triggers: put them back.
-        for statement in APPEND_ONLY_DDL["sqlite"]:
+        for statement in SQLITE_APPEND_ONLY:
             op.execute(statement)

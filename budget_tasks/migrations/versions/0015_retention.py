@@ -20,9 +20,6 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from alembic import op
 
-from budget_tasks.ledger import partitions
-from budget_tasks.ledger.schema import APPEND_ONLY_DDL, NO_TRUNCATE_DDL
-
 revision = "0015"
 down_revision = "0014"
 branch_labels = None
@@ -45,6 +42,69 @@ COLUMNS = (
     "id, attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at, "
     "cap_delta, actor, drawn_delta, granted_delta"
 )
+
+#: The journal's append-only triggers on PostgreSQL (schema.APPEND_ONLY_DDL and
+#: NO_TRUNCATE_DDL as of this revision): the function's message is worded without a
+#: format string since 0003's code, and is replaced here.
+APPEND_ONLY_DDL = (
+    """CREATE OR REPLACE FUNCTION budget_tasks_journal_append_only() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION USING
+        MESSAGE = 'the budget-tasks journal is append-only (' || TG_OP || ' refused)';
+END
+$$""",
+    """CREATE TRIGGER journal_append_only BEFORE UPDATE OR DELETE ON journal
+FOR EACH ROW EXECUTE FUNCTION budget_tasks_journal_append_only()""",
+    """CREATE TRIGGER journal_no_truncate BEFORE TRUNCATE ON journal
+FOR EACH STATEMENT EXECUTE FUNCTION budget_tasks_journal_append_only()""",
+)
+#: The journal's append-only triggers on SQLite (as 0001 made them).
+SQLITE_APPEND_ONLY = (
+    """CREATE TRIGGER journal_no_update BEFORE UPDATE ON journal
+BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
+    """CREATE TRIGGER journal_no_delete BEFORE DELETE ON journal
+BEGIN SELECT RAISE(ABORT, 'the budget-tasks journal is append-only'); END""",
+)
+
+# The journal's partitions as this revision made them (budget_tasks.ledger.partitions
+# as of this revision): the two every partitioned journal has, and one a month.
+
+#: Months made ahead of the current one.
+AHEAD = 3
+FIXED_DDL = (
+    "CREATE TABLE IF NOT EXISTS journal_none PARTITION OF journal "
+    "FOR VALUES FROM (MINVALUE) TO ('1970-01-02 00:00:00+00')",
+    "CREATE TABLE IF NOT EXISTS journal_default PARTITION OF journal DEFAULT",
+)
+
+
+def _month_start(at: datetime) -> datetime:
+    """The start (UTC) of the calendar month that contains ``at``."""
+    at = at.astimezone(UTC)
+    return at.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+
+def _next_month(start: datetime) -> datetime:
+    if start.month == 12:
+        return start.replace(year=start.year + 1, month=1)
+    return start.replace(month=start.month + 1)
+
+
+def _month_ddl(start: datetime) -> str:
+    end = _next_month(start)
+    return (
+        f"CREATE TABLE IF NOT EXISTS journal_y{start.year:04d}m{start.month:02d} "
+        f"PARTITION OF journal FOR VALUES FROM ('{start.isoformat()}') TO ('{end.isoformat()}')"
+    )
+
+
+def _ahead_of(now: datetime, months: int = AHEAD) -> datetime:
+    """The start of the month ``months`` after ``now``'s."""
+    start = _month_start(now)
+    for _ in range(months):
+        start = _next_month(start)
+    return start
 
 
 def _journal_columns(partitioned: bool) -> list[sa.Column[object]]:
@@ -92,7 +152,7 @@ def _journal_table(partitioned: bool) -> None:
     )
     op.create_index(op.f("ix_journal_attempt_id"), "journal", ["attempt_id"])
     op.create_index(op.f("ix_journal_period_id"), "journal", ["period_id"])
-    for statement in (*APPEND_ONLY_DDL["postgresql"], NO_TRUNCATE_DDL):
+    for statement in APPEND_ONLY_DDL:
         op.execute(statement)
 
 
@@ -108,22 +168,22 @@ def _upgrade_postgresql() -> None:
     bind = op.get_bind()
     _set_aside_journal()
     _journal_table(partitioned=True)
-    for statement in partitions.FIXED_DDL:
+    for statement in FIXED_DDL:
         op.execute(statement)
     months = {
-        partitions.month_start(row[0].astimezone(UTC))
+        _month_start(row[0].astimezone(UTC))
         for row in bind.exec_driver_sql(
             "SELECT DISTINCT period_start FROM budget_periods "
             "WHERE period_start >= '1970-01-02 00:00:00+00'"
         )
     }
     now = datetime.now(UTC)
-    start = partitions.month_start(now)
-    while start <= partitions.ahead_of(now):
+    start = _month_start(now)
+    while start <= _ahead_of(now):
         months.add(start)
-        start = partitions.next_month(start)
+        start = _next_month(start)
     for month in sorted(months):
-        op.execute(partitions.month_ddl(month))
+        op.execute(_month_ddl(month))
     op.execute(
         f"INSERT INTO journal ({COLUMNS}, period_start) "
         f"SELECT {', '.join('j.' + c.strip() for c in COLUMNS.split(','))}, p.period_start "
@@ -148,7 +208,7 @@ def _upgrade_sqlite() -> None:
     )
     with op.batch_alter_table("journal", recreate="always") as batch:
         batch.alter_column("period_start", existing_type=When, nullable=False)
-    for statement in APPEND_ONLY_DDL["sqlite"]:
+    for statement in SQLITE_APPEND_ONLY:
         op.execute(statement)
 
 
@@ -211,7 +271,7 @@ def downgrade() -> None:
     if bind.dialect.name == "sqlite":
         with op.batch_alter_table("journal", recreate="always") as batch:
             batch.drop_column("period_start")
-        for statement in APPEND_ONLY_DDL["sqlite"]:
+        for statement in SQLITE_APPEND_ONLY:
             op.execute(statement)
         return
     _set_aside_journal()
