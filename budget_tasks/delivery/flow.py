@@ -284,13 +284,15 @@ class OperationManager:
             self._give_back(d, lost)
             raise RetryLater("ledger", lost.cause) from lost.cause
         except (BudgetExceeded, BudgetFrozen) as exc:
-            self._end_quietly(d, operation, OperationStatus.PENDING, str(exc))
+            # Refused before anything of this run was sent: why it runs next (an
+            # operator's reopen, a 429's retry) is still why its next run runs.
+            self._end_quietly(d, operation, OperationStatus.PENDING, str(exc), site.next_reason)
             if self.options.retry_when_budget_frees:
                 raise RetryLater("budget", exc) from exc
             raise
         except LedgerUnavailable as exc:
             # Nothing was sent: fail closed now, and let the message come back later.
-            self._end_quietly(d, operation, OperationStatus.PENDING, str(exc))
+            self._end_quietly(d, operation, OperationStatus.PENDING, str(exc), site.next_reason)
             raise RetryLater("ledger", exc) from exc
         except StepNotReplayable as exc:
             self._end_quietly(d, operation, OperationStatus.FAILED, describe_error(exc))
@@ -478,20 +480,36 @@ class OperationManager:
         return end if isinstance(end, RunEnd) else None
 
     def _end(
-        self, operation: int | str, owner: str, status: str | None, error: str | None = None
+        self,
+        operation: int | str,
+        owner: str,
+        status: str | None,
+        error: str | None = None,
+        next_reason: str | None = None,
     ) -> RunEnd:
-        end: RunEnd = self.ledger.end_run(operation, owner=owner, status=status, error=error)
+        end: RunEnd = self.ledger.end_run(
+            operation, owner=owner, status=status, error=error, next_reason=next_reason
+        )
         return end
 
-    def _end_quietly(self, d: Delivery, operation: int, status: str, error: str) -> None:
-        """Give the lease back; if the ledger is down, this process does at its next
-        delivery (the lease names a live process: waiting for its expiry would hold the
-        message off for a whole lease)."""
+    def _end_quietly(
+        self,
+        d: Delivery,
+        operation: int,
+        status: str,
+        error: str,
+        next_reason: str | None = None,
+    ) -> None:
+        """Give the lease back (keeping ``next_reason``, why the operation runs next);
+        if the ledger is down, this process does at its next delivery (the lease names
+        a live process: waiting for its expiry would hold the message off for a whole
+        lease)."""
         try:
-            self._end(operation, d.owner, status, error)
+            self._end(operation, d.owner, status, error, next_reason)
         except LedgerUnavailable:
             log.warning("operation %s: could not record %s yet (ledger down)", d.key, status)
-            owe(self.ledger, d.key, d.owner, [end_write(operation, d.owner, status, error)])
+            ending = end_write(operation, d.owner, status, error, next_reason)
+            owe(self.ledger, d.key, d.owner, [ending])
 
     # -- labelled calls ------------------------------------------------------------------
 

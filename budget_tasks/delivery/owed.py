@@ -151,12 +151,13 @@ def call_write(
     return Write("end_call", kwargs)
 
 
-def end_write(operation: int | str, owner: str, status: str, error: str) -> Write:
+def end_write(
+    operation: int | str, owner: str, status: str, error: str, next_reason: str | None = None
+) -> Write:
     """Giving ``owner``'s lease on ``operation`` back (its id; its key where the
-    admission's answer was lost)."""
-    return Write(
-        "end_run", {"operation": operation, "owner": owner, "status": status, "error": error}
-    )
+    admission's answer was lost), with why it runs next where that is kept."""
+    ending = {"operation": operation, "owner": owner, "status": status, "error": error}
+    return Write("end_run", {**ending, "next_reason": next_reason})
 
 
 def unsent_write(key: str, operation: int | str, owner: str) -> Write:

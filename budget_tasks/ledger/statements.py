@@ -267,9 +267,11 @@ ON CONFLICT (key) DO NOTHING
 RETURNING id"""
 
 #: A delivery whose admission was refused (the budget): its transaction rolled back, so
-#: the operation is recorded here, pending, with why; an operation another delivery
-#: moved meanwhile (compare-and-set on the statuses a delivery may be refused from) only
-#: counts the delivery.
+#: the operation is recorded here (pending, if new) with why; an operation another
+#: delivery moved meanwhile (compare-and-set on the statuses a delivery may be refused
+#: from) only counts the delivery. Why it runs next stays as it was: a refusal runs
+#: nothing, so an operator's reopen (``manual``) or a 429's retry is still what its next
+#: run is.
 RECORD_REFUSAL = """
 INSERT INTO operations
     (key, fingerprint, task, payload, status, error, runs, deliveries, replays, created_at,
@@ -279,8 +281,6 @@ ON CONFLICT (key) DO UPDATE SET deliveries = operations.deliveries + 1,
     updated_at = excluded.updated_at,
     error = CASE WHEN operations.status IN ('pending', 'retryable') THEN excluded.error
                  ELSE operations.error END,
-    next_reason = CASE WHEN operations.status IN ('pending', 'retryable') THEN NULL
-                       ELSE operations.next_reason END,
     status = CASE WHEN operations.status = 'retryable' THEN 'pending'
                   ELSE operations.status END"""
 

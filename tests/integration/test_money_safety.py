@@ -24,6 +24,7 @@ from sqlalchemy import text
 
 from budget_tasks import (
     BudgetExceeded,
+    BudgetFrozen,
     BudgetTask,
     Ledger,
     LedgerUnavailable,
@@ -452,6 +453,43 @@ def test_a_billed_call_whose_answer_was_lost_is_resent_only_once_reopened(
     ledger.reopen_operation(key, reason="the customer asked again", by="test")
     task.delay("lost", "ok").get()
     sent = sent_for(fake, called, ledger)
+    assert len(sent) == 2
+    again = ledger.attempt(str(sent[1].idempotency_key))
+    assert (again.reason, again.state) == ("manual", "settled")
+    assert ledger.operation(key).status == "succeeded"
+    assert ledger.holds() == [] and ledger.audit() == []
+    assert ledger.balance("team").spent == fake.state()["billed_total"]
+    ledger.dispose()
+
+
+def test_a_refusal_after_a_reopen_keeps_it_and_the_task_runs_once_the_budget_frees(
+    app: Any, fake: FakeProvider
+) -> None:
+    """An operator reopens a failed operation; its next delivery is refused for budget.
+    The refusal runs nothing, so the reopen stands (pending with the refusal as its
+    error, to be sent again as ``manual``); once the budget frees, the task runs again
+    and succeeds."""
+    task = app.jobs["billed_then"]
+    key = "billed:refused"
+    with pytest.raises(ValueError, match="failed"):
+        task.delay("refused", "value").get()
+    ledger = Ledger(app.url)
+    ledger.reopen_operation(key, reason="the customer asked again", by="test")
+    ledger.freeze("team", note="over budget for today", actor="test")
+    with pytest.raises(BudgetFrozen):
+        task.delay("refused", "ok").get()
+    refused = ledger.operation(key)
+    assert refused.status == "pending"
+    assert "frozen" in (refused.error or "")
+    with ledger.engine.connect() as conn:
+        reason = conn.execute(
+            text("SELECT next_reason FROM operations WHERE key = :key"), {"key": key}
+        ).scalar_one()
+    assert reason == "manual"
+    ledger.unfreeze("team", actor="test")
+    result = task.delay("refused", "ok").get()
+    assert isinstance(result, str) and result
+    sent = sent_for(fake, "billed:refused#", ledger)
     assert len(sent) == 2
     again = ledger.attempt(str(sent[1].idempotency_key))
     assert (again.reason, again.state) == ("manual", "settled")
