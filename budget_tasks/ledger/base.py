@@ -379,27 +379,34 @@ class LedgerBase:
         assert renewal is not None  # the chain named it
         period, budget_cap, policy, ceiling = renewal
         stamp = ts(self.now())
-        below = cur.all(sql.CLOSE_ESCROWED_BELOW_BEFORE, {**at, "now": stamp, "true": True})
+        below = cur.all(
+            sql.CLOSE_ESCROWED_BELOW_BEFORE,
+            {**at, "parent_id": budget_id, "now": stamp, "true": True},
+        )
         for (period_id,) in below:
-            # escrowed budgets right under this one (its slices, its escrowed tenants)
-            # end their period with it: what they hold unused comes back before the carry
+            # escrowed budgets under this one (its slices, its escrowed tenants and
+            # theirs) end their period with it: what they hold unused comes back before the carry
             escrow.give_back(cur, int(period_id), stamp, "the period ended")
         closed = cur.all(sql.CLOSE_PERIODS_BEFORE, {**at, "now": stamp})
-        for period_id, *_ in closed:
+        for (period_id,) in closed:
             # A closed escrowed period admits nothing more: what it drew and did not
             # use goes back to its ancestors (a no-op for any other period).
             escrow.give_back(cur, int(period_id), stamp, "the period ended")
         prev_start = previous_period_start(period, start)
-        previous = next(
-            (r for r in closed if prev_start and self._driver.from_ts(r[1]) == prev_start), None
+        # Read after the close, open or closed already: a parent's next period closes
+        # its escrowed budgets' periods when it opens first, and they carry all the same.
+        previous = (
+            None
+            if prev_start is None
+            else cur.one(sql.CARRY_FROM, {"budget_id": budget_id, "start": ts(prev_start)})
         )
-        counters = None if previous is None else (previous[2], previous[3], previous[4])
+        counters = None if previous is None else (previous[1], previous[2], previous[3])
         cap = opening_cap(budget_cap, policy, ceiling, counters)
-        if previous is not None and cap > budget_cap:
+        # Two openers may race: the unique (budget_id, period_start) keeps the winner's
+        # row, and only the winner records what the period before carried.
+        made = cur.one(sql.INSERT_PERIOD, {**at, "cap": cap, "now": ts(self.now())})
+        if made is not None and previous is not None and cap > budget_cap:
             cur.run(sql.SET_CARRIED_OUT, {"carried": cap - budget_cap, "period_id": previous[0]})
-        # Two openers may race: the loser's close finds nothing left to close (it
-        # carries nothing), and the unique (budget_id, period_start) keeps the winner's.
-        cur.run(sql.INSERT_PERIOD, {**at, "cap": cap, "now": ts(self.now())})
         row = cur.one(sql.PERIOD_ID, at)
         assert row is not None
         return int(row[0]), start

@@ -112,8 +112,8 @@ class Budgets(Reports):
             )
             if created is None:
                 raise BudgetExists(name)
-        if slices > 1:
-            self.set_slices(name, slices)
+            # in the budget's own transaction: a refused slicing leaves no budget behind
+            self._add_slices(cur, int(created[0]), name, period, tenant, 0, slices)
         return self.budget(name)
 
     def set_slices(self, name: str, slices: int) -> BudgetInfo:
@@ -131,24 +131,46 @@ class Budgets(Reports):
             raise ValueError(f"budget {name!r} is a slice: it is not sliced again")
         with self._driver.transaction() as cur:
             made = int((cur.one(sql.SLICE_COUNT, {"owner_id": info.id}) or (0,))[0])
-            if made < slices:
-                _check_escrow(cur, slice_name(name, made), info.period, info.id)
-            for index in range(made, slices):
-                # a slice's own cap is never the limit: the budget's is
-                row = self._budget_row(
-                    slice_name(name, index),
-                    cap=check.MAX_MONEY,
-                    period=info.period,
-                    tenant=info.tenant,
-                    parent_id=info.id,
-                    escrow=True,
-                    slice_of=info.id,
-                )
-                cur.one(sql.INSERT_BUDGET, row)
-            cur.run(sql.SET_SLICES, {"slices": slices, "owner_id": info.id})
+            self._add_slices(cur, info.id, name, info.period, info.tenant, made, slices)
         with self._lock:
             self._slice_names.pop(name, None)
         return self.budget(name)
+
+    def _add_slices(
+        self,
+        cur: Cursor,
+        owner_id: int,
+        name: str,
+        period: str,
+        tenant: str | None,
+        made: int,
+        slices: int,
+    ) -> None:
+        """Make the slices ``made .. slices-1`` of a budget and record its count, in
+        the caller's transaction; every check comes before the first write."""
+        if slices == 1 and made == 0:
+            return
+        longest = slice_name(name, max(slices, made) - 1)
+        if len(longest) > check.MAX_NAME_LENGTH:
+            raise ValueError(
+                f"budget name {name!r} is too long to slice {slices} ways: its slices' "
+                f"names ({longest!r}) pass {check.MAX_NAME_LENGTH} characters"
+            )
+        if made < slices:
+            _check_escrow(cur, slice_name(name, made), period, owner_id)
+        for index in range(made, slices):
+            # a slice's own cap is never the limit: the budget's is
+            row = self._budget_row(
+                slice_name(name, index),
+                cap=check.MAX_MONEY,
+                period=period,
+                tenant=tenant,
+                parent_id=owner_id,
+                escrow=True,
+                slice_of=owner_id,
+            )
+            cur.one(sql.INSERT_BUDGET, row)
+        cur.run(sql.SET_SLICES, {"slices": slices, "owner_id": owner_id})
 
     def _budget_row(
         self,
@@ -243,6 +265,15 @@ class Budgets(Reports):
                 raise ValueError(f"cap {cap} is above budget {name!r}'s rollover ceiling {ceiling}")
             delta = cap - old
             current = cur.one(sql.LOCK_OPEN_PERIOD, {"budget_id": budget_id})
+            if current is not None and current[1] + delta < current[2]:
+                # What the escrowed budgets under it (a tenant, a slice) hold unused is
+                # not committed: taken back, it leaves what they spent and hold.
+                unused = cur.all(
+                    sql.UNUSED_GRANTS_UNDER, {"true": True, "parent_id": budget_id, "but": 0}
+                )
+                for (below,) in unused:
+                    escrow.give_back(cur, int(below), stamp, "taken back for a lower cap")
+                current = cur.one(sql.LOCK_OPEN_PERIOD, {"budget_id": budget_id})
             if current is not None:
                 period_id, period_cap, committed = current
                 if period_cap + delta < committed:

@@ -7,7 +7,7 @@ A grant is a share of what the ancestors have left (1/``GRANT_SHARE`` of the lea
 them), at least what the admission needs and at most what the budget's own cap leaves:
 large while there is room, shrinking to exactly the admission as an ancestor nears its
 cap. A budget short of money, for a grant or for a direct admission, first takes back
-what the escrowed budgets right under it hold unused (passing over one in the middle
+what the escrowed budgets under it (at any depth) hold unused (passing over one in the middle
 of an admission), so a request that fits what is left is admitted. What a grant
 leaves unused goes back at period end, on a freeze, and once the budget has not drawn
 for a while (beat).
@@ -174,9 +174,10 @@ def _draw(
 
 
 def reclaim_under(cur: Cursor, budget_id: int, stamp: Any, *, but: int = 0) -> bool:
-    """Take back what the escrowed budgets right under ``budget_id`` (but ``but``, the
-    one drawing) hold unused, passing over one in the middle of an admission: a
-    budget short of money does this before it refuses. True if any came back."""
+    """Take back what the escrowed budgets under ``budget_id``, at any depth (but
+    ``but``, the one drawing), hold unused, passing over one in the middle of an
+    admission: a budget short of money does this before it refuses. True if any came
+    back."""
     under = cur.all(sql.UNUSED_GRANTS_UNDER, {"true": True, "parent_id": budget_id, "but": but})
     back = 0
     for (period_id,) in under:

@@ -79,7 +79,7 @@ def _report_query(
     starts: Mapping[Period, datetime | None], before: Mapping[Period, datetime | None]
 ) -> Any:
     """Each budget with its period at ``starts`` (by its kind of period), the one
-    before it (``before``) while still open, and the age of its oldest open hold."""
+    before it (``before``), what it would carry from, and the age of its oldest open hold."""
     b = budgets.c
 
     def at_starts(values: Mapping[Period, datetime | None], name: str) -> Any:
@@ -136,7 +136,6 @@ def _report_query(
                 and_(
                     prev.c.budget_id == b.id,
                     prev.c.period_start == by_kind(before),
-                    prev.c.closed_at.is_(None),
                 ),
             )
             .outerjoin(oldest, oldest.c.budget_id == b.id)
@@ -172,11 +171,12 @@ class Reports(LedgerBase):
         budget_id, name, period = self._chain(budget)[0]
         start = period_start(period, at)  # type: ignore[arg-type]
         at_start = {"budget_id": budget_id, "start": self._driver.ts(start)}
-        sliced = bool(self._slices_of((budget_id, name, period)))
         with self._driver.transaction() as cur:
             row = cur.one(sql.BALANCE_AT, at_start)
-            # a sliced budget's slices are its own rows, read with it
-            folded = cur.one(sql.SLICE_COUNTERS, at_start) if sliced and row else None
+            # a sliced budget's slices are its own rows, read with it: every slice it
+            # ever had, as the report folds them (one it no longer uses still holds
+            # what it spent and may hold money)
+            folded = cur.one(sql.SLICE_COUNTERS, at_start) if row else None
             if row is None:
                 renewal = cur.one(sql.BUDGET_RENEWAL, {"budget_id": budget_id})
                 assert renewal is not None  # the chain named it
@@ -185,10 +185,10 @@ class Reports(LedgerBase):
                 prev = None
                 if prev_start is not None:
                     prev = cur.one(
-                        sql.OPEN_PERIOD_COUNTERS,
+                        sql.CARRY_FROM,
                         {"budget_id": budget_id, "start": self._driver.ts(prev_start)},
                     )
-                counters = None if prev is None else (prev[0], prev[1], prev[2])
+                counters = None if prev is None else (prev[1], prev[2], prev[3])
                 cap = opening_cap(allowance, policy, ceiling, counters)
                 return Balance(name, cap, 0, 0, cap, start)
         cap, spent, held, _, granted, drawn = row

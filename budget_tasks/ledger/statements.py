@@ -193,8 +193,11 @@ LOCK_BUDGET = """
 SELECT id, cap, rollover_ceiling FROM budgets WHERE name = :name{for_update_plain}"""
 
 #: The budget's open period (the latest not closed), locked, with what it has committed.
+#: A budget's open period, locked, with what it has committed: its spent and held, and
+#: what it granted to the escrowed budgets under it (their slices' too), which is
+#: theirs to spend until given back.
 LOCK_OPEN_PERIOD = """
-SELECT id, cap, spent + held FROM budget_periods
+SELECT id, cap, spent + held + granted FROM budget_periods
 WHERE budget_id = :budget_id AND closed_at IS NULL
 ORDER BY period_start DESC LIMIT 1{for_update_plain}"""
 
@@ -416,16 +419,25 @@ ORDER BY period_start DESC LIMIT 1"""
 CLOSE_PERIODS_BEFORE = """
 UPDATE budget_periods SET closed_at = :now
 WHERE budget_id = :budget_id AND period_start < :start AND closed_at IS NULL
-RETURNING id, period_start, cap, spent + granted, held"""
+RETURNING id"""
+
+#: The period a new one carries from (the one right before it), open or closed: an
+#: escrowed budget's period is closed by its parent's next period when that opens
+#: first, and carries all the same. (id, cap, spent + granted, held).
+CARRY_FROM = """
+SELECT id, cap, spent + granted, held FROM budget_periods
+WHERE budget_id = :budget_id AND period_start = :start"""
 
 SET_CARRIED_OUT = "UPDATE budget_periods SET carried_out = :carried WHERE id = :period_id"
 
-#: Two openers may race: the unique (budget_id, period_start) keeps the first.
+#: Two openers may race: the unique (budget_id, period_start) keeps the first, and
+#: only the opener whose row this is (its id returned) records the carry.
 INSERT_PERIOD = """
 INSERT INTO budget_periods
     (budget_id, period_start, cap, spent, held, opened_at, carried_out, overrun)
 VALUES (:budget_id, :start, :cap, 0, 0, :now, 0, 0)
-ON CONFLICT (budget_id, period_start) DO NOTHING"""
+ON CONFLICT (budget_id, period_start) DO NOTHING
+RETURNING id"""
 
 PERIOD_ID = "SELECT id FROM budget_periods WHERE budget_id = :budget_id AND period_start = :start"
 
@@ -503,11 +515,6 @@ WHERE id IN (
 BALANCE_AT = f"""
 SELECT cap, spent, held, {AVAILABLE}, granted, drawn FROM budget_periods
 WHERE budget_id = :budget_id AND period_start = :start"""
-
-#: An open period's counters, for what it would carry into the next one.
-OPEN_PERIOD_COUNTERS = """
-SELECT cap, spent + granted, held FROM budget_periods
-WHERE budget_id = :budget_id AND period_start = :start AND closed_at IS NULL"""
 
 #: This ledger's installation id (one row, made with the tables).
 INSTALLATION = """SELECT installation_id FROM installation WHERE id = 1"""
@@ -614,21 +621,31 @@ LOCK_FOR_RETURN_UNLESS_BUSY = f"""
 SELECT budget_id, period_start, {GRANT_ROOM} FROM budget_periods
 WHERE id = :period_id{{for_update_skip_locked}}"""
 
-#: The open periods of the escrowed budgets right under a budget (but one) that hold
-#: grant money they do not use.
-UNUSED_GRANTS_UNDER = f"""
+#: Every budget under ``:parent_id``, at any depth (a tenant's slices too).
+_DESCENDANTS = """
+WITH RECURSIVE below(id) AS (
+    SELECT id FROM budgets WHERE parent_id = :parent_id
+    UNION ALL SELECT b.id FROM budgets b JOIN below ON b.parent_id = below.id
+)"""
+
+#: The open periods of the escrowed budgets under a budget, at any depth (but one),
+#: that hold grant money they do not use: each drew it from this budget too (a grant is
+#: drawn from every ancestor), so a short budget takes back a tenant's slices' grants
+#: as it takes back the tenant's.
+UNUSED_GRANTS_UNDER = f"""{_DESCENDANTS}
 SELECT p.id FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
-WHERE b.escrow = :true AND b.parent_id = :parent_id AND b.id <> :but
+WHERE b.id IN (SELECT id FROM below) AND b.escrow = :true AND b.id <> :but
   AND p.closed_at IS NULL AND {_UNUSED_P} > 0
 ORDER BY p.id"""
 
-#: The open periods, begun before ``:start``, of the escrowed budgets right under a
-#: budget, closed: a budget about to open its next period takes back what they hold
-#: unused first, so that what it carries counts it.
-CLOSE_ESCROWED_BELOW_BEFORE = """
+#: The open periods, begun before ``:start``, of the escrowed budgets under a budget
+#: (at any depth), closed: a budget about to open its next period takes back what they
+#: hold unused first, so that what it carries counts it.
+CLOSE_ESCROWED_BELOW_BEFORE = f"""{_DESCENDANTS}
 UPDATE budget_periods SET closed_at = :now
 WHERE closed_at IS NULL AND period_start < :start
-  AND budget_id IN (SELECT id FROM budgets WHERE parent_id = :budget_id AND escrow = :true)
+  AND budget_id IN (SELECT b.id FROM budgets b WHERE b.escrow = :true
+                    AND b.id IN (SELECT id FROM below))
 RETURNING id"""
 
 #: Escrowed periods with grant money they do not use that are closed, or that have
@@ -815,17 +832,21 @@ LOCK_MONTH_PERIODS = f"SELECT id FROM budget_periods WHERE {_IN_MONTH} ORDER BY 
 
 #: What keeps a month in the journal: open periods, attempts holding money, unfinished
 #: operations of its attempts, and periods whose counters the journal does not derive.
+#: A month's attempts are those admitted in its periods and those with a journal row
+#: there: in a chain of mixed periods (a day under a month), an attempt admitted in a
+#: later month holds money on its parent's period in this one.
 MONTH_BLOCKERS = f"""
+WITH month_attempts AS (
+    SELECT a.id, a.state, a.operation_id FROM attempts a
+    WHERE a.period_id IN (SELECT id FROM budget_periods WHERE {_IN_MONTH})
+       OR a.id IN (SELECT attempt_id FROM journal WHERE {_IN_MONTH})
+)
 SELECT
     (SELECT COUNT(*) FROM budget_periods WHERE {_IN_MONTH} AND closed_at IS NULL),
-    (SELECT COUNT(*) FROM attempts a JOIN budget_periods p ON p.id = a.period_id
-     WHERE {_P_IN_MONTH}
-     AND a.state IN ('reserved', 'sending', 'unknown')),
+    (SELECT COUNT(*) FROM month_attempts a WHERE a.state IN ('reserved', 'sending', 'unknown')),
     (SELECT COUNT(DISTINCT o.id) FROM operations o
-     JOIN attempts a ON a.operation_id = o.id
-     JOIN budget_periods p ON p.id = a.period_id
-     WHERE {_P_IN_MONTH}
-     AND o.status NOT IN ('succeeded', 'failed')),
+     JOIN month_attempts a ON a.operation_id = o.id
+     WHERE o.status NOT IN ('succeeded', 'failed')),
     (SELECT COUNT(*) FROM budget_periods p
      LEFT JOIN (
         SELECT period_id, SUM(held_delta) AS held, SUM(spent_delta) AS spent,

@@ -1,0 +1,246 @@
+"""Where the ledger's features meet: each behaviour here lost or locked up money when
+two features were used together (issue 41), and each test fails on the code before its
+fix. Every test runs on each execution path the ledger has: PostgreSQL with its
+server-side functions, PostgreSQL statement by statement, and SQLite (retention and
+partitions are PostgreSQL's only)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from budget_tasks import BudgetExceeded, Ledger
+from budget_tasks.errors import BudgetExists, CapBelowCommitted, UnknownBudget
+from budget_tasks.testing import ManualClock
+
+from ..conftest import empty_ledger_tables
+
+#: A Tuesday: the week (from Monday 30 November) began in the month before.
+DEC_1 = datetime(2026, 12, 1, 12, tzinfo=UTC)
+
+PATHS = ("pg-functions", "pg-statements", "sqlite")
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(DEC_1)
+
+
+def open_ledger(path: str, request: pytest.FixtureRequest, clock: ManualClock) -> Ledger:
+    if path == "sqlite":
+        url = str(request.getfixturevalue("sqlite_url"))
+        return Ledger(url, clock=clock)
+    url = str(request.getfixturevalue("pg_url"))
+    empty_ledger_tables(url)
+    return Ledger(url, clock=clock, server_functions=path == "pg-functions")
+
+
+@pytest.fixture
+def ledger(path: str, request: pytest.FixtureRequest, clock: ManualClock) -> Iterator[Ledger]:
+    ledger = open_ledger(path, request, clock)
+    yield ledger
+    ledger.dispose()
+
+
+@pytest.fixture
+def nov_clock() -> ManualClock:
+    return ManualClock(datetime(2026, 11, 20, tzinfo=UTC))
+
+
+@pytest.fixture(params=PATHS[:2])
+def pg(request: pytest.FixtureRequest, nov_clock: ManualClock) -> Iterator[Ledger]:
+    """A PostgreSQL ledger (retention and partitions) on each of its paths, from 20
+    November."""
+    ledger = open_ledger(str(request.param), request, nov_clock)
+    yield ledger
+    ledger.dispose()
+
+
+def view(ledger: Ledger, name: str) -> tuple[int, int, int, int]:
+    """(cap, spent, held, available) as ``balance`` and as ``report`` show it: the two
+    must agree."""
+    bal = ledger.balance(name)
+    [row] = [r for r in ledger.report() if r.budget == name]
+    shown = (bal.cap, bal.spent, bal.held, bal.available)
+    assert (row.cap, row.spent, row.held, row.available) == shown, (name, row, bal)
+    return shown
+
+
+def charge(ledger: Ledger, budget: str, key: str, amount: int, actual: int) -> None:
+    ledger.calls.reserve(budget, key, amount)
+    ledger.calls.mark_sending(key)
+    ledger.calls.settle(key, actual)
+
+
+def spent_and_held_on_slices(ledger: Ledger, name: str) -> None:
+    """A budget of 1,000 in 4 slices that has spent 300 and holds 300."""
+    ledger.create_budget(name, 1_000, slices=4)
+    for i in range(6):
+        ledger.calls.reserve(name, f"k{i}", 100)
+    for i in range(3):
+        ledger.calls.mark_sending(f"k{i}")
+        ledger.calls.settle(f"k{i}", 100)
+
+
+# -- retention with parents -----------------------------------------------------------
+
+
+def test_retention_keeps_a_month_whose_parent_periods_hold_a_later_attempts_money(
+    pg: Ledger, nov_clock: ManualClock, tmp_path: Path
+) -> None:
+    """A day tenant under a week parent: an attempt admitted on Tuesday 1 December holds
+    money on its parent's week, which began on Monday 30 November, in November's
+    partition. While it is unknown, November stays; resolved, its charge reaches the
+    parent; then November leaves and every view and the full audit agree."""
+    pg.upkeep.make_partitions(ahead=3)
+    nov_clock.advance(DEC_1 - nov_clock())
+    pg.create_budget("org", 1_000, period="week")
+    pg.create_budget("team", 1_000, period="day", parent="org")
+    for key in ("u1", "u2"):
+        pg.calls.reserve("team", key, 50)
+        pg.calls.mark_sending(key)
+        pg.calls.mark_unknown(key, "timed out")
+    nov_clock.advance(days=50)  # 20 January
+    for name in ("org", "team"):
+        pg.upkeep.open_period(name)  # every earlier period closes
+    done = pg.upkeep.retain(timedelta(days=30), archive_to=tmp_path)
+    assert "journal_y2026m11" not in done.archived
+    assert any("holding money" in why for why in done.blocked["journal_y2026m11"])
+    for key in ("u1", "u2"):
+        pg.resolve_attempt(key, 80, note="the provider bill", by="operator")
+    with pg.engine.connect() as conn:
+        week = conn.execute(
+            text(
+                "SELECT p.spent, p.held FROM budget_periods p JOIN budgets b ON b.id = p.budget_id"
+                " WHERE b.name = 'org' AND p.period_start = '2026-11-30T00:00:00+00:00'"
+            )
+        ).one()
+    assert tuple(week) == (160, 0)
+    done = pg.upkeep.retain(timedelta(days=30), archive_to=tmp_path)
+    assert "journal_y2026m11" in done.archived
+    assert pg.audit() == [] and pg.audit(full=True) == []
+
+
+# -- escrow with rollover ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("first", ["parent", "sibling", "beat by name"])
+def test_an_escrowed_tenant_carries_whoever_opens_its_parents_period_first(
+    ledger: Ledger, clock: ManualClock, first: str
+) -> None:
+    """A tenant (escrowed, rollover) that left 90 unused on day 1 opens day 2 at 190,
+    whether it opens its own day first or its parent's day opens first (a sibling's
+    call, or beat's renewal, which goes by budget name)."""
+    # the parent's name sorts first: beat's renewal opens its day before its tenants'
+    ledger.create_budget("acme", 10_000, period="day")
+    ledger.create_budget("tenant-a", 100, period="day", parent="acme", escrow=True,
+                         renewal="rollover")  # fmt: skip
+    ledger.create_budget("tenant-b", 100, period="day", parent="acme", escrow=True)
+    charge(ledger, "tenant-a", "d1", 10, 10)
+    clock.advance(days=1)
+    if first == "parent":
+        ledger.upkeep.open_period("acme")
+    elif first == "sibling":
+        charge(ledger, "tenant-b", "d2-b", 5, 5)
+    else:
+        for name in sorted(b.name for b in ledger.budgets()):
+            ledger.upkeep.open_period(name)
+    assert view(ledger, "tenant-a")[0] == 190
+    charge(ledger, "tenant-a", "d2", 150, 150)  # more than the allowance: the carry
+    assert view(ledger, "tenant-a") == (190, 150, 0, 40)
+    assert ledger.audit(full=True) == []
+
+
+# -- slices under escrow -------------------------------------------------------------------
+
+
+def test_a_sliced_tenants_idle_grants_never_refuse_its_sibling_or_its_parent(
+    ledger: Ledger,
+) -> None:
+    """Four calls of 10 on tenant ``a`` (escrowed, 4 slices) draw grants down the tree;
+    released, nothing is spent or held, so 900 fits on ``b`` and on the parent: what
+    ``a``'s slices hold unused is taken back, however deep."""
+    ledger.create_budget("org", 1_000)
+    ledger.create_budget("a", 1_000, parent="org", escrow=True, slices=4)
+    ledger.create_budget("b", 1_000, parent="org", escrow=True)
+    for i in range(4):
+        ledger.calls.reserve("a", f"a{i}", 10)
+        ledger.calls.release(f"a{i}", "not sent")
+    ledger.calls.reserve("b", "b-big", 900)
+    ledger.calls.release("b-big", "not sent")
+    ledger.calls.reserve("org", "org-big", 900)
+    ledger.calls.reserve("org", "org-rest", 100)  # exactly what is left
+    with pytest.raises(BudgetExceeded):
+        ledger.calls.reserve("org", "org-one-more", 1)
+    assert ledger.audit(full=True) == []
+
+
+# -- cap changes ---------------------------------------------------------------------------
+
+
+def test_a_cap_below_what_slices_spent_and_hold_is_refused(ledger: Ledger) -> None:
+    spent_and_held_on_slices(ledger, "hot")
+    with pytest.raises(CapBelowCommitted) as refused:
+        ledger.set_cap("hot", 200)
+    assert refused.value.committed == 600
+    assert view(ledger, "hot") == (1_000, 300, 300, 400)
+    ledger.set_cap("hot", 600)  # exactly what is committed
+    assert view(ledger, "hot") == (600, 300, 300, 0)
+    assert ledger.audit(full=True) == []
+
+
+def test_a_parents_cap_below_what_its_tenant_spent_and_holds_is_refused(ledger: Ledger) -> None:
+    ledger.create_budget("org", 1_000)
+    ledger.create_budget("t", 1_000, parent="org", escrow=True)
+    charge(ledger, "t", "spent", 300, 300)
+    ledger.calls.reserve("t", "held", 300)
+    with pytest.raises(CapBelowCommitted) as refused:
+        ledger.set_cap("org", 100)
+    assert refused.value.committed == 600
+    ledger.set_cap("org", 600)  # the tenant's unused grant was not committed
+    with pytest.raises(BudgetExceeded):
+        ledger.calls.reserve("t", "over", 1)
+    assert ledger.balance("org").available == 0
+    assert ledger.audit(full=True) == []
+
+
+# -- two views -----------------------------------------------------------------------------
+
+
+def test_balance_and_report_agree_after_a_budget_goes_back_to_one_slice(ledger: Ledger) -> None:
+    spent_and_held_on_slices(ledger, "hot")
+    ledger.set_slices("hot", 1)
+    assert view(ledger, "hot") == (1_000, 300, 300, 400)
+    ledger.calls.reserve("hot", "rest", 400)
+    with pytest.raises(BudgetExceeded):
+        ledger.calls.reserve("hot", "more", 1)
+
+
+# -- a half-made budget --------------------------------------------------------------------
+
+
+def test_a_refused_slicing_leaves_no_budget_behind(ledger: Ledger) -> None:
+    long = "n" * 200
+    with pytest.raises(ValueError, match="too long to slice"):
+        ledger.create_budget(long, 1_000, slices=4)
+    with pytest.raises(UnknownBudget):
+        ledger.budget(long)
+    ledger.create_budget(long, 1_000)  # the retry without slices is a new budget
+    ledger.create_budget("daily", 1_000, period="day")
+    with pytest.raises(ValueError, match="cannot draw grants"):
+        ledger.create_budget("weekly", 1_000, period="week", parent="daily", slices=2)
+    with pytest.raises(UnknownBudget):
+        ledger.budget("weekly")
+    ledger.create_budget("weekly", 1_000, period="week", parent="daily")
+    with pytest.raises(BudgetExists):
+        ledger.create_budget("weekly", 1_000, period="week", parent="daily")
+    assert sorted(b.name for b in ledger.budgets()) == ["daily", long, "weekly"]
