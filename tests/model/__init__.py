@@ -1,0 +1,1 @@
+"""Reference models: the rules of the real code, stated as small plain Python."""
