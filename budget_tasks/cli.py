@@ -427,7 +427,7 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
                     else f"period from {bal.period_start.isoformat()}"
                 )
                 + f": cap {bal.cap}, spent {bal.spent}, held {bal.held}, "
-                + (f"granted below {bal.granted}, " if bal.granted else "")
+                + (f"unused grants below {bal.granted}, " if bal.granted else "")
                 + (f"drawn {bal.drawn}, " if info.escrow else "")
                 + f"available {bal.available}",
                 f"open holds: {len(holds)}",
@@ -1003,8 +1003,8 @@ def price(
 @ledger_url_option
 @json_option
 def status(ledger_url: str, as_json: bool) -> None:
-    """Every budget's current period: cap, spent, held, granted to escrowed budgets
-    below, available, oldest hold."""
+    """Every budget's current period: cap, spent and held (the budgets below it
+    included), granted (held unused by escrowed budgets below), available, oldest hold."""
     ledger = _ledger(ledger_url)
     frozen_by = _frozen_by(ledger.budgets())
     rows = [

@@ -111,13 +111,19 @@ class LedgerCollector(Collector):
             name: GaugeMetricFamily(f"budget_tasks_{name}", text, labels=["budget"])
             for name, text in (
                 ("cap", "The current period's cap, in minor units"),
-                ("spent", "Spent in the current period, in minor units"),
-                ("held", "Held by open attempts in the current period, in minor units"),
-                ("available", "cap - spent - held - granted in the current period"),
+                (
+                    "spent",
+                    "Spent in the current period, the budgets below it included, in minor units",
+                ),
+                (
+                    "held",
+                    "Held by open attempts in the current period, the budgets below it included",
+                ),
+                ("available", "cap - spent - held in the current period"),
                 (
                     "granted",
-                    "Granted to escrowed budgets below in the current period (their spending, "
-                    "holds and unused grants), in minor units",
+                    "Held unused as grants by the escrowed budgets below in the current period "
+                    "(part of available), in minor units",
                 ),
                 ("drawn", "Drawn as grants from the ancestors in the current period (escrow)"),
                 ("oldest_hold_seconds", "Age of the oldest open hold"),

@@ -23,16 +23,17 @@ def usd(micros: int | None) -> str:
 
 
 def bar(row: dict[str, Any]) -> dict[str, Any]:
-    """A budget's bar: spent, held (with what it granted below) and available, in
-    percent of the larger of its cap and what it used (an overrun passes the cap
-    mark), and where the cap mark stands."""
-    used = row["spent"] + row["held"] + row["granted"]
+    """A budget's bar: spent, held and available (the budgets below it included; what
+    they hold of their grants unused is available), in percent of the larger of its
+    cap and what it used (an overrun passes the cap mark), and where the cap mark
+    stands."""
+    used = row["spent"] + row["held"]
     scale = max(row["cap"], used, 1)
     segments = []
     x = 0.0
     for kind, amount in (
         ("spent", row["spent"]),
-        ("held", row["held"] + row["granted"]),
+        ("held", row["held"]),
         ("available", max(row["available"], 0)),
     ):
         width = 100.0 * amount / scale

@@ -58,14 +58,19 @@ def _apply(cur: Cursor, statement: str, params: dict[str, Any], stamp: Any) -> N
     An escrowed period left with less grant than it has spent and held (a charge above
     its hold, a provider correction) draws the difference from its ancestors at once,
     whatever they have left: the ancestors' caps count what was spent below them, as
-    they would without escrow."""
+    they would without escrow. A closed escrowed period left with grant it no longer
+    uses (a late settlement below its hold, a release) gives it back at once: a closed
+    period admits nothing, and its ancestors' figures read what it spent from what it
+    was granted (see :mod:`.reports`)."""
     row = cur.one(statement, params)
     if row is None:
         return
-    escrowed, room = row[0], row[1]
+    escrowed, room, closed = row[0], row[1], row[4]
     _give_back_carry(cur, params["period_id"], row[2], row[3])
     if escrowed and room < 0:
         owe_grant(cur, params["period_id"], -room, stamp, "charged above the grant")
+    elif escrowed and room > 0 and closed is not None:
+        owe_grant(cur, params["period_id"], -room, stamp, "the period ended")
 
 
 def owe_grant(cur: Cursor, period_id: int, amount: int, stamp: Any, note: str) -> None:

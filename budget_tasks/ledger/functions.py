@@ -270,11 +270,13 @@ BEGIN
             overrun = overrun + CASE WHEN p_actual > amount THEN p_actual - amount ELSE 0 END
         WHERE id = hold
         RETURNING (SELECT escrow FROM budgets WHERE budgets.id = budget_id) AS escrowed,
-            {GRANT_ROOM} AS room, carried_out AS carried, {AVAILABLE} AS available
+            {GRANT_ROOM} AS room, carried_out AS carried, {AVAILABLE} AS available,
+            closed_at AS closed
         INTO after;
         IF (after.escrowed AND after.room < 0)
+           OR (after.escrowed AND after.room > 0 AND after.closed IS NOT NULL)
            OR (after.carried > 0 AND after.available < after.carried) THEN
-            {_NOT_HERE} 'the charge draws past a grant or takes back a carry';
+            {_NOT_HERE} 'the charge draws past a grant, returns one or takes back a carry';
         END IF;
     END LOOP;
 END

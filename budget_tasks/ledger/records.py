@@ -250,10 +250,12 @@ class Reservation:
 class Balance:
     """A budget's counters for one period. ``available`` may be negative after overruns.
 
-    ``granted`` is what the period has granted to escrowed budgets below it (their
-    spending and holds, and what they hold unused), counted against its cap; ``drawn``
-    what an escrowed budget's period holds as grants from its ancestors. ``available``
-    is ``cap - spent - held - granted``."""
+    ``spent`` and ``held`` are the budget's whole tree's: what was admitted on it and on
+    every budget under it (its slices, its escrowed tenants and theirs) in the periods
+    inside this one. ``granted`` is what the escrowed budgets under it hold of their
+    grants unused: it is part of ``available`` (an admission takes it back). ``drawn``
+    is what an escrowed budget's period holds as grants from its ancestors.
+    ``available`` is ``cap - spent - held``."""
 
     budget: str
     cap: int
@@ -279,7 +281,7 @@ class BudgetReport:
     oldest_hold: timedelta | None
     #: charged above reservations in this period, by every settler
     overrun: int = 0
-    #: granted to escrowed budgets below, and drawn from the ancestors (see Balance)
+    #: held unused by the escrowed budgets below, and drawn from the ancestors (see Balance)
     granted: int = 0
     drawn: int = 0
 

@@ -4,6 +4,7 @@ and the audit of the counters against the journal."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -21,9 +22,11 @@ from ..errors import (
 )
 from . import statements as sql
 from .base import LedgerBase, _attempt
+from .driver import Cursor
 from .periods import (
     PERIODS,
     Period,
+    next_period_start,
     opening_cap,
     period_start,
     previous_period_start,
@@ -150,12 +153,46 @@ def _age(now: datetime, *oldest: datetime | None) -> timedelta | None:
     return now - min(known) if known else None
 
 
-def _with_slices(
-    spent: int, held: int, granted: int, slices: tuple[int, int, int]
-) -> tuple[int, int, int]:
-    """A sliced budget's spent, held and granted with its slices' (spent, held, drawn)
-    folded in: their spending and holds are its, and grants to them are not grants."""
-    return spent + slices[0], held + slices[1], granted - slices[2]
+@dataclass(frozen=True, slots=True)
+class _Below:
+    """What the escrowed budgets under one budget (any depth: its slices, its tenants
+    and theirs) have of their grants in its period, over the periods still in use."""
+
+    unspent: int = 0  # drawn - spent
+    held: int = 0
+    unused: int = 0  # drawn - spent - held
+
+
+def _below(cur: Cursor, spans: Mapping[int, tuple[datetime, datetime | None]]) -> dict[int, _Below]:
+    """For each budget in ``spans`` (its id: its period's start and end, None for no
+    end), what the escrowed budgets under it have in the periods inside that one."""
+    parents = {int(child): int(parent) for child, parent in cur.all(sql.BUDGET_PARENTS, {})}
+    sums: dict[int, list[int]] = {}
+    for budget_id, start, spent, held, drawn in cur.all(sql.ESCROWED_IN_USE, {"true": True}):
+        start = cur.driver.from_ts(start)
+        above = parents.get(int(budget_id))
+        while above is not None:
+            span = spans.get(above)
+            if span is not None and span[0] <= start and (span[1] is None or start < span[1]):
+                added = sums.setdefault(above, [0, 0, 0])
+                added[0] += drawn - spent
+                added[1] += held
+                added[2] += drawn - spent - held
+            above = parents.get(above)
+    return {budget_id: _Below(*added) for budget_id, added in sums.items()}
+
+
+def _rolled(spent: int, held: int, granted: int, below: _Below) -> tuple[int, int, int]:
+    """A budget's spent, held and granted with what the escrowed budgets under it spent
+    and hold rolled in. Its ``granted`` is what they drew from it in this period: of
+    that, the periods still in use hold ``below``, and every other one spent all it
+    drew. What is left is what they hold of their grants unused: counted as available
+    (an admission takes it back), shown as ``granted``."""
+    return spent + granted - below.unspent, held + below.held, below.unused
+
+
+def _span(kind: str, start: datetime) -> tuple[datetime, datetime | None]:
+    return start, next_period_start(kind, start)  # type: ignore[arg-type]
 
 
 class Reports(LedgerBase):
@@ -173,10 +210,7 @@ class Reports(LedgerBase):
         at_start = {"budget_id": budget_id, "start": self._driver.ts(start)}
         with self._driver.transaction() as cur:
             row = cur.one(sql.BALANCE_AT, at_start)
-            # a sliced budget's slices are its own rows, read with it: every slice it
-            # ever had, as the report folds them (one it no longer uses still holds
-            # what it spent and may hold money)
-            folded = cur.one(sql.SLICE_COUNTERS, at_start) if row else None
+            below = _below(cur, {budget_id: _span(period, start)}) if row else {}
             if row is None:
                 renewal = cur.one(sql.BUDGET_RENEWAL, {"budget_id": budget_id})
                 assert renewal is not None  # the chain named it
@@ -188,16 +222,18 @@ class Reports(LedgerBase):
                         sql.CARRY_FROM,
                         {"budget_id": budget_id, "start": self._driver.ts(prev_start)},
                     )
-                counters = None if prev is None else (prev[1], prev[2], prev[3])
+                counters = None
+                if prev is not None:
+                    # what its escrowed budgets hold unused comes back before it carries
+                    assert prev_start is not None
+                    back = _below(cur, {budget_id: _span(kind, prev_start)})
+                    unused = back.get(budget_id, _Below()).unused
+                    counters = (prev[1], prev[2] - unused, prev[3])
                 cap = opening_cap(allowance, policy, ceiling, counters)
                 return Balance(name, cap, 0, 0, cap, start)
         cap, spent, held, _, granted, drawn = row
-        if folded is not None:
-            # What its slices spend and hold is its, and what they hold unused is still
-            # its to admit (a slice takes it back).
-            slices = (int(folded[0]), int(folded[1]), int(folded[2]))
-            spent, held, granted = _with_slices(spent, held, granted, slices)
-        return Balance(name, cap, spent, held, cap - spent - held - granted, start, granted, drawn)
+        spent, held, granted = _rolled(spent, held, granted, below.get(budget_id, _Below()))
+        return Balance(name, cap, spent, held, cap - spent - held, start, granted, drawn)
 
     def attempt(self, key: str) -> Attempt:
         """One attempt, with its state, amounts and provider ids."""
@@ -295,22 +331,22 @@ class Reports(LedgerBase):
         before = {kind: previous_period_start(kind, start) for kind, start in starts.items()}
         with self._driver.transaction() as tx:
             rows = tx.execute(_report_query(starts, before)).all()
-        # A sliced budget's slices are its own rows: folded into it, never listed.
-        slices: dict[int, tuple[int, int, int]] = {}
+            spans = {r.id: _span(r.period, starts[r.period]) for r in rows if r.cur_id is not None}
+            below = _below(tx, spans)
+            # a period not open yet carries from the one before, once what the escrowed
+            # budgets under it hold unused has come back
+            carrying = {
+                r.id: _span(r.period, before[r.period])  # type: ignore[arg-type]
+                for r in rows
+                if r.cur_id is None and r.prev_cap is not None
+            }
+            back = _below(tx, carrying) if carrying else {}
+        # A sliced budget's slices are its own rows: rolled into it, never listed.
         oldest: dict[int, datetime] = {}
         for r in rows:
-            if r.slice_of is None:
-                continue
-            if r.oldest is not None:
+            if r.slice_of is not None and r.oldest is not None:
                 was_oldest = oldest.get(r.slice_of)
                 oldest[r.slice_of] = r.oldest if was_oldest is None else min(was_oldest, r.oldest)
-            if r.cur_id is not None:
-                was = slices.get(r.slice_of, (0, 0, 0))
-                slices[r.slice_of] = (
-                    was[0] + r.cur_spent,
-                    was[1] + r.cur_held,
-                    was[2] + r.cur_drawn,
-                )
         out = []
         for r in rows:
             if r.slice_of is not None:
@@ -318,11 +354,15 @@ class Reports(LedgerBase):
             overrun = granted = drawn = 0
             if r.cur_id is not None:
                 cap, spent, held, overrun = r.cur_cap, r.cur_spent, r.cur_held, r.cur_overrun
-                granted, drawn = r.cur_granted, r.cur_drawn
-                if r.id in slices:
-                    spent, held, granted = _with_slices(spent, held, granted, slices[r.id])
+                drawn = r.cur_drawn
+                spent, held, granted = _rolled(
+                    spent, held, r.cur_granted, below.get(r.id, _Below())
+                )
             else:
-                previous = None if r.prev_cap is None else (r.prev_cap, r.prev_spent, r.prev_held)
+                previous = None
+                if r.prev_cap is not None:
+                    unused = back.get(r.id, _Below()).unused
+                    previous = (r.prev_cap, r.prev_spent - unused, r.prev_held)
                 cap = opening_cap(r.cap, r.renewal, r.rollover_ceiling, previous)
                 spent = held = 0
             out.append(
@@ -331,7 +371,7 @@ class Reports(LedgerBase):
                     cap=cap,
                     spent=spent,
                     held=held,
-                    available=cap - spent - held - granted,
+                    available=cap - spent - held,
                     period_start=starts[r.period],
                     frozen=bool(r.frozen),
                     oldest_hold=_age(now, r.oldest, oldest.get(r.id)),

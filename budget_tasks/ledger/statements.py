@@ -111,7 +111,7 @@ ORDER BY (SELECT p.budget_id FROM budget_periods p WHERE p.id = j.period_id){for
 # period is escrowed and its grant room (a charge above its hold draws the rest), what
 # it carried on and what it has left (a closed period that carried too much gives back).
 _AFTER_CHANGE = f"""(SELECT escrow FROM budgets WHERE budgets.id = budget_id), {GRANT_ROOM},
-    carried_out, {AVAILABLE}"""
+    carried_out, {AVAILABLE}, closed_at"""
 
 APPLY_SETTLEMENT = f"""
 UPDATE budget_periods SET held = held - :amount, spent = spent + :actual,
@@ -397,10 +397,26 @@ SLICE_COUNT = "SELECT count(*) FROM budgets WHERE slice_of = :owner_id"
 SET_SLICES = "UPDATE budgets SET slices = :slices WHERE id = :owner_id"
 
 #: A sliced budget's slices' counters in one period, summed.
-SLICE_COUNTERS = """
-SELECT COALESCE(SUM(p.spent), 0), COALESCE(SUM(p.held), 0), COALESCE(SUM(p.drawn), 0)
+#: The escrowed budgets' periods that still use what they were granted: the open ones
+#: (their partial index) and those an attempt still holds money in (through the holding
+#: attempts' hold rows). Every other escrowed period is closed, holds nothing and keeps
+#: no unused grant (it gave it back as it closed or as it was settled late), so it has
+#: spent exactly what it drew, and its ancestors' ``granted`` says so. What the reports
+#: read grows with the work in flight, not with the history.
+#: (budget id, period start, spent, held, drawn)
+ESCROWED_IN_USE = """
+SELECT p.budget_id, p.period_start, p.spent, p.held, p.drawn
 FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
-WHERE b.slice_of = :budget_id AND p.period_start = :start"""
+WHERE p.closed_at IS NULL AND b.escrow = :true
+UNION
+SELECT p.budget_id, p.period_start, p.spent, p.held, p.drawn
+FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
+WHERE b.escrow = :true AND p.id IN (
+    SELECT j.period_id FROM attempts a JOIN journal j ON j.attempt_id = a.id
+    WHERE a.state IN ('reserved', 'sending', 'unknown') AND j.kind = 'hold')"""
+
+#: Each budget's parent: the tree a roll-up walks.
+BUDGET_PARENTS = "SELECT id, parent_id FROM budgets WHERE parent_id IS NOT NULL"
 
 SET_FROZEN = "UPDATE budgets SET frozen = :frozen WHERE name = :name"
 

@@ -36,6 +36,24 @@ def journal_rows(ledger: Ledger, budget: str) -> int:
         )
 
 
+def row(ledger: Ledger, budget: str) -> tuple[int, int, int, int]:
+    """The budget's latest period row as it stands, (spent, held, granted, drawn): what
+    its own admissions and its grants wrote, before any roll-up of the budgets below."""
+    with ledger.engine.connect() as conn:
+        found = conn.execute(
+            select(
+                budget_periods.c.spent,
+                budget_periods.c.held,
+                budget_periods.c.granted,
+                budget_periods.c.drawn,
+            )
+            .where(budget_periods.c.budget_id == ledger.budget(budget).id)
+            .order_by(budget_periods.c.period_start.desc())
+            .limit(1)
+        ).one()
+    return (int(found[0]), int(found[1]), int(found[2]), int(found[3]))
+
+
 def unused(ledger: Ledger, name: str) -> int:
     bal = ledger.balance(name)
     return bal.drawn - bal.spent - bal.held
@@ -51,8 +69,9 @@ def test_a_tenant_draws_a_share_and_then_admits_and_settles_without_its_parent(
     # the first admission drew 1/GRANT_SHARE of what the parent had
     grant = 800 // GRANT_SHARE
     assert ledger.balance("tenant").drawn == grant
-    org = ledger.balance("org")
-    assert (org.spent, org.held, org.granted, org.available) == (0, 0, grant, 800 - grant)
+    assert row(ledger, "org") == (0, 0, grant, 0)  # the grant is all its row knows
+    org = ledger.balance("org")  # the tenant's hold is the parent's too
+    assert (org.spent, org.held, org.granted, org.available) == (0, 10, grant - 10, 790)
     parent_rows = journal_rows(ledger, "org")
     # Up to exactly what the grant holds, nothing more reaches the parent's row.
     ledger.calls.reserve("tenant", "t2", grant - 10)
@@ -60,7 +79,9 @@ def test_a_tenant_draws_a_share_and_then_admits_and_settles_without_its_parent(
         ledger.calls.mark_sending(key)
         ledger.calls.settle(key, actual)
     assert journal_rows(ledger, "org") == parent_rows
-    assert ledger.balance("org") == org
+    assert row(ledger, "org") == (0, 0, grant, 0)
+    org = ledger.balance("org")
+    assert (org.spent, org.held, org.granted, org.available) == (grant - 6, 0, 6, 806 - grant)
     tenant = ledger.balance("tenant")
     assert (tenant.spent, tenant.held, tenant.drawn) == (grant - 6, 0, grant)
     assert ledger.audit() == []
@@ -80,8 +101,9 @@ def test_the_parent_cap_is_exact_and_a_request_that_fits_is_never_refused(
     with pytest.raises(BudgetExceeded) as refused:
         ledger.calls.reserve("a", "a2", 1)
     assert (refused.value.budget, refused.value.available) == ("org", 0)
+    assert row(ledger, "org")[2] == 100
     org = ledger.balance("org")
-    assert (org.granted, org.available) == (100, 0)
+    assert (org.held, org.granted, org.available) == (100, 0, 0)
     assert ledger.balance("a").held + ledger.balance("b").held == 100
     assert ledger.audit() == []
 
@@ -96,7 +118,8 @@ def test_a_charge_above_the_grant_draws_the_rest_from_the_parent_at_once(
     ledger.calls.settle("a1", 25)
     a, org = ledger.balance("a"), ledger.balance("org")
     assert (a.spent, a.drawn, a.drawn - a.spent) == (25, 25, 0)
-    assert (org.granted, org.available) == (25, 55)
+    assert (org.spent, org.granted, org.available) == (25, 0, 55)
+    assert row(ledger, "org")[2] == 25
     # a provider correction upward draws too
     ledger.adjust("a1", 5, "invoice line")
     assert (ledger.balance("a").drawn, ledger.balance("org").available) == (30, 50)
@@ -114,7 +137,9 @@ def test_a_frozen_parent_stops_a_tenant_that_still_holds_a_grant(ledger: Ledger)
     assert frozen.value.budget == "org"
     # the freeze took back what the tenant did not use
     assert unused(ledger, "a") == 0
-    assert ledger.balance("org").granted == 1
+    assert row(ledger, "org")[2] == 1
+    org = ledger.balance("org")
+    assert (org.held, org.granted, org.available) == (1, 0, 799)
     ledger.unfreeze("org")
     ledger.calls.reserve("a", "a2", 1)
     assert ledger.audit() == []
@@ -128,19 +153,23 @@ def test_unused_grants_go_back_at_period_end_and_when_the_tenant_is_idle(
     ledger.calls.reserve("a", "a1", 10)
     ledger.calls.mark_sending("a1")
     ledger.calls.settle("a1", 10)
-    assert ledger.balance("org").granted == 200
+    assert row(ledger, "org")[2] == 200
+    assert ledger.balance("org").granted == 190  # unused below: available
     clock.advance(days=1)
     # the next day's first admission closes the day before: its 190 unused go back
     ledger.calls.reserve("a", "a2", 10)
+    assert row(ledger, "org")[2] == 10 + (1_600 - 10) // GRANT_SHARE
     org = ledger.balance("org")
-    assert org.granted == 10 + (1_600 - 10) // GRANT_SHARE
+    assert (org.spent, org.held, org.granted) == (10, 10, (1_600 - 10) // GRANT_SHARE - 10)
     # a tenant that has not drawn for a while gives back the rest (beat)
     clock.advance(minutes=4)
     assert ledger.upkeep.return_grants(timedelta(minutes=5)) == 0
     clock.advance(minutes=2)
     back = ledger.upkeep.return_grants(timedelta(minutes=5))
-    assert back == org.granted - 20
-    assert ledger.balance("org").granted == 20  # 10 spent yesterday, 10 held today
+    assert back == org.granted
+    assert row(ledger, "org")[2] == 20  # 10 spent yesterday, 10 held today
+    org = ledger.balance("org")
+    assert (org.spent, org.held, org.granted, org.available) == (10, 10, 0, 1_580)
     assert ledger.audit() == []
 
 
@@ -196,16 +225,20 @@ def test_thirty_two_processes_across_escrowed_tenants_never_pass_the_parent_cap(
     held = {name: pg_ledger.balance(name).held for name in tenants}
     assert admitted == sum(held.values()) == sum(a.amount for a in pg_ledger.attempts())
     # the cap is exact: grants (used or not) count against it, and never pass it
-    assert admitted <= org.granted <= 30_000
-    assert org.spent == org.held == 0
+    spent, held_on_org, granted, _ = row(pg_ledger, "org")
+    assert admitted <= granted <= 30_000
+    assert spent == held_on_org == 0
     left = {name: unused(pg_ledger, name) for name in tenants}
-    assert org.granted == admitted + sum(left.values())
+    assert granted == admitted + sum(left.values())
+    # the parent shows its tenants' holds, and their unused grants as available
+    assert (org.spent, org.held, org.granted) == (0, admitted, sum(left.values()))
+    assert org.available == 30_000 - admitted
     # Availability only shrinks here: a refusal by the parent was for more than what
     # is left in all (the parent and every tenant's unused grant); one by a tenant, for
     # more than its own cap leaves.
     by_org = [amount for _, _, amount, ok, by in results if not ok and by == "org"]
     assert by_org, "the parent's cap was meant to run out"
-    assert min(by_org) > org.available + sum(left.values())
+    assert min(by_org) > org.available
     for name in tenants:
         mine = [a for _, _, a, ok, by in results if not ok and by == name]
         if mine:
@@ -240,12 +273,17 @@ def test_churn_with_overruns_and_returns_has_no_deadlock_and_audits_clean(
         assert bal.held == sum(a.amount for a in mine if a.actual is None)
         assert bal.drawn >= bal.spent + bal.held  # never admitted past its grant
         consumed += bal.drawn
-    assert org.granted == consumed
+    _, held_on_org, granted, _ = row(pg_ledger, "org")
+    assert granted == consumed
     direct = [a for a in attempts if a.budget == "org"]
-    assert org.held == sum(a.amount for a in direct if a.actual is None)
+    assert held_on_org == sum(a.amount for a in direct if a.actual is None)
     # Holds never passed the cap (actuals may overrun it; holds may not).
     tenants_held = sum(a.amount for a in attempts if a.actual is None and a.budget != "org")
-    assert org.held + tenants_held <= 6_000
+    assert held_on_org + tenants_held <= 6_000
+    # the parent's figures are its whole tree's
+    assert org.held == held_on_org + tenants_held
+    tenants_spent = sum(pg_ledger.balance(name).spent for name in ("a", "b", "c"))
+    assert org.spent == row(pg_ledger, "org")[0] + tenants_spent
 
 
 def test_a_call_on_the_parent_itself_takes_back_what_its_tenants_do_not_use(

@@ -244,3 +244,41 @@ def test_a_refused_slicing_leaves_no_budget_behind(ledger: Ledger) -> None:
     with pytest.raises(BudgetExists):
         ledger.create_budget("weekly", 1_000, period="week", parent="daily")
     assert sorted(b.name for b in ledger.budgets()) == ["daily", long, "weekly"]
+
+
+# -- a parent's figures ------------------------------------------------------------------
+
+
+def test_a_parents_figures_include_its_tenants_and_their_slices_in_every_view(
+    ledger: Ledger, clock: ManualClock
+) -> None:
+    """A month parent with a day tenant in two slices (escrowed), a day tenant without
+    escrow and a day tenant with escrow under that one: what each spent and holds is
+    the parent's too, across the tenants' days, in balance and report alike; what
+    their grants hold unused is available; a late settlement below its hold in a closed
+    day gives its grant back at once."""
+    ledger.create_budget("org", 1_000, period="month")
+    ledger.create_budget("sliced", 1_000, period="day", parent="org", escrow=True, slices=2)
+    ledger.create_budget("plain", 1_000, period="day", parent="org")
+    ledger.create_budget("deep", 1_000, period="day", parent="plain", escrow=True)
+    charge(ledger, "sliced", "s1", 100, 90)
+    charge(ledger, "plain", "p1", 50, 50)
+    charge(ledger, "deep", "d1", 30, 20)
+    ledger.calls.reserve("deep", "late", 40)
+    ledger.calls.mark_sending("late")
+    ledger.calls.mark_unknown("late", "timed out")
+    assert view(ledger, "org") == (1_000, 160, 40, 800)
+    assert view(ledger, "plain") == (1_000, 70, 40, 890)
+    assert view(ledger, "sliced") == (1_000, 90, 0, 910)
+    clock.advance(days=1)
+    for name in ("org", "plain", "deep", "sliced"):
+        ledger.upkeep.open_period(name)  # yesterday's days close: grants come back
+    charge(ledger, "sliced", "s2", 10, 10)
+    assert view(ledger, "org") == (1_000, 170, 40, 790)
+    ledger.resolve_attempt("late", 25, note="the provider bill", by="operator")
+    assert view(ledger, "org") == (1_000, 195, 0, 805)
+    assert view(ledger, "plain")[1:3] == (0, 0)  # its own new day
+    ledger.calls.reserve("org", "rest", 805)  # exactly what is left, unused grants too
+    with pytest.raises(BudgetExceeded):
+        ledger.calls.reserve("sliced", "one-more", 1)
+    assert ledger.audit(full=True) == []

@@ -300,11 +300,13 @@ BEGIN
             overrun = overrun + CASE WHEN p_actual > amount THEN p_actual - amount ELSE 0 END
         WHERE id = hold
         RETURNING (SELECT escrow FROM budgets WHERE budgets.id = budget_id) AS escrowed,
-            (drawn - spent - held) AS room, carried_out AS carried, (cap - spent - held - granted) AS available
+            (drawn - spent - held) AS room, carried_out AS carried, (cap - spent - held - granted) AS available,
+            closed_at AS closed
         INTO after;
         IF (after.escrowed AND after.room < 0)
+           OR (after.escrowed AND after.room > 0 AND after.closed IS NOT NULL)
            OR (after.carried > 0 AND after.available < after.carried) THEN
-            RAISE EXCEPTION USING ERRCODE = 'BT001', MESSAGE = 'the charge draws past a grant or takes back a carry';
+            RAISE EXCEPTION USING ERRCODE = 'BT001', MESSAGE = 'the charge draws past a grant, returns one or takes back a carry';
         END IF;
     END LOOP;
 END
