@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-from-pyproject
 
-.PHONY: demo test lint pytest bench install clean
+.PHONY: demo test lint pytest bench model-long install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ pytest: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+
+# The ledger against its reference model, long: 1,250 trees of 40 steps on each of
+# PostgreSQL's two paths (100,000 steps), then SQLite's default run.
+model-long: $(STAMP)
+	BUDGET_TASKS_MODEL_EXAMPLES=1250 BUDGET_TASKS_MODEL_STEPS=40 \
+		$(BIN)/python -m pytest -p no:cacheprovider tests/integration/test_model_stateful.py -k pg
+	$(BIN)/python -m pytest -p no:cacheprovider tests/integration/test_model_stateful.py -k sqlite
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -624,7 +624,7 @@ class LedgerModel:
         return [
             Hold(a.key, a.budget, a.amount, a.state, a.periods[a.budget])
             for a in self.attempts.values()
-            if a.held
+            if a.state in HOLDING  # a hold of 0 is a hold too: the call may still go out
         ]
 
     def journal_sums(self) -> dict[tuple[str, datetime], tuple[int, int, int]]:
