@@ -77,6 +77,12 @@ def admit(
     frozen = cur.one(sql.frozen_in_chain(depth), ids)
     if frozen is not None:
         raise BudgetFrozen(frozen[0])
+    if available < amount and reclaim_under(cur, escrow.budget_id, stamp):
+        # its own cap was short by what escrowed budgets under it (its slices, its
+        # tenants) hold unused: taken back, as any short budget takes it back
+        row = cur.one(sql.LOCK_FOR_DRAW, {"period_id": period_id})
+        assert row is not None
+        available, room = int(row[0]), int(row[1])
     if available < amount:
         raise BudgetExceeded(escrow.name, amount, available)
     if room < amount:

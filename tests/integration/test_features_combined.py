@@ -282,3 +282,23 @@ def test_a_parents_figures_include_its_tenants_and_their_slices_in_every_view(
     with pytest.raises(BudgetExceeded):
         ledger.calls.reserve("sliced", "one-more", 1)
     assert ledger.audit(full=True) == []
+
+
+def test_an_escrowed_budget_takes_back_its_own_tenants_unused_grants_before_it_refuses(
+    ledger: Ledger,
+) -> None:
+    """Found by the model test: ``mid`` (escrowed under ``top``) has an escrowed
+    tenant in 3 slices; a call of 100 on the tenant, released, leaves ``mid``'s whole
+    cap granted below and unused. A call of 60 on ``mid`` itself fits, and is admitted."""
+    ledger.create_budget("top", 250, period="week")
+    ledger.create_budget("mid", 100, period="week", parent="top", escrow=True)
+    ledger.create_budget("low", 100, period="week", parent="mid", escrow=True, slices=3)
+    ledger.calls.reserve("low", "big", 100)
+    ledger.calls.release("big", "not sent")
+    assert view(ledger, "mid") == (100, 0, 0, 100)
+    ledger.calls.reserve("mid", "fits", 60)
+    ledger.calls.reserve("low", "rest", 40)  # exactly what is left
+    with pytest.raises(BudgetExceeded):
+        ledger.calls.reserve("low", "more", 1)
+    assert view(ledger, "mid") == (100, 0, 100, 0)
+    assert ledger.audit(full=True) == []
