@@ -267,18 +267,24 @@ def test_a_parents_figures_include_its_tenants_and_their_slices_in_every_view(
     ledger.calls.reserve("deep", "late", 40)
     ledger.calls.mark_sending("late")
     ledger.calls.mark_unknown("late", "timed out")
-    assert view(ledger, "org") == (1_000, 160, 40, 800)
+    ledger.calls.reserve("sliced", "slow", 30)
+    ledger.calls.mark_sending("slow")  # still out at midnight
+    assert view(ledger, "org") == (1_000, 160, 70, 770)
     assert view(ledger, "plain") == (1_000, 70, 40, 890)
-    assert view(ledger, "sliced") == (1_000, 90, 0, 910)
+    assert view(ledger, "sliced") == (1_000, 90, 30, 880)
     clock.advance(days=1)
     for name in ("org", "plain", "deep", "sliced"):
         ledger.upkeep.open_period(name)  # yesterday's days close: grants come back
     charge(ledger, "sliced", "s2", 10, 10)
-    assert view(ledger, "org") == (1_000, 170, 40, 790)
+    assert view(ledger, "org") == (1_000, 170, 70, 760)
+    # a run's late settlement below its hold (on PostgreSQL, the settlement function's
+    # call) and an operator's resolution: each closed day gives back what it freed
+    ledger.calls.settle("slow", 12)
+    assert view(ledger, "org") == (1_000, 182, 40, 778)
     ledger.resolve_attempt("late", 25, note="the provider bill", by="operator")
-    assert view(ledger, "org") == (1_000, 195, 0, 805)
+    assert view(ledger, "org") == (1_000, 207, 0, 793)
     assert view(ledger, "plain")[1:3] == (0, 0)  # its own new day
-    ledger.calls.reserve("org", "rest", 805)  # exactly what is left, unused grants too
+    ledger.calls.reserve("org", "rest", 793)  # exactly what is left, unused grants too
     with pytest.raises(BudgetExceeded):
         ledger.calls.reserve("sliced", "one-more", 1)
     assert ledger.audit(full=True) == []
@@ -301,4 +307,24 @@ def test_an_escrowed_budget_takes_back_its_own_tenants_unused_grants_before_it_r
     with pytest.raises(BudgetExceeded):
         ledger.calls.reserve("low", "more", 1)
     assert view(ledger, "mid") == (100, 0, 100, 0)
+    assert ledger.audit(full=True) == []
+
+
+def test_a_parent_carries_what_its_tenants_slices_held_unused(
+    ledger: Ledger, clock: ManualClock
+) -> None:
+    """A rollover parent whose escrowed tenant is sliced: the slices' unused grants are
+    drawn from the parent too. When the parent's next day opens first, they come back
+    before it carries, so it carries all it left unused."""
+    ledger.create_budget("org", 100, period="day", renewal="rollover")
+    ledger.create_budget("tenant", 100, period="day", parent="org", escrow=True, slices=2)
+    for i in range(3):
+        ledger.calls.reserve("tenant", f"t{i}", 10)
+        ledger.calls.release(f"t{i}", "not sent")
+    charge(ledger, "tenant", "spent", 10, 10)
+    clock.advance(days=1)
+    assert view(ledger, "org") == (190, 0, 0, 190)  # what it would open with: a read
+    ledger.upkeep.open_period("org")
+    assert view(ledger, "org") == (190, 0, 0, 190)
+    ledger.calls.reserve("org", "all", 190)  # exactly the carry and the allowance
     assert ledger.audit(full=True) == []
