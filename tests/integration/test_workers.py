@@ -595,7 +595,9 @@ def test_real_workers_on_a_hot_budget_stop_at_exactly_its_cap(
     assert hot.spent + hot.held == 20 * each
     assert capped.available == 0
     if shape == "escrowed tenant":
-        assert capped.granted == hot.drawn == 20 * each  # org's cap, all granted and used
+        # org's cap, all granted and used: org shows its tenant's spending, none unused
+        assert hot.drawn == 20 * each
+        assert (capped.spent + capped.held, capped.granted) == (20 * each, 0)
     assert pg_ledger.audit() == []
 
 
