@@ -163,23 +163,29 @@ class _Below:
     unused: int = 0  # drawn - spent - held
 
 
-def _below(cur: Cursor, spans: Mapping[int, tuple[datetime, datetime | None]]) -> dict[int, _Below]:
-    """For each budget in ``spans`` (its id: its period's start and end, None for no
-    end), what the escrowed budgets under it have in the periods inside that one."""
+Spans = Mapping[int, tuple[datetime, datetime | None]]
+
+
+def _below(cur: Cursor, *spans: Spans) -> list[dict[int, _Below]]:
+    """For each map of ``spans`` (a budget's id: its period's start and end, None for
+    no end), what the escrowed budgets under each budget have in the periods inside
+    that one; the tree and the periods in use are read once for all of them."""
     parents = {int(child): int(parent) for child, parent in cur.all(sql.BUDGET_PARENTS, {})}
-    sums: dict[int, list[int]] = {}
+    sums: list[dict[int, list[int]]] = [{} for _ in spans]
     for budget_id, start, spent, held, drawn in cur.all(sql.ESCROWED_IN_USE, {"true": True}):
         start = cur.driver.from_ts(start)
         above = parents.get(int(budget_id))
         while above is not None:
-            span = spans.get(above)
-            if span is not None and span[0] <= start and (span[1] is None or start < span[1]):
-                added = sums.setdefault(above, [0, 0, 0])
+            for wanted, into in zip(spans, sums, strict=True):
+                span = wanted.get(above)
+                if span is None or start < span[0] or (span[1] is not None and start >= span[1]):
+                    continue
+                added = into.setdefault(above, [0, 0, 0])
                 added[0] += drawn - spent
                 added[1] += held
                 added[2] += drawn - spent - held
             above = parents.get(above)
-    return {budget_id: _Below(*added) for budget_id, added in sums.items()}
+    return [{b: _Below(*added) for b, added in into.items()} for into in sums]
 
 
 def _rolled(spent: int, held: int, granted: int, below: _Below) -> tuple[int, int, int]:
@@ -210,7 +216,7 @@ class Reports(LedgerBase):
         at_start = {"budget_id": budget_id, "start": self._driver.ts(start)}
         with self._driver.transaction() as cur:
             row = cur.one(sql.BALANCE_AT, at_start)
-            below = _below(cur, {budget_id: _span(period, start)}) if row else {}
+            below = _below(cur, {budget_id: _span(period, start)})[0] if row else {}
             if row is None:
                 renewal = cur.one(sql.BUDGET_RENEWAL, {"budget_id": budget_id})
                 assert renewal is not None  # the chain named it
@@ -226,7 +232,7 @@ class Reports(LedgerBase):
                 if prev is not None:
                     # what its escrowed budgets hold unused comes back before it carries
                     assert prev_start is not None
-                    back = _below(cur, {budget_id: _span(kind, prev_start)})
+                    [back] = _below(cur, {budget_id: _span(kind, prev_start)})
                     unused = back.get(budget_id, _Below()).unused
                     counters = (prev[1], prev[2] - unused, prev[3])
                 cap = opening_cap(allowance, policy, ceiling, counters)
@@ -332,7 +338,6 @@ class Reports(LedgerBase):
         with self._driver.transaction() as tx:
             rows = tx.execute(_report_query(starts, before)).all()
             spans = {r.id: _span(r.period, starts[r.period]) for r in rows if r.cur_id is not None}
-            below = _below(tx, spans)
             # a period not open yet carries from the one before, once what the escrowed
             # budgets under it hold unused has come back
             carrying = {
@@ -340,7 +345,8 @@ class Reports(LedgerBase):
                 for r in rows
                 if r.cur_id is None and r.prev_cap is not None
             }
-            back = _below(tx, carrying) if carrying else {}
+            # one read of the periods in use for both
+            below, back = _below(tx, spans, carrying)
         # A sliced budget's slices are its own rows: rolled into it, never listed.
         oldest: dict[int, datetime] = {}
         for r in rows:
