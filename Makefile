@@ -36,7 +36,7 @@ bench: $(STAMP)
 # PostgreSQL's two paths (100,000 steps), then SQLite's default run.
 model-long: $(STAMP)
 	BUDGET_TASKS_MODEL_EXAMPLES=1250 BUDGET_TASKS_MODEL_STEPS=40 \
-		$(BIN)/python -m pytest -p no:cacheprovider tests/integration/test_model_stateful.py -k pg
+		$(BIN)/python -m pytest -p no:cacheprovider --timeout=0 tests/integration/test_model_stateful.py -k pg
 	$(BIN)/python -m pytest -p no:cacheprovider tests/integration/test_model_stateful.py -k sqlite
 
 clean:

@@ -129,8 +129,8 @@ class LedgerCollector(Collector):
                 ("oldest_hold_seconds", "Age of the oldest open hold"),
                 (
                     "overrun",
-                    "Charged above reservations in the current period, by every settler "
-                    "(tasks, reconciliation, operators), in minor units",
+                    "Charged above reservations in the current period, the budgets below it "
+                    "included, by every settler (tasks, reconciliation, operators), in minor units",
                 ),
             )
         }

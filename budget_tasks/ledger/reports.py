@@ -188,6 +188,29 @@ def _below(cur: Cursor, *spans: Spans) -> list[dict[int, _Below]]:
     return [{b: _Below(*added) for b, added in into.items()} for into in sums]
 
 
+def _overrun_below(cur: Cursor, spans: Spans) -> dict[int, int]:
+    """What the escrowed budgets under each budget of ``spans`` were charged above
+    their reservations in periods inside its one: without escrow the same charge is
+    journalled in the budget's own period; with it, only in the tenant's."""
+    if not spans:
+        return {}
+    since = cur.driver.ts(min(start for start, _ in spans.values()))
+    found = cur.all(sql.ESCROWED_OVERRUNS, {"true": True, "since": since})
+    if not found:
+        return {}
+    parents = {int(child): int(parent) for child, parent in cur.all(sql.BUDGET_PARENTS, {})}
+    sums: dict[int, int] = {}
+    for budget_id, start, overrun in found:
+        start = cur.driver.from_ts(start)
+        above = parents.get(int(budget_id))
+        while above is not None:
+            span = spans.get(above)
+            if span is not None and span[0] <= start and (span[1] is None or start < span[1]):
+                sums[above] = sums.get(above, 0) + int(overrun)
+            above = parents.get(above)
+    return sums
+
+
 def _rolled(spent: int, held: int, granted: int, below: _Below) -> tuple[int, int, int]:
     """A budget's spent, held and granted with what the escrowed budgets under it spent
     and hold rolled in. Its ``granted`` is what they drew from it in this period: of
@@ -347,6 +370,7 @@ class Reports(LedgerBase):
             }
             # one read of the periods in use for both
             below, back = _below(tx, spans, carrying)
+            overrun_below = _overrun_below(tx, spans)
         # A sliced budget's slices are its own rows: rolled into it, never listed.
         oldest: dict[int, datetime] = {}
         for r in rows:
@@ -359,7 +383,8 @@ class Reports(LedgerBase):
                 continue
             overrun = granted = drawn = 0
             if r.cur_id is not None:
-                cap, spent, held, overrun = r.cur_cap, r.cur_spent, r.cur_held, r.cur_overrun
+                cap, spent, held = r.cur_cap, r.cur_spent, r.cur_held
+                overrun = r.cur_overrun + overrun_below.get(r.id, 0)
                 drawn = r.cur_drawn
                 spent, held, granted = _rolled(
                     spent, held, r.cur_granted, below.get(r.id, _Below())

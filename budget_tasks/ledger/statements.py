@@ -415,6 +415,13 @@ WHERE b.escrow = :true AND p.id IN (
     SELECT j.period_id FROM attempts a JOIN journal j ON j.attempt_id = a.id
     WHERE a.state IN ('reserved', 'sending', 'unknown') AND j.kind = 'hold')"""
 
+#: The escrowed periods (any, open or closed) since ``since`` that were charged above
+#: their reservations: their ancestors' overrun rolls them in.
+ESCROWED_OVERRUNS = """
+SELECT p.budget_id, p.period_start, p.overrun
+FROM budget_periods p JOIN budgets b ON b.id = p.budget_id
+WHERE b.escrow = :true AND p.overrun > 0 AND p.period_start >= :since"""
+
 #: Each budget's parent: the tree a roll-up walks.
 BUDGET_PARENTS = "SELECT id, parent_id FROM budgets WHERE parent_id IS NOT NULL"
 

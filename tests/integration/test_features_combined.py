@@ -328,3 +328,21 @@ def test_a_parent_carries_what_its_tenants_slices_held_unused(
     assert view(ledger, "org") == (190, 0, 0, 190)
     ledger.calls.reserve("org", "all", 190)  # exactly the carry and the allowance
     assert ledger.audit(full=True) == []
+
+
+@pytest.mark.parametrize("escrow", [True, False])
+def test_a_parents_overrun_includes_its_tenants_with_escrow_or_without(
+    ledger: Ledger, clock: ManualClock, escrow: bool
+) -> None:
+    # Found by the model test: with escrow the tenant's charge is journalled in the
+    # tenant's period only, so the parent's own overrun counter never sees it.
+    ledger.create_budget("org", 1_000, period="day")
+    ledger.create_budget("team", 500, period="day", parent="org", escrow=escrow, slices=2)
+    charge(ledger, "team", "a", 10, 200)  # 190 over its reservation
+    charge(ledger, "team", "b", 50, 40)  # under: no overrun
+    rows = {r.budget: r for r in ledger.report()}
+    assert (rows["team"].overrun, rows["org"].overrun) == (190, 190)
+    assert view(ledger, "org") == (1_000, 240, 0, 760)
+    clock.advance(days=1)  # the next day: nothing over yet
+    ledger.calls.reserve("team", "c", 1)
+    assert {r.budget: r.overrun for r in ledger.report()} == {"org": 0, "team": 0}

@@ -525,9 +525,9 @@ class LedgerModel:
         """Rule (a delivery): a succeeded operation replays (None, nothing admitted); a
         failed one raises OperationFailed; otherwise its next attempt (``key#n``) is
         admitted and granted, and the operation runs. A refusal records its reason and
-        leaves the status as it was: a reopened operation stays reopened (its next
-        attempt is still ``manual``), so once the budget frees, the next delivery runs
-        it."""
+        leaves the operation ``pending`` (it waits for budget) with its next reason
+        kept: a reopened operation's next attempt is still ``manual``, so once the
+        budget frees, the next delivery runs it."""
         op = self.operations.setdefault(key, Operation(key))
         if op.status == "succeeded":
             return None
@@ -540,6 +540,7 @@ class LedgerModel:
             self.reserve(budget, attempt_key, amount, reason=op.next_reason, operation=key)
         except (BudgetExceeded, BudgetFrozen) as refused:
             op.refusal = f"{type(refused).__name__}: {refused.args}"
+            op.status = "pending"
             raise
         self.mark_sending(attempt_key)
         op.attempts.append(attempt_key)
@@ -552,10 +553,14 @@ class LedgerModel:
         self.settle(op.attempts[-1], actual)
         op.status = "succeeded"
 
-    def fail_operation(self, key: str, actual: int = 0) -> None:
-        """Rule (failure): the run's attempt is resolved at ``actual``; it failed."""
+    def fail_operation(self, key: str, actual: int | None = 0) -> None:
+        """Rule (failure): the run's attempt is resolved at ``actual`` (None: its outcome
+        is unknown, and it keeps its hold); the operation failed for good."""
         op = self.operation(key)
-        self.resolve(op.attempts[-1], actual)
+        if actual is None:
+            self.mark_unknown(op.attempts[-1], "the run failed mid-call")
+        else:
+            self.resolve(op.attempts[-1], actual)
         op.status = "failed"
 
     def reopen_operation(self, key: str) -> Operation:
@@ -565,7 +570,8 @@ class LedgerModel:
         op = self.operation(key)
         if op.status != "failed":
             raise CannotReopen(key, f"it is {op.status}")
-        if any(self.attempts[a].held for a in op.attempts):
+        # a hold of 0 is a hold: its call may have gone out, and may yet be charged
+        if any(self.attempts[a].state in HOLDING for a in op.attempts):
             raise CannotReopen(key, "a call still holds money")
         op.status, op.next_reason = "retryable", "manual"
         return op
@@ -589,7 +595,7 @@ class LedgerModel:
                 return f"period {name} {began:%Y-%m-%d} is open"
         for attempt in self.attempts.values():
             if not inside.isdisjoint(attempt.periods.items()):
-                if attempt.held:
+                if attempt.state in HOLDING:
                     return f"attempt {attempt.key} holds money"
                 op = self.operations.get(attempt.operation or "")
                 if op is not None and op.status not in ("succeeded", "failed"):

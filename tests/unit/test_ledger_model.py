@@ -273,7 +273,7 @@ def test_a_reopened_operation_refused_for_budget_runs_once_the_budget_frees() ->
     with pytest.raises(BudgetExceeded):
         model.deliver("op", "b", 60)
     op = model.operation("op")
-    assert (op.status, op.next_reason) == ("retryable", "manual")
+    assert (op.status, op.next_reason) == ("pending", "manual")
     assert op.refusal is not None and op.refusal.startswith("BudgetExceeded")
     model.release("other")
     assert model.deliver("op", "b", 60) == "op#2"
