@@ -17,6 +17,7 @@ from sqlalchemy import text
 from budget_tasks import Ledger, RetentionRefused
 from budget_tasks.beat import renew_periods
 from budget_tasks.errors import UnknownOperation
+from budget_tasks.ledger.records import CallAsk, CallEnd
 from budget_tasks.testing import ManualClock
 from budget_tasks.testing.harness import race
 
@@ -65,6 +66,36 @@ def spend(ledger: Ledger, budget: str, key: str, amount: int, actual: int) -> in
     ledger.calls.settle(f"{key}#1", actual)
     ledger.calls.finish_operation(start.operation_id, result={"ok": key})
     return start.operation_id
+
+
+def test_a_run_admitted_and_finished_in_one_commit_each_leaves_with_its_month(
+    ledger: Ledger, clock: ManualClock, tmp_path: Path
+) -> None:
+    # the hot path (one admission, one finish: each the server function's call on
+    # PostgreSQL) must leave its operation as retention finds every other
+    ledger.create_budget("daily", 10_000, period="day")
+    start = ledger.calls.admit(
+        "one",
+        fingerprint="f",
+        owner="me",
+        lease=timedelta(minutes=5),
+        max_runs=3,
+        call=CallAsk("daily", 100),
+        plan=lambda here: ("one#1", "first"),
+    )
+    assert start.call is not None and start.call.reservation is not None
+    end = ledger.calls.finish_operation(
+        start.operation_id, result={"ok": 1}, call=CallEnd("one#1", "settle", 90), owner="me"
+    )
+    assert end.status == "succeeded"
+    clock.advance(days=100)  # 20 April: January ended more than 60 days ago
+    renew_periods(ledger)  # closes January's periods
+    ran = ledger.upkeep.retain(KEEP, archive_to=tmp_path)
+    assert ran.archived == ("journal_y2026m01",)
+    assert (ran.attempts, ran.operations) == (1, 1)
+    with pytest.raises(UnknownOperation):
+        ledger.operation("one")
+    assert ledger.audit(full=True) == []
 
 
 def test_rows_go_to_their_periods_month_and_budgets_without_a_period_to_their_own(
