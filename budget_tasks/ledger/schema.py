@@ -174,6 +174,9 @@ budget_periods = Table(
     _partial("ix_budget_periods_open", "budget_id", "closed_at IS NULL"),
     # Added in migration 0015: the periods holding a grant (beat's return of idle grants).
     _partial("ix_budget_periods_drawn", "id", "drawn > 0"),
+    # Added in migration 0018: the periods charged above their reservations (few), which
+    # the report rolls up into their ancestors' overrun.
+    _partial("ix_budget_periods_overrun", "period_start", "overrun > 0"),
     CheckConstraint("cap >= 0", name="cap_not_negative"),
     CheckConstraint("held >= 0", name="held_not_negative"),
     CheckConstraint("spent >= 0", name="spent_not_negative"),
