@@ -130,6 +130,26 @@ def test_retention_keeps_a_month_whose_parent_periods_hold_a_later_attempts_mone
     assert pg.audit() == [] and pg.audit(full=True) == []
 
 
+def test_a_month_its_parent_closed_for_an_escrowed_tenant_leaves_and_still_carries(
+    pg: Ledger, nov_clock: ManualClock, tmp_path: Path
+) -> None:
+    """Found by the model test's long run: a parent's next month closes its escrowed
+    tenant's month, so retention may archive that month before the tenant opens its
+    next; the tenant's next month still carries what the archived one left."""
+    pg.upkeep.make_partitions(ahead=3)
+    pg.create_budget("org", 1_000, period="month")
+    pg.create_budget("team", 100, period="month", parent="org", escrow=True, renewal="rollover")
+    charge(pg, "team", "nov", 40, 40)  # 60 left unused in November
+    nov_clock.advance(days=12)  # 2 December
+    pg.upkeep.open_period("org")  # closes org's November and team's
+    done = pg.upkeep.retain(timedelta(days=1), archive_to=tmp_path)
+    assert "journal_y2026m11" in done.archived, done
+    assert view(pg, "team") == (160, 0, 0, 160)  # a preview: 100 + 60
+    pg.calls.reserve("team", "dec", 160)  # exactly what is there: admitted
+    assert view(pg, "team") == (160, 0, 160, 0)
+    assert pg.audit() == [] and pg.audit(full=True) == []
+
+
 # -- escrow with rollover ----------------------------------------------------------------
 
 

@@ -328,31 +328,40 @@ class LedgerModel:
 
     def _open(self, budget: Budget) -> Period:
         """Rule (opening): a period opens lazily (a reservation, admitted or refused,
-        set_cap, freeze, open_period, beat). Opening closes every earlier open period of
-        that budget only, and the one just before carries into it (``opening_cap``)
-        as it stands at that moment. That moment is this budget's own opening, whatever
-        other budgets of the tree opened before or after it."""
+        a delivery, set_cap, freeze, open_period, beat). Opening closes every earlier
+        open period of that budget and of the escrowed budgets below it (any depth:
+        an escrowed tenant's period ends with its parent's; a sliced budget that is
+        not escrowed keeps its own open), and the one just before carries into it
+        (``opening_cap``) as it stands at that moment. That moment is this budget's
+        own opening, whatever other budgets of the tree opened before or after it."""
         start = period_start(budget.period, self.now)
         if (budget.name, start) in self.periods:
             return self.periods[(budget.name, start)]
         cap, previous = self.opening_cap(budget, start)
         for period in self.periods.values():
-            if period.budget == budget.name and period.start < start:
+            if period.start < start and (
+                period.budget == budget.name or self._escrowed_below(period.budget, budget)
+            ):
                 period.closed = True
         if previous is not None:
             previous.carried_out = cap - budget.allowance
         opened = self.periods[(budget.name, start)] = Period(budget.name, start, cap)
         return opened
 
+    def _escrowed_below(self, name: str, above: Budget) -> bool:
+        """``name`` is escrowed and ``above`` is one of its ancestors."""
+        return self.budgets[name].escrow and any(b.name == above.name for b in self.chain(name)[1:])
+
     def opening_cap(self, budget: Budget, start: datetime) -> tuple[int, Period | None]:
         """Rule (renewal): ``reset`` opens at the allowance. ``rollover`` opens at
         max(allowance, min(ceiling, allowance + unused)), where unused is
-        max(0, cap - spent - held) of the period just before, rolled up. It only
-        counts if that period was opened and is still open (open holds are not
-        carried). Returns the cap and the period that carries into it."""
+        max(0, cap - spent - held) of the period just before, rolled up, as it stands
+        now (open holds are not carried). It only counts if that period was opened;
+        closed already by its parent's next period, it carries all the same. Returns
+        the cap and the period that carries into it."""
         before = previous_period_start(budget.period, start)
         previous = self.periods.get((budget.name, before)) if before else None
-        if budget.renewal == "reset" or previous is None or previous.closed:
+        if budget.renewal == "reset" or previous is None:
             return budget.allowance, None
         unused = max(0, self.available(previous))
         limit = budget.ceiling
@@ -527,7 +536,13 @@ class LedgerModel:
         admitted and granted, and the operation runs. A refusal records its reason and
         leaves the operation ``pending`` (it waits for budget) with its next reason
         kept: a reopened operation's next attempt is still ``manual``, so once the
-        budget frees, the next delivery runs it."""
+        budget frees, the next delivery runs it.
+
+        Every delivery first opens its budget chain's current periods, as any admission
+        does, whatever it then finds (a replay too): on a day beat did not renew, that
+        decides what a rollover budget's next period carries."""
+        for b in self.chain(budget):
+            self._open(b)
         op = self.operations.setdefault(key, Operation(key))
         if op.status == "succeeded":
             return None
