@@ -11,14 +11,16 @@ from typing import Any
 from .. import _validate as check
 from ..errors import (
     InvalidTransition,
+    RetentionRefused,
     UnknownAttempt,
     UnknownOperation,
 )
-from . import escrow, functions
+from . import escrow, functions, partitions
 from . import statements as sql
 from .base import Chain, Found, LedgerBase, _ids, attempt_row, made_now
 from .counters import _apply, _journal
 from .driver import Cursor
+from .periods import period_start
 from .records import (
     CallAdmission,
     CallAsk,
@@ -366,6 +368,27 @@ class Holds(LedgerBase):
         check.text(reason, "reason", max_length=10_000)
         return self._resolve(key, 0, "released", "release", reason, expected=expected)[0]
 
+    def _refuse_if_archived(self, cur: Cursor, key: str, attempt_id: int) -> None:
+        """A correction is refused where one of the attempt's periods (its budget's and
+        each ancestor's at its admission) lies in a month retention archived: that
+        period's rows are gone, and a correction of only the others would leave the
+        archived one short without a trace."""
+        archived = {self._driver.from_ts(row[1]) for row in cur.all(sql.ARCHIVES, {})}
+        if not archived:
+            return
+        found = cur.one(sql.ATTEMPT_ADMITTED, {"attempt_id": attempt_id})
+        assert found is not None  # locked above
+        budget, admitted = found[0], self._driver.from_ts(found[1])
+        for _, name, kind in self._chain(str(budget)):
+            if kind == "none":
+                continue  # its one period's rows are never archived
+            month = partitions.month_start(period_start(kind, admitted))  # type: ignore[arg-type]
+            if month in archived:
+                raise RetentionRefused(
+                    f"attempt {key!r} holds in a period of budget {name!r} in "
+                    f"{month:%Y-%m}, a month retention archived: a correction is refused"
+                )
+
     def adjust(
         self, key: str, delta: int, reason: str, *, ref: str | None = None, actor: str | None = None
     ) -> bool:
@@ -374,7 +397,8 @@ class Holds(LedgerBase):
         Recorded as a new journal entry, never an overwrite, in the attempt's own
         periods, naming ``actor`` (default: the OS user and host). ``ref`` (e.g. the
         provider's invoice line id) makes the correction idempotent: a second call with
-        the same ref returns False.
+        the same ref returns False. Refused (RetentionRefused) where one of its periods
+        lies in a month that retention archived.
         """
         actor = check.actor(actor)
         check.text(key, "key")
@@ -395,6 +419,7 @@ class Holds(LedgerBase):
                 sql.ADJUSTMENT_SEEN, {"attempt_id": attempt_id, "ref": ref}
             ):
                 return False
+            self._refuse_if_archived(cur, key, attempt_id)
             (charged,) = cur.one(sql.ATTEMPT_CHARGED, {"attempt_id": attempt_id}) or (0,)
             if charged + delta < 0:
                 raise ValueError(

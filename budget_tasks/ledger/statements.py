@@ -847,6 +847,11 @@ WHERE id >= :low_id AND id <= :high_id AND tableoid = to_regclass(:partition)"""
 
 ARCHIVES = "SELECT partition, month, journal_rows, kept_as FROM archives ORDER BY month"
 
+#: An attempt's budget and when it was admitted: the periods it holds in.
+ATTEMPT_ADMITTED = """
+SELECT b.name, a.created_at FROM attempts a JOIN budgets b ON b.id = a.budget_id
+WHERE a.id = :attempt_id"""
+
 _IN_MONTH = "period_start >= :start AND period_start < :end"
 _P_IN_MONTH = "p.period_start >= :start AND p.period_start < :end"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from budget_tasks import BudgetExceeded, Ledger
+from budget_tasks import BudgetExceeded, Ledger, RetentionRefused
 from budget_tasks.errors import BudgetExists, CapBelowCommitted, UnknownBudget
 from budget_tasks.testing import ManualClock
 
@@ -147,6 +147,37 @@ def test_a_month_its_parent_closed_for_an_escrowed_tenant_leaves_and_still_carri
     assert view(pg, "team") == (160, 0, 0, 160)  # a preview: 100 + 60
     pg.calls.reserve("team", "dec", 160)  # exactly what is there: admitted
     assert view(pg, "team") == (160, 0, 160, 0)
+    assert pg.audit() == [] and pg.audit(full=True) == []
+
+
+def test_a_correction_of_an_attempt_whose_parents_month_left_is_refused_not_halved(
+    pg: Ledger, nov_clock: ManualClock, tmp_path: Path
+) -> None:
+    """Found by the model test: a day tenant's attempt of Tuesday 1 December holds in
+    its parent's week of 30 November too. Once November is archived, the attempt stays
+    (its own period is December's), and a provider's correction was written to the
+    tenant's day alone: the parent's week never saw it. It is refused, typed."""
+    pg.upkeep.make_partitions(ahead=3)
+    nov_clock.advance(DEC_1 - nov_clock())
+    pg.create_budget("org", 1_000, period="week")
+    pg.create_budget("team", 1_000, period="day", parent="org")
+    charge(pg, "team", "k", 50, 50)
+    nov_clock.advance(days=40)  # 10 January: November ended over 35 days ago, December not
+    for name in ("org", "team"):
+        pg.upkeep.open_period(name)
+    done = pg.upkeep.retain(timedelta(days=35), archive_to=tmp_path)
+    assert done.archived == ("journal_y2026m11",), done
+    assert pg.attempt("k").state == "settled"  # its own period is December's: it stays
+    with pytest.raises(RetentionRefused, match="2026-11"):
+        pg.adjust("k", 5, "a late invoice line", ref="inv-1")
+    with pg.engine.connect() as conn:
+        day = conn.execute(
+            text(
+                "SELECT p.spent FROM budget_periods p JOIN budgets b ON b.id = p.budget_id"
+                " WHERE b.name = 'team' AND p.period_start = '2026-12-01T00:00:00+00:00'"
+            )
+        ).scalar_one()
+    assert day == 50  # nothing was written to either period
     assert pg.audit() == [] and pg.audit(full=True) == []
 
 

@@ -51,7 +51,7 @@ from hypothesis.stateful import (
 from sqlalchemy import text
 
 from budget_tasks import BudgetExceeded, BudgetFrozen, Ledger, cli
-from budget_tasks.errors import CannotReopen, CapBelowCommitted
+from budget_tasks.errors import CannotReopen, CapBelowCommitted, RetentionRefused, UnknownAttempt
 from budget_tasks.ledger import partitions
 from budget_tasks.ledger.operations import Decision, OperationStart
 from budget_tasks.ledger.periods import period_start
@@ -269,13 +269,19 @@ class Combined(RuleBasedStateMachine):
         if self.archived(self.model.attempts[key]):
             with pytest.raises(model.UnknownAttempt):
                 self.model.adjust(key, delta, "late")
-            return  # the ledger's attempt row may stay while its journal month is gone
+            # its row left with its month, or (its periods in two months) it stays and
+            # the correction is refused: never written to one period of the two
+            with pytest.raises((UnknownAttempt, RetentionRefused)):
+                self.ledger.adjust(self.real(key), delta, "late", ref="late")
+            event("correct: archived")
+            return
         if self.model.attempts[key].spent + delta < 0:
             return
         self.count += 1
         ref = f"r{self.count}"
         self.model.adjust(key, delta, ref)
-        assert self.ledger.adjust(self.real(key), delta, ref)
+        assert self.ledger.adjust(self.real(key), delta, "the provider's correction", ref=ref)
+        assert not self.ledger.adjust(self.real(key), delta, "the same again", ref=ref)
 
     # -- operations: what a task's deliveries and runs do ----------------------------------
 
