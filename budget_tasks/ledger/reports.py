@@ -3,7 +3,7 @@ and the audit of the counters against the journal."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -166,48 +166,50 @@ class _Below:
 Spans = Mapping[int, tuple[datetime, datetime | None]]
 
 
-def _below(cur: Cursor, *spans: Spans) -> list[dict[int, _Below]]:
+def _parents(cur: Cursor) -> dict[int, int]:
+    """Each budget's parent: the tree a roll-up walks."""
+    return {int(child): int(parent) for child, parent in cur.all(sql.BUDGET_PARENTS, {})}
+
+
+def _ancestors_inside(
+    parents: Mapping[int, int], budget_id: int, start: datetime, spans: Spans
+) -> Iterator[int]:
+    """The ancestors of ``budget_id`` whose span in ``spans`` contains ``start``."""
+    above = parents.get(budget_id)
+    while above is not None:
+        span = spans.get(above)
+        if span is not None and span[0] <= start and (span[1] is None or start < span[1]):
+            yield above
+        above = parents.get(above)
+
+
+def _below(cur: Cursor, parents: Mapping[int, int], *spans: Spans) -> list[dict[int, _Below]]:
     """For each map of ``spans`` (a budget's id: its period's start and end, None for
     no end), what the escrowed budgets under each budget have in the periods inside
-    that one; the tree and the periods in use are read once for all of them."""
-    parents = {int(child): int(parent) for child, parent in cur.all(sql.BUDGET_PARENTS, {})}
+    that one; the periods in use are read once for all of them."""
     sums: list[dict[int, list[int]]] = [{} for _ in spans]
     for budget_id, start, spent, held, drawn in cur.all(sql.ESCROWED_IN_USE, {"true": True}):
         start = cur.driver.from_ts(start)
-        above = parents.get(int(budget_id))
-        while above is not None:
-            for wanted, into in zip(spans, sums, strict=True):
-                span = wanted.get(above)
-                if span is None or start < span[0] or (span[1] is not None and start >= span[1]):
-                    continue
+        for wanted, into in zip(spans, sums, strict=True):
+            for above in _ancestors_inside(parents, int(budget_id), start, wanted):
                 added = into.setdefault(above, [0, 0, 0])
                 added[0] += drawn - spent
                 added[1] += held
                 added[2] += drawn - spent - held
-            above = parents.get(above)
     return [{b: _Below(*added) for b, added in into.items()} for into in sums]
 
 
-def _overrun_below(cur: Cursor, spans: Spans) -> dict[int, int]:
+def _overrun_below(cur: Cursor, parents: Mapping[int, int], spans: Spans) -> dict[int, int]:
     """What the escrowed budgets under each budget of ``spans`` were charged above
     their reservations in periods inside its one: without escrow the same charge is
     journalled in the budget's own period; with it, only in the tenant's."""
     if not spans:
         return {}
     since = cur.driver.ts(min(start for start, _ in spans.values()))
-    found = cur.all(sql.ESCROWED_OVERRUNS, {"true": True, "since": since})
-    if not found:
-        return {}
-    parents = {int(child): int(parent) for child, parent in cur.all(sql.BUDGET_PARENTS, {})}
     sums: dict[int, int] = {}
-    for budget_id, start, overrun in found:
-        start = cur.driver.from_ts(start)
-        above = parents.get(int(budget_id))
-        while above is not None:
-            span = spans.get(above)
-            if span is not None and span[0] <= start and (span[1] is None or start < span[1]):
-                sums[above] = sums.get(above, 0) + int(overrun)
-            above = parents.get(above)
+    for budget_id, start, overrun in cur.all(sql.ESCROWED_OVERRUNS, {"true": True, "since": since}):
+        for above in _ancestors_inside(parents, int(budget_id), cur.driver.from_ts(start), spans):
+            sums[above] = sums.get(above, 0) + int(overrun)
     return sums
 
 
@@ -239,7 +241,7 @@ class Reports(LedgerBase):
         at_start = {"budget_id": budget_id, "start": self._driver.ts(start)}
         with self._driver.transaction() as cur:
             row = cur.one(sql.BALANCE_AT, at_start)
-            below = _below(cur, {budget_id: _span(period, start)})[0] if row else {}
+            below = _below(cur, _parents(cur), {budget_id: _span(period, start)})[0] if row else {}
             if row is None:
                 renewal = cur.one(sql.BUDGET_RENEWAL, {"budget_id": budget_id})
                 assert renewal is not None  # the chain named it
@@ -255,7 +257,7 @@ class Reports(LedgerBase):
                 if prev is not None:
                     # what its escrowed budgets hold unused comes back before it carries
                     assert prev_start is not None
-                    [back] = _below(cur, {budget_id: _span(kind, prev_start)})
+                    [back] = _below(cur, _parents(cur), {budget_id: _span(kind, prev_start)})
                     unused = back.get(budget_id, _Below()).unused
                     counters = (prev[1], prev[2] - unused, prev[3])
                 cap = opening_cap(allowance, policy, ceiling, counters)
@@ -369,8 +371,9 @@ class Reports(LedgerBase):
                 if r.cur_id is None and r.prev_cap is not None
             }
             # one read of the periods in use for both
-            below, back = _below(tx, spans, carrying)
-            overrun_below = _overrun_below(tx, spans)
+            parents = _parents(tx)
+            below, back = _below(tx, parents, spans, carrying)
+            overrun_below = _overrun_below(tx, parents, spans)
         # A sliced budget's slices are its own rows: rolled into it, never listed.
         oldest: dict[int, datetime] = {}
         for r in rows:
