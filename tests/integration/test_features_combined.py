@@ -81,6 +81,20 @@ def charge(ledger: Ledger, budget: str, key: str, amount: int, actual: int) -> N
     ledger.calls.settle(key, actual)
 
 
+def period_figures(ledger: Ledger, name: str, day: str) -> tuple[int, int]:
+    """(spent, held) of ``name``'s period that began on ``day`` (UTC), open or closed,
+    as its own row has them."""
+    with ledger.engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT p.spent, p.held FROM budget_periods p JOIN budgets b ON b.id = p.budget_id"
+                " WHERE b.name = :name AND p.period_start = :start"
+            ),
+            {"name": name, "start": f"{day}T00:00:00+00:00"},
+        ).one()
+    return int(row[0]), int(row[1])
+
+
 def spent_and_held_on_slices(ledger: Ledger, name: str) -> None:
     """A budget of 1,000 in 4 slices that has spent 300 and holds 300."""
     ledger.create_budget(name, 1_000, slices=4)
@@ -117,14 +131,7 @@ def test_retention_keeps_a_month_whose_parent_periods_hold_a_later_attempts_mone
     assert any("holding money" in why for why in done.blocked["journal_y2026m11"])
     for key in ("u1", "u2"):
         pg.resolve_attempt(key, 80, note="the provider bill", by="operator")
-    with pg.engine.connect() as conn:
-        week = conn.execute(
-            text(
-                "SELECT p.spent, p.held FROM budget_periods p JOIN budgets b ON b.id = p.budget_id"
-                " WHERE b.name = 'org' AND p.period_start = '2026-11-30T00:00:00+00:00'"
-            )
-        ).one()
-    assert tuple(week) == (160, 0)
+    assert period_figures(pg, "org", "2026-11-30") == (160, 0)
     done = pg.upkeep.retain(timedelta(days=30), archive_to=tmp_path)
     assert "journal_y2026m11" in done.archived
     assert pg.audit() == [] and pg.audit(full=True) == []
@@ -170,14 +177,7 @@ def test_a_correction_of_an_attempt_whose_parents_month_left_is_refused_not_halv
     assert pg.attempt("k").state == "settled"  # its own period is December's: it stays
     with pytest.raises(RetentionRefused, match="2026-11"):
         pg.adjust("k", 5, "a late invoice line", ref="inv-1")
-    with pg.engine.connect() as conn:
-        day = conn.execute(
-            text(
-                "SELECT p.spent FROM budget_periods p JOIN budgets b ON b.id = p.budget_id"
-                " WHERE b.name = 'team' AND p.period_start = '2026-12-01T00:00:00+00:00'"
-            )
-        ).scalar_one()
-    assert day == 50  # nothing was written to either period
+    assert period_figures(pg, "team", "2026-12-01") == (50, 0)  # nothing was written
     assert pg.audit() == [] and pg.audit(full=True) == []
 
 

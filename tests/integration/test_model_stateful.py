@@ -54,7 +54,6 @@ from budget_tasks import BudgetExceeded, BudgetFrozen, Ledger, cli
 from budget_tasks.errors import CannotReopen, CapBelowCommitted, RetentionRefused, UnknownAttempt
 from budget_tasks.ledger import partitions
 from budget_tasks.ledger.operations import Decision, OperationStart
-from budget_tasks.ledger.periods import period_start
 from budget_tasks.ledger.records import CallAsk, CallEnd
 from budget_tasks.metrics import LedgerCollector
 from budget_tasks.testing import ManualClock
@@ -195,12 +194,7 @@ class Combined(RuleBasedStateMachine):
             k
             for k, op in self.model.operations.items()
             if op.status in statuses
-            and not any(self.archived(self.model.attempts[a]) for a in op.attempts)
-        )
-
-    def archived(self, attempt: model.Attempt) -> bool:
-        return any(
-            period_start("month", s) in self.model.archived for s in attempt.periods.values()
+            and not any(self.model.in_archived_month(self.model.attempts[a]) for a in op.attempts)
         )
 
     def refused_as(self, name: str, refused: Exception) -> Any:
@@ -266,7 +260,7 @@ class Combined(RuleBasedStateMachine):
     @rule(data=st.data(), delta=st.sampled_from([-20, -5, 5, 30]))
     def correct(self, data: st.DataObject, delta: int) -> None:
         key = data.draw(st.sampled_from(self.keys("settled")))
-        if self.archived(self.model.attempts[key]):
+        if self.model.in_archived_month(self.model.attempts[key]):
             with pytest.raises(model.UnknownAttempt):
                 self.model.adjust(key, delta, "late")
             # its row left with its month, or (its periods in two months) it stays and

@@ -504,7 +504,7 @@ class LedgerModel:
         (never below 0), in its own periods, once per ``ref``. An attempt that holds in
         an archived month left with it (UnknownAttempt)."""
         attempt = self.attempt(key)
-        if any(period_start("month", s) in self.archived for s in attempt.periods.values()):
+        if self.in_archived_month(attempt):
             raise UnknownAttempt(key)
         if not isinstance(delta, int) or isinstance(delta, bool) or delta == 0:
             raise ValueError(f"an adjustment is a non-zero int, not {delta!r}")
@@ -518,6 +518,10 @@ class LedgerModel:
         self._write("adjustment", attempt, spent=delta)
         self._give_back_carry(attempt)
         return True
+
+    def in_archived_month(self, attempt: Attempt) -> bool:
+        """One of the periods ``attempt`` holds in lies in a month retention archived."""
+        return any(period_start("month", s) in self.archived for s in attempt.periods.values())
 
     def _write(self, kind: str, attempt: Attempt, held: int = 0, spent: int = 0) -> None:
         """Rule (the journal): every change of held or spent is one journal row in each
