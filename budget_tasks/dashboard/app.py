@@ -28,7 +28,7 @@ from ..errors import (
     UnknownOperation,
 )
 from ..ledger import Ledger
-from ..ledger.schema import OPERATION_STATUSES
+from ..ledger.states import OPERATION_STATUSES
 from ..resolution import resolve_outcome
 from . import charts, views
 from .security import Guard, same_origin

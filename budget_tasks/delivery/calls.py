@@ -90,7 +90,7 @@ class Opened:
 
 
 @dataclass(frozen=True)
-class Found:
+class AnswerFound:
     """Reconciliation found the answer of the call's latest attempt: replay it."""
 
     attempt: AttemptRef
@@ -165,18 +165,18 @@ class CallPath:
             return None
         return site.key(here.count), site.reason(latest)
 
-    def open(self, site: CallSite, here: CallAdmission) -> Opened | Found:
+    def open(self, site: CallSite, here: CallAdmission) -> Opened | AnswerFound:
         """What the call's admission leaves to do: granted there already; or decided
         after what its position holds, then granted here. Raises Moved, Unresolved,
         GrantUnanswered, StepNotReplayable, or a refusal."""
         if here.reservation is not None:
             return self._granted(site, here.reservation)
         verdict = self._decide(site, here)
-        if isinstance(verdict, Found):
+        if isinstance(verdict, AnswerFound):
             return verdict
         return self._send(site, here.operation_id, verdict)
 
-    def _decide(self, site: CallSite, here: CallAdmission) -> Send | Found:
+    def _decide(self, site: CallSite, here: CallAdmission) -> Send | AnswerFound:
         """The one rule for what a call's latest attempt leaves (its writes are
         compare-and-set; one that finds another state raises Moved)."""
         here = self._take_over(site, here)
@@ -189,7 +189,7 @@ class CallPath:
             self._release(latest, "never sent; re-estimated", AttemptState.RESERVED)
         elif latest.state == AttemptState.SETTLED:
             if latest.answer is not None:
-                return Found(latest)
+                return AnswerFound(latest)
             if self._billed(site, latest) and not (
                 self.options.rerun_billed or site.next_reason == "manual"
             ):

@@ -48,7 +48,7 @@ from ..ledger import CallAdmission, CallAsk, CallEnd, CallFacts, CallLedger
 from ..ledger.operations import Decision, OperationStart, RunEnd, owner_id
 from ..ledger.records import PURGED_ERROR, AttemptRef
 from ..ledger.states import OperationStatus
-from .calls import CallPath, CallSite, Found, GrantUnanswered, Moved, Opened, Unresolved
+from .calls import AnswerFound, CallPath, CallSite, GrantUnanswered, Moved, Opened, Unresolved
 from .fates import (
     ErrorKind,
     HoldFate,
@@ -300,7 +300,7 @@ class OperationManager:
         except (BudgetTasksError, ValueError, TypeError) as exc:
             self._end_quietly(d, operation, OperationStatus.PENDING, str(exc))
             raise
-        if isinstance(opened, Found):
+        if isinstance(opened, AnswerFound):
             self._concluded(d, operation, None)
             return None
         return opened
@@ -593,7 +593,7 @@ class OperationManager:
                 raise before_send(lost.cause) from None
             except LedgerUnavailable as exc:
                 raise before_send(exc) from None
-            if isinstance(opened, Found):
+            if isinstance(opened, AnswerFound):
                 return self._found_call(scope, site, opened.attempt)
             described = ask.facts if opened.described else None
             return Call(

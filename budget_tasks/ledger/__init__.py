@@ -1,6 +1,7 @@
 """The reservation ledger (SQL only; this package never imports Celery)."""
 
-from .faces import CallLedger, Ledger, Upkeep, Views
+from .calls import CallLedger
+from .operator import Ledger
 from .oversight import OperationHistory
 from .periods import PERIODS, RENEWALS, Period, Renewal, period_start
 from .records import (
@@ -24,6 +25,8 @@ from .records import (
     Retained,
     SettledStats,
 )
+from .upkeep import Upkeep
+from .views import Views
 
 __all__ = [
     "PERIODS",

@@ -36,6 +36,7 @@ from sqlalchemy.types import TypeDecorator
 
 from .functions import FUNCTIONS_DDL
 from .partitions import FIXED_DDL
+from .states import ATTEMPT_REASONS, ATTEMPT_STATES, OPERATION_STATUSES
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -73,9 +74,6 @@ def _partial(name: str, column: str, where: str) -> Index:
     return Index(name, column, postgresql_where=text(where), sqlite_where=text(where))
 
 
-ATTEMPT_STATES = ("reserved", "sending", "settled", "released", "unknown")
-HOLDING_STATES = ("reserved", "sending", "unknown")
-ATTEMPT_REASONS = ("first", "redelivery", "rate_limited_retry", "unknown_resend", "manual")
 JOURNAL_KINDS = (
     "hold", "release", "charge", "adjustment", "cap", "freeze", "unfreeze", "reopen",
     "grant", "return",
@@ -253,8 +251,6 @@ attempts = Table(
     # Added in migration 0011
     _partial("ix_attempts_purgeable", "resolved_at", PURGEABLE["attempts"]),
 )
-
-OPERATION_STATUSES = ("pending", "running", "succeeded", "failed", "unknown", "retryable")
 
 # One business intent (a task's idempotency key), its stored outcome and its lease.
 operations = Table(

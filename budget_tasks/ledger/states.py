@@ -26,6 +26,10 @@ class OperationStatus(enum.StrEnum):
     RETRYABLE = "retryable"  # its attempts ended unbilled: the next delivery sends anew
 
 
+#: Why an attempt exists: a run's first, a redelivery's, a retry after a 429, a resend
+#: of an unknown outcome, an operator's.
+ATTEMPT_REASONS = ("first", "redelivery", "rate_limited_retry", "unknown_resend", "manual")
+
 #: The states an attempt may move to from each state.
 ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
     AttemptState.RESERVED: frozenset({AttemptState.SENDING, AttemptState.RELEASED}),
@@ -55,6 +59,10 @@ OPERATION_TRANSITIONS: dict[OperationStatus, frozenset[OperationStatus]] = {
 }
 
 HOLDING = frozenset({AttemptState.RESERVED, AttemptState.SENDING, AttemptState.UNKNOWN})
+#: The same as plain strings, in the order of the states: what SQL and the schema name.
+ATTEMPT_STATES = tuple(state.value for state in AttemptState)
+HOLDING_STATES = tuple(state.value for state in AttemptState if state in HOLDING)
+OPERATION_STATUSES = tuple(status.value for status in OperationStatus)
 #: An attempt in these states may have reached the provider and is not resolved.
 OPEN = frozenset({AttemptState.SENDING, AttemptState.UNKNOWN})
 FINISHED = frozenset({OperationStatus.SUCCEEDED, OperationStatus.FAILED})

@@ -31,7 +31,7 @@ from budget_tasks import BudgetTask, BudgetTasksError, Ledger
 from budget_tasks import _validate as check
 from budget_tasks import cli as cli_module
 from budget_tasks.ledger import CallAsk
-from budget_tasks.ledger.schema import ATTEMPT_REASONS, HOLDING_STATES
+from budget_tasks.ledger.states import ATTEMPT_REASONS, HOLDING_STATES
 from budget_tasks.pricing import Usage, default_prices, parse_prices
 from budget_tasks.providers import estimates
 

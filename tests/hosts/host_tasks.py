@@ -24,7 +24,7 @@ from celery.schedules import schedule
 from celery.signals import task_postrun, task_prerun
 
 import budget_tasks.config as ledger_config
-import budget_tasks.ledger.base as ledger_base
+import budget_tasks.ledger.store as ledger_base
 from budget_tasks import BudgetTask, Ledger
 from budget_tasks.providers import estimates, openai_chat
 from budget_tasks.wiring import BEAT_SCHEDULE

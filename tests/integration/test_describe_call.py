@@ -13,7 +13,7 @@ from celery import Celery
 
 from budget_tasks import BudgetTask, CallFacts, Ledger
 from budget_tasks.config import close_ledgers
-from budget_tasks.ledger.core import LedgerCore
+from budget_tasks.ledger import CallLedger
 from budget_tasks.providers import estimates, openai_chat, openai_client
 from budget_tasks.providers.calls import LOOKUP_OPENAI_CHAT
 from budget_tasks.testing import FakeProvider
@@ -83,7 +83,7 @@ def test_the_call_is_described_with_its_admission_and_the_helper_writes_nothing_
     def no_write(*_: Any, **__: Any) -> None:
         raise AssertionError("the call was described at admission: no write expected")
 
-    monkeypatch.setattr(LedgerCore, "describe_attempt", no_write)
+    monkeypatch.setattr(CallLedger, "describe_attempt", no_write)
     assert app.jobs["described"].delay("q3").get()
     before = app.seen["before"]
     assert (before.state, before.lookup, before.model) == ("sending", LOOKUP_OPENAI_CHAT, MODEL)

@@ -344,12 +344,12 @@ def test_an_admission_chosen_to_break_a_deadlock_runs_again(pg_url: str, pg_ledg
         )).all())  # fmt: skip
     other = psycopg.connect(pg_conninfo(pg_url))
     other.execute("UPDATE budget_periods SET cap = cap WHERE id = %s", (ids["a"],))
-    core = pg_ledger._core  # the retry under every admission
+    core = pg_ledger._store  # the retry under every admission
     runs: list[int] = []
 
     def body() -> str:
         runs.append(len(runs))
-        with core._driver.transaction() as cur:
+        with core.driver.transaction() as cur:
             cur.one("SELECT id FROM budget_periods WHERE id = :id FOR UPDATE", {"id": ids["b"]})
             cur.one("SELECT id FROM budget_periods WHERE id = :id FOR UPDATE", {"id": ids["a"]})
             return "admitted"
@@ -362,7 +362,7 @@ def test_an_admission_chosen_to_break_a_deadlock_runs_again(pg_url: str, pg_ledg
 
     closer = threading.Thread(target=the_other)
     closer.start()
-    assert core._deadlock_retried(body) == "admitted"
+    assert core.deadlock_retried(body) == "admitted"
     closer.join()
     other.close()
     assert runs == [0, 1]  # aborted once by the deadlock, then through

@@ -111,7 +111,8 @@ def test_holds_and_the_incremental_audit_never_scan_the_periods_history(
     _history(pg_ledger)
     _holds_in_flight(pg_ledger)
     from budget_tasks.ledger.reports import _holds_query
-    from budget_tasks.ledger.schema import HOLDING_STATES, attempts
+    from budget_tasks.ledger.schema import attempts
+    from budget_tasks.ledger.states import HOLDING_STATES
 
     query = _holds_query().where(attempts.c.state.in_(HOLDING_STATES))
     compiled = query.compile(dialect=pg.dialect(), compile_kwargs={"render_postcompile": True})

@@ -16,8 +16,8 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from budget_tasks import Ledger
-from budget_tasks.ledger.core import LedgerCore
 from budget_tasks.ledger.schema import metadata
+from budget_tasks.ledger.store import Store
 from budget_tasks.migrations import current, include_object, upgrade
 
 from ..services import check_postgres, pg_conninfo, scratch_database
@@ -110,7 +110,7 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
         assert a == b
         assert current(migrated) == HEAD
         # each made its own installation id, once
-        ids = [LedgerCore(url).installation_id() for url in (migrated, created)]
+        ids = [Store(url).installation_id() for url in (migrated, created)]
         assert ids[0] != ids[1] and all(len(i) == 32 for i in ids)
 
 

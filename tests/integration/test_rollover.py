@@ -213,7 +213,7 @@ def test_reading_tomorrows_balance_opens_nothing(url: str) -> None:
 
 def test_the_ledger_keeps_time_by_the_database(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A host whose clock is a day behind still reserves in the database's today."""
-    import budget_tasks.ledger.base as core
+    import budget_tasks.ledger.store as core
 
     real_now = core._utcnow
     monkeypatch.setattr(core, "_utcnow", lambda: real_now() - timedelta(days=1))

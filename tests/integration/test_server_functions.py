@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
+from budget_tasks import Ledger
 from budget_tasks.errors import BudgetTasksError
-from budget_tasks.ledger.core import LedgerCore
 from budget_tasks.ledger.driver import Declined
 from budget_tasks.ledger.records import CallAdmission, CallAsk, CallEnd, CallFacts
 from budget_tasks.migrations import upgrade
@@ -90,10 +90,11 @@ DUMPS = {
 }
 
 
-def _counted(ledger: LedgerCore) -> None:
+def _counted(ledger: Ledger) -> None:
     """Count what the function path does on this ledger (an instrument on the real
     driver: every call still goes to PostgreSQL)."""
-    call = ledger._driver.call
+    driver = ledger._store.driver
+    call = driver.call
 
     def counting(statement: str, params: Any) -> Any:
         try:
@@ -104,7 +105,7 @@ def _counted(ledger: LedgerCore) -> None:
         SEEN["ran"] += 1
         return row
 
-    ledger._driver.call = counting  # type: ignore[method-assign]
+    driver.call = counting  # type: ignore[method-assign]
 
 
 class ParityMachine(RuleBasedStateMachine):
@@ -115,7 +116,7 @@ class ParityMachine(RuleBasedStateMachine):
         self.clock = ManualClock()
         self.prefix = uuid.uuid4().hex[:8] + "-"
         self.ledgers = [
-            LedgerCore(url, clock=self.clock, server_functions=one_call)
+            Ledger(url, clock=self.clock, server_functions=one_call)
             for url, one_call in zip(self.urls, (True, False), strict=True)
         ]
         _counted(self.ledgers[0])
@@ -211,8 +212,8 @@ class ParityMachine(RuleBasedStateMachine):
             facts=CallFacts(lookup="resp", model="m-1", timeout=30, request="d" * 64),
         )
 
-        def admit(ledger: LedgerCore) -> Any:
-            start = ledger.admit(
+        def admit(ledger: Ledger) -> Any:
+            start = ledger.calls.admit(
                 key,
                 fingerprint=fp,
                 owner=owner,
@@ -254,8 +255,8 @@ class ParityMachine(RuleBasedStateMachine):
         _, holder, calls = self.ops[key]
         owner = holder if as_owner else next(o for o in OWNERS if o != holder)
 
-        def finish(ledger: LedgerCore) -> Any:
-            end = ledger.finish_operation(
+        def finish(ledger: Ledger) -> Any:
+            end = ledger.calls.finish_operation(
                 self.ids[key][self.side],
                 result={"k": key, "actual": actual},
                 call=CallEnd(calls[-1], "settle", actual=actual, ids=("req_1", "resp_1")),
@@ -273,8 +274,8 @@ class ParityMachine(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(ran))
         _, holder, calls = self.ops[key]
 
-        def fail(ledger: LedgerCore) -> Any:
-            end = ledger.fail_operation(
+        def fail(ledger: Ledger) -> Any:
+            end = ledger.calls.fail_operation(
                 self.ids[key][self.side],
                 owner=holder,
                 error="boom",
@@ -291,8 +292,10 @@ class ParityMachine(RuleBasedStateMachine):
         key = f"{self.prefix}r{self.count}"
         facts = CallFacts(model="m-1") if granted else None
 
-        def reserve(ledger: LedgerCore) -> Any:
-            made = ledger.reserve(self.prefix + name, key, amount, fingerprint="r", grant=facts)
+        def reserve(ledger: Ledger) -> Any:
+            made = ledger.calls.reserve(
+                self.prefix + name, key, amount, fingerprint="r", grant=facts
+            )
             return (made.key, made.budget, made.amount, made.state, made.created)
 
         if self.both(reserve)[0] == "ok":
@@ -305,7 +308,7 @@ class ParityMachine(RuleBasedStateMachine):
         if not keys:
             return
         key = data.draw(st.sampled_from(sorted(keys)))
-        self.both(lambda ledger: ledger.settle(key, actual, note=note, request_id="req_2"))
+        self.both(lambda ledger: ledger.calls.settle(key, actual, note=note, request_id="req_2"))
 
     @rule(name=st.sampled_from(NAMES), frozen=st.booleans())
     def freeze(self, name: str, frozen: bool) -> None:
@@ -320,7 +323,7 @@ class ParityMachine(RuleBasedStateMachine):
 
     @rule()
     def return_grants(self) -> None:
-        self.both(lambda ledger: ledger.return_grants(timedelta(0)))
+        self.both(lambda ledger: ledger.upkeep.return_grants(timedelta(0)))
 
     # -- invariants ----------------------------------------------------------------
 
@@ -344,7 +347,7 @@ def two_databases() -> Iterator[tuple[str, str]]:
     check_postgres()
     with scratch_database() as first, scratch_database() as second:
         for url in (first, second):
-            ledger = LedgerCore(url)
+            ledger = Ledger(url)
             ledger.create_schema()
             ledger.dispose()
         yield first, second
@@ -378,13 +381,13 @@ def test_a_database_without_the_functions_runs_the_statements_and_says_so_once(
     check_postgres()
     with scratch_database() as url:
         upgrade(url, "0015")  # a database migrated by the release before the functions
-        ledger = LedgerCore(url)
+        ledger = Ledger(url)
         try:
             ledger.create_budget("b", 1_000)
             with caplog.at_level(logging.WARNING, "budget_tasks.ledger"):
                 for n in range(2):
                     key = f"op{n}"
-                    start = ledger.admit(
+                    start = ledger.calls.admit(
                         key,
                         fingerprint="f",
                         owner="w",
@@ -394,7 +397,7 @@ def test_a_database_without_the_functions_runs_the_statements_and_says_so_once(
                         plan=lambda here, key=key: (f"{key}:0", "first"),
                     )
                     assert start.call is not None and start.call.reservation is not None
-                    end = ledger.finish_operation(
+                    end = ledger.calls.finish_operation(
                         start.operation_id,
                         result=n,
                         call=CallEnd(f"{key}:0", "settle", actual=40),

@@ -25,7 +25,7 @@ from budget_tasks import (
     SideEffectUncertain,
 )
 from budget_tasks.errors import InvalidTransition, OperationInProgress
-from budget_tasks.ledger.core import LedgerCore
+from budget_tasks.ledger import CallLedger
 from budget_tasks.providers import estimates, openai_chat, openai_client
 from budget_tasks.testing import FakeProvider
 
@@ -504,10 +504,10 @@ def test_a_dead_runs_labelled_call_is_resent_on_unknown_unless_it_moved(
     ledger.calls.mark_sending(step)
     if moved:
 
-        def moved_meanwhile(self: LedgerCore, key: str, *args: Any, **kwargs: Any) -> bool:
+        def moved_meanwhile(self: CallLedger, key: str, *args: Any, **kwargs: Any) -> bool:
             raise InvalidTransition(key, "settled", "mark it unknown")
 
-        monkeypatch.setattr(LedgerCore, "mark_unknown", moved_meanwhile)
+        monkeypatch.setattr(CallLedger, "mark_unknown", moved_meanwhile)
         with pytest.raises(OperationInProgress):
             one_step.delay("t").get()
         assert [s for s in fake.served() if s.method == "POST"] == []

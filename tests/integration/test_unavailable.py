@@ -16,7 +16,7 @@ from celery import Celery
 from budget_tasks import BudgetExceeded, BudgetTask, Ledger, LedgerUnavailable, OutcomeUnknown
 from budget_tasks.config import close_ledgers
 from budget_tasks.delivery import catch_up, owed
-from budget_tasks.ledger.core import LedgerCore
+from budget_tasks.ledger import CallLedger
 from budget_tasks.providers.calls import Sent
 from budget_tasks.testing import FakeProvider
 from budget_tasks.testing.harness import FaultProxy
@@ -347,15 +347,15 @@ def test_a_write_owed_through_an_outage_never_drops_the_hold_of_a_run_that_took_
     )
     time.sleep(0.05)
     grants: list[str] = []
-    grant = LedgerCore.mark_sending
+    grant = CallLedger.mark_sending
 
-    def grant_then_outage(self: LedgerCore, key: str, **kwargs: Any) -> None:
+    def grant_then_outage(self: CallLedger, key: str, **kwargs: Any) -> None:
         grants.append(key)
         if len(grants) == 1:
             proxy.cut()  # run A: the ledger goes away as the send is granted
         grant(self, key, **kwargs)
 
-    monkeypatch.setattr(LedgerCore, "mark_sending", grant_then_outage)
+    monkeypatch.setattr(CallLedger, "mark_sending", grant_then_outage)
     seen: dict[str, Any] = {}
 
     def job_of(app: Celery, body: Any) -> Any:

@@ -63,7 +63,7 @@ Clock = Callable[[], datetime]
 Chain = tuple[tuple[int, str, str], ...]
 
 
-class Found(NamedTuple):
+class HoldPlan(NamedTuple):
     """Where an admission holds, found before its transaction begins."""
 
     #: each budget's admitting period (id, start)
@@ -153,8 +153,10 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-class LedgerBase:
-    """What every part of :class:`~budget_tasks.Ledger` shares (see the module)."""
+class Store:
+    """The ledger's store: its engine and driver, the clocks, the caches of budget chains
+    and periods, and the write primitives every caller admits and settles with. Held
+    (never inherited) by each caller's class."""
 
     def __init__(
         self,
@@ -165,44 +167,44 @@ class LedgerBase:
         server_functions: bool = True,
         **engine_options: Any,
     ) -> None:
-        self._max_stored = stored_limit(max_stored_bytes)
+        self.max_stored = stored_limit(max_stored_bytes)
         self.engine = build_engine(url, **engine_options)
         self.url = self.engine.url.render_as_string(hide_password=True)
-        self._clock = clock
+        self.clock = clock
         #: The database's clock minus this host's, measured now and then: the ledger
         #: keeps time by the database, so that hosts whose clocks disagree still agree
         #: on which period a reservation falls in.
-        self._offset: timedelta | None = None
-        self._offset_at = 0.0
-        self._lock = threading.Lock()
+        self.offset: timedelta | None = None
+        self.offset_at = 0.0
+        self.lock = threading.Lock()
         # Budgets are never deleted or re-parented, and period rows never move, so
         # their ids are safe to cache for the life of the process.
-        self._chains: dict[str, tuple[tuple[int, str, str], ...]] = {}
-        self._period_ids: dict[tuple[int, datetime], tuple[int, datetime]] = {}
+        self.chains: dict[str, tuple[tuple[int, str, str], ...]] = {}
+        self.period_ids: dict[tuple[int, datetime], tuple[int, datetime]] = {}
         #: escrowed budget id -> its parent's id
-        self._escrowed: dict[int, int] = {}
+        self.escrowed: dict[int, int] = {}
         #: chain -> where its holds stop (see _escrow_of)
-        self._stops: dict[Chain, escrow.Escrow | None] = {}
+        self.stops: dict[Chain, escrow.Escrow | None] = {}
         #: a sliced budget's name -> (when read, its slices' names)
-        self._slice_names: dict[str, tuple[float, tuple[str, ...]]] = {}
-        self._dialect = self.engine.dialect.name
-        self._installation: str | None = None
-        self._driver = Driver(self.engine)
+        self.slice_names: dict[str, tuple[float, tuple[str, ...]]] = {}
+        self.dialect = self.engine.dialect.name
+        self.installation: str | None = None
+        self.driver = Driver(self.engine)
         #: PostgreSQL: a delivery's admission and a run's settlement are first sent as
         #: one statement each (see :mod:`.functions`); False sends only the statements.
-        self._functions = server_functions and not self._driver.sqlite
+        self.use_functions = server_functions and not self.driver.sqlite
 
     def __repr__(self) -> str:
         return f"Ledger({self.url!r})"
 
-    def _kept(self, encoded: str) -> str:
+    def kept_text(self, encoded: str) -> str:
         """What is stored of ``encoded`` (a result, an answer, for replay): itself, or
         past the size cap only its digest and size (see :func:`.records.not_kept`)."""
-        return kept(encoded, self._max_stored)
+        return kept(encoded, self.max_stored)
 
     def dispose(self) -> None:
         """Close this ledger's database connections."""
-        self._driver.close()
+        self.driver.close()
         self.engine.dispose()
 
     def create_schema(self) -> None:
@@ -210,29 +212,29 @@ class LedgerBase:
 
         Production PostgreSQL uses the migrations: ``budget-tasks db upgrade``.
         """
-        with self._driver.transaction() as cur:
+        with self.driver.transaction() as cur:
             metadata.create_all(cur.conn)
-            if not self._driver.sqlite:
+            if not self.driver.sqlite:
                 now = self.now()
                 partitions.make_months(cur, now, partitions.ahead_of(now))
 
     def installation_id(self) -> str:
         """This ledger's own id, made with its tables (and kept for good)."""
-        found = self._installation
+        found = self.installation
         if found is None:
-            with self._driver.transaction() as cur:
+            with self.driver.transaction() as cur:
                 row = cur.one(sql.INSTALLATION, {})
                 if row is None:
                     cur.run(
                         sql.INSERT_INSTALLATION,
                         {
                             "installation_id": new_installation_id(),
-                            "now": self._driver.ts(_utcnow()),
+                            "now": self.driver.ts(_utcnow()),
                         },
                     )
                     row = cur.one(sql.INSTALLATION, {})
             assert row is not None
-            found = self._installation = str(row[0])
+            found = self.installation = str(row[0])
         return found
 
     def provider_key(self, key: str) -> str:
@@ -247,21 +249,21 @@ class LedgerBase:
     def now(self) -> datetime:
         """The current time: the ``clock`` given, else the database's (this host's
         clock corrected by its offset from the database, measured every minute)."""
-        if self._clock is None:
-            return self._database_now()
-        now = self._clock()
+        if self.clock is None:
+            return self.database_now()
+        now = self.clock()
         if now.tzinfo is None:
             raise ValueError("the ledger clock must return timezone-aware datetimes")
         return now.astimezone(UTC)
 
-    def _database_now(self) -> datetime:
+    def database_now(self) -> datetime:
         local = _utcnow()
-        if self._dialect == "sqlite":
+        if self.dialect == "sqlite":
             return local  # the database is a file on this host: its clock is this one
-        since = time.monotonic() - self._offset_at
-        if self._offset is None or since > CLOCK_CHECK_SECONDS:
+        since = time.monotonic() - self.offset_at
+        if self.offset is None or since > CLOCK_CHECK_SECONDS:
             try:
-                with self._driver.transaction() as cur:  # connected (and pinged) first
+                with self.driver.transaction() as cur:  # connected (and pinged) first
                     before = _utcnow()
                     # clock_timestamp(): the time of this statement, not of the
                     # transaction's start; halfway through the round trip, the error is
@@ -271,20 +273,20 @@ class LedgerBase:
                 offset = theirs.astimezone(UTC) - (before + (after - before) / 2)
                 # Below what one measurement can tell apart, the clocks agree: keep this
                 # host's time (stamps then order with this host's other clocks).
-                self._offset = offset if abs(offset) > CLOCK_AGREEMENT else timedelta(0)
-                self._offset_at = time.monotonic()
+                self.offset = offset if abs(offset) > CLOCK_AGREEMENT else timedelta(0)
+                self.offset_at = time.monotonic()
             except LedgerUnavailable:
-                if self._offset is None:
+                if self.offset is None:
                     raise
-        assert self._offset is not None
-        return local + self._offset
+        assert self.offset is not None
+        return local + self.offset
 
-    def _chain(self, name: str) -> Chain:
+    def chain(self, name: str) -> Chain:
         """(id, name, period) of the budget and each ancestor, the budget first."""
-        chain = self._chains.get(name)
+        chain = self.chains.get(name)
         if chain is not None:
             return chain
-        with self._driver.transaction() as cur:
+        with self.driver.transaction() as cur:
             found: list[tuple[int, str, str]] = []
             escrowed: list[tuple[int, int]] = []
             row = cur.one(sql.BUDGET_LINK_BY_NAME, {"name": name})
@@ -299,82 +301,82 @@ class LedgerBase:
                     escrowed.append((int(budget_id), int(parent_id)))
                 row = cur.one(sql.BUDGET_LINK, {"budget_id": parent_id})
         chain = tuple(found)
-        with self._lock:
-            self._chains[name] = chain
+        with self.lock:
+            self.chains[name] = chain
             # Escrow is chosen when a budget is made and never changes: safe to keep.
-            self._escrowed.update(escrowed)
+            self.escrowed.update(escrowed)
         return chain
 
-    def _admission_chain(self, budget: str) -> Chain:
+    def admission_chain(self, budget: str) -> Chain:
         """The chain an admission on ``budget`` holds in: a sliced budget's is one of
         its slices' at random (each an escrowed budget under it), any other its own."""
-        chain = self._chain(budget)
-        names = self._slices_of(chain[0])
-        return self._chain(random.choice(names)) if names else chain
+        chain = self.chain(budget)
+        names = self.slices_of(chain[0])
+        return self.chain(random.choice(names)) if names else chain
 
-    def _slices_of(self, link: tuple[int, str, str]) -> tuple[str, ...]:
+    def slices_of(self, link: tuple[int, str, str]) -> tuple[str, ...]:
         budget_id, name, _ = link
-        cached = self._slice_names.get(name)
+        cached = self.slice_names.get(name)
         if cached is not None and time.monotonic() - cached[0] < SLICES_REREAD_SECONDS:
             return cached[1]
-        with self._driver.transaction() as cur:
+        with self.driver.transaction() as cur:
             row = cur.one(sql.BUDGET_LINK, {"budget_id": budget_id})
             count = 1 if row is None else int(row[5])
             names: tuple[str, ...] = ()
             if count > 1:
                 found = cur.all(sql.SLICE_NAMES, {"owner_id": budget_id, "slices": count})
                 names = tuple(str(r[0]) for r in found)
-        with self._lock:
-            self._slice_names[name] = (time.monotonic(), names)
+        with self.lock:
+            self.slice_names[name] = (time.monotonic(), names)
         return names
 
     @staticmethod
-    def _owner(chain: Chain) -> str:
+    def owner_of(chain: Chain) -> str:
         """The budget an admission on ``chain`` is for: a slice's owner, or its first."""
         name = chain[0][1]
         return chain[1][1] if len(chain) > 1 and is_slice_name(name) else name
 
-    def _escrow_of(self, chain: Chain) -> escrow.Escrow | None:
+    def escrow_of(self, chain: Chain) -> escrow.Escrow | None:
         """Where the chain's holds stop: its first escrowed budget, from the bottom
         (kept: a chain and its budgets' escrow never change)."""
-        if chain in self._stops:
-            return self._stops[chain]
+        if chain in self.stops:
+            return self.stops[chain]
         stop = None
         for depth, (budget_id, name, _) in enumerate(chain):
-            parent_id = self._escrowed.get(budget_id)
+            parent_id = self.escrowed.get(budget_id)
             if parent_id is not None:
                 above = sorted(chain[depth + 1 :])
                 stop = escrow.Escrow(budget_id, name, parent_id, tuple(above))
                 break
-        with self._lock:
-            self._stops[chain] = stop
+        with self.lock:
+            self.stops[chain] = stop
         return stop
 
-    def _period_id(self, budget_id: int, start: datetime) -> tuple[int, datetime]:
+    def period_id(self, budget_id: int, start: datetime) -> tuple[int, datetime]:
         """The id and start of the period admission uses when the clock says ``start``:
         that period, opened if new (closing every earlier one first); or, if a later
         period is open already (this host's clock is behind), that later one."""
-        cached = self._period_ids.get((budget_id, start))
+        cached = self.period_ids.get((budget_id, start))
         if cached is not None:
             return cached
-        with self._driver.transaction() as cur:
-            found = self._open_period(cur, budget_id, start)
-        with self._lock:
-            self._period_ids[(budget_id, start)] = found
+        with self.driver.transaction() as cur:
+            found = self.open_period_in(cur, budget_id, start)
+        with self.lock:
+            self.period_ids[(budget_id, start)] = found
         return found
 
-    def _forget_periods(self, budget_ids: Iterable[int]) -> None:
+    def forget_periods(self, budget_ids: Iterable[int]) -> None:
         ids = set(budget_ids)
-        with self._lock:
-            for slot in [slot for slot in self._period_ids if slot[0] in ids]:
-                del self._period_ids[slot]
+        with self.lock:
+            for slot in [slot for slot in self.period_ids if slot[0] in ids]:
+                del self.period_ids[slot]
 
-    def _open_period(self, cur: Cursor, budget_id: int, start: datetime) -> tuple[int, datetime]:
-        ts = self._driver.ts
+    def open_period_in(self, cur: Cursor, budget_id: int, start: datetime) -> tuple[int, datetime]:
+        ts = self.driver.ts
         at = {"budget_id": budget_id, "start": ts(start)}
         latest = cur.one(sql.LATEST_PERIOD_FROM, at)
         if latest is not None:
-            return int(latest[0]), self._driver.from_ts(latest[1])
+            return int(latest[0]), self.driver.from_ts(latest[1])
         renewal = cur.one(sql.BUDGET_RENEWAL, {"budget_id": budget_id})
         assert renewal is not None  # the chain named it
         period, budget_cap, policy, ceiling = renewal
@@ -411,23 +413,23 @@ class LedgerBase:
         assert row is not None
         return int(row[0]), start
 
-    def _holds(self, chain: Chain, now: datetime) -> Found:
+    def find_holds(self, chain: Chain, now: datetime) -> HoldPlan:
         """Each budget's admitting period at ``now``, the (budget, period) pairs to hold
         in, in budget-id order (the order every writer locks them in), and where the
         holds stop: the first escrowed budget from the bottom, whose ancestors see its
         grants, not each hold."""
         periods = {
-            budget_id: self._period_id(budget_id, period_start(period, now))  # type: ignore[arg-type]
+            budget_id: self.period_id(budget_id, period_start(period, now))  # type: ignore[arg-type]
             for budget_id, _, period in chain
         }
-        stop = self._escrow_of(chain)
+        stop = self.escrow_of(chain)
         # an escrowed budget's ancestors are the end of its chain: they are not held in
         held = chain if stop is None else chain[: len(chain) - len(stop.ancestors)]
         holds = sorted((budget_id, periods[budget_id][0]) for budget_id, _, _ in held)
-        return Found(periods, holds, stop)
+        return HoldPlan(periods, holds, stop)
 
-    def _admitting(
-        self, chain: Chain | None, body: Callable[[Cursor, Found | None, datetime], T]
+    def admitting(
+        self, chain: Chain | None, body: Callable[[Cursor, HoldPlan | None, datetime], T]
     ) -> T:
         """``body`` in one transaction, given the chain's admitting periods, found before
         it began (opening a period is a transaction of its own). Once more if a period
@@ -436,33 +438,33 @@ class LedgerBase:
         delivery's main call, a labelled call) goes through here."""
         for again in (False, True):
             now = self.now()
-            found = None if chain is None else self._holds(chain, now)
+            found = None if chain is None else self.find_holds(chain, now)
             try:
-                return self._deadlock_retried(partial(self._in_transaction, body, found, now))
+                return self.deadlock_retried(partial(self.in_transaction, body, found, now))
             except PeriodClosed:
                 if again or chain is None:
                     raise
-                self._forget_periods(budget_id for budget_id, _, _ in chain)
+                self.forget_periods(budget_id for budget_id, _, _ in chain)
         raise AssertionError("unreachable")
 
-    def _sent_alone(self, statement: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
+    def sent_alone(self, statement: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         """A call of one of the server-side functions (:mod:`.functions`), sent alone: its
         row; None where it declined (nothing was written: the caller runs the
         statement path). A database whose migrations predate the functions is told
         once, and then sent the statements only."""
         try:
-            row = self._driver.call(statement, params)
+            row = self.driver.call(statement, params)
         except Declined as declined:
             if declined.sqlstate == functions.UNDEFINED_FUNCTION:
                 log.warning(
                     "the ledger's database lacks its functions: run `budget-tasks db upgrade`"
                 )
-                self._functions = False
+                self.use_functions = False
             return None
         assert row is not None
         return row
 
-    def _settled_alone(
+    def settled_alone(
         self,
         key: str,
         actual: int,
@@ -479,7 +481,7 @@ class LedgerBase:
         :mod:`.functions`); with ``operation_id``, its operation ends succeeded with
         ``result`` under ``owner``'s lease, in the same statement. False where the
         function declined: nothing was written, the statement path decides."""
-        settled = self._sent_alone(
+        settled = self.sent_alone(
             functions.FINISH,
             {
                 "operation_id": operation_id,
@@ -497,31 +499,31 @@ class LedgerBase:
         if settled is None:
             return False
         if actual > settled[0]:
-            self._log_overrun(key, int(settled[0]), actual)
+            self.log_overrun(key, int(settled[0]), actual)
         return True
 
-    def _in_batches(self, statement: str, params: dict[str, Any]) -> int:
+    def in_batches(self, statement: str, params: dict[str, Any]) -> int:
         """Run ``statement`` (one batch of ``params["batch"]`` rows) until a batch is
         short, each batch committed; the rows it changed."""
         done = 0
         while True:
-            with self._driver.transaction() as cur:
+            with self.driver.transaction() as cur:
                 changed = cur.run(statement, params)
             done += changed
             if changed < params["batch"]:
                 return done
 
-    def _in_transaction(
+    def in_transaction(
         self,
-        body: Callable[[Cursor, Found | None, datetime], T],
-        found: Found | None,
+        body: Callable[[Cursor, HoldPlan | None, datetime], T],
+        found: HoldPlan | None,
         now: datetime,
     ) -> T:
-        with self._driver.transaction() as cur:
+        with self.driver.transaction() as cur:
             return body(cur, found, now)
 
     @staticmethod
-    def _deadlock_retried(run: Callable[[], T]) -> T:
+    def deadlock_retried(run: Callable[[], T]) -> T:
         """``run`` (one whole transaction), again after a short random wait if
         PostgreSQL aborted it to break a deadlock: the abort rolled back everything it
         wrote, so running it again is the documented remedy. Escrow locks a budget's
@@ -537,11 +539,11 @@ class LedgerBase:
                 time.sleep(random.uniform(0.0, 0.02 * (attempt + 1)))
         raise AssertionError("unreachable")
 
-    def _reserve_in(
+    def reserve_in(
         self,
         cur: Cursor,
         chain: Chain,
-        found: Found,
+        found: HoldPlan,
         row: dict[str, Any],
         now: datetime,
         call: CallFacts | None = None,
@@ -555,9 +557,9 @@ class LedgerBase:
         # A slice's attempt is its owner's: reads, replays and conflicts name the owner.
         # Its row names the slice, so that concurrent commits check references to
         # different budget rows (one row's many key-share lockers make MultiXacts).
-        owner = self._owner(chain)
+        owner = self.owner_of(chain)
         names = {budget_id: name for budget_id, name, _ in chain}
-        stamp = self._driver.ts(now)
+        stamp = self.driver.ts(now)
         granted = call is not None
         # The attempt row goes first: a key that exists stops here, before any hold.
         inserted = cur.one(
@@ -572,19 +574,19 @@ class LedgerBase:
                 "model": call.model if call is not None else None,
                 "timeout_ms": call.timeout_ms if call is not None else None,
                 "request_digest": call.request if call is not None else None,
-                **_bound_params(call),
+                **bound_params(call),
             },
         )
         if inserted is None:
-            return self._existing(cur, key, owner, amount, row["fingerprint"])
+            return self.existing(cur, key, owner, amount, row["fingerprint"])
         for _, period_id in holds:
             _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
-        self._admit_in(cur, found, amount, names, stamp)
+        self.admit_in(cur, found, amount, names, stamp)
         return made_now(owner, periods[chain[0][0]][1], row, call)
 
     @staticmethod
-    def _admit_in(
-        cur: Cursor, found: Found, amount: int, names: dict[int, str], stamp: Any
+    def admit_in(
+        cur: Cursor, found: HoldPlan, amount: int, names: dict[int, str], stamp: Any
     ) -> None:
         """Admit ``amount`` in each (budget, period) the admission holds in, each checked
         and written by one conditional UPDATE (the escrowed one within its grant,
@@ -609,7 +611,7 @@ class LedgerBase:
                 raise BudgetFrozen(names[budget_id])
             raise BudgetExceeded(names[budget_id], amount, int(available))
 
-    def _existing(
+    def existing(
         self,
         cur: Cursor,
         key: str,
@@ -628,10 +630,10 @@ class LedgerBase:
             if recorded != requested:
                 raise IdempotencyConflict(key, field, recorded, requested)
         return Reservation(
-            key, budget, amount, self._driver.from_ts(start), state, reason, fingerprint, False
+            key, budget, amount, self.driver.from_ts(start), state, reason, fingerprint, False
         )
 
-    def _mark_unknown_in(
+    def mark_unknown_in(
         self,
         cur: Cursor,
         key: str,
@@ -659,7 +661,7 @@ class LedgerBase:
             raise InvalidTransition(key, state[0], "mark unknown")
         return False
 
-    def _log_overrun(self, key: str, amount: int, actual: int) -> None:
+    def log_overrun(self, key: str, amount: int, actual: int) -> None:
         log.warning(
             "overrun on attempt %s: reserved %d, charged %d (+%d)",
             key,
@@ -668,7 +670,7 @@ class LedgerBase:
             actual - amount,
         )
 
-    def _release_in(
+    def release_in(
         self,
         cur: Cursor,
         key: str,
@@ -677,8 +679,8 @@ class LedgerBase:
         *,
         expected: str | None = None,
         journal_note: str | None = None,
-    ) -> _Resolution:
-        return self._resolve_in(
+    ) -> Resolution:
+        return self.resolve_in(
             cur,
             key,
             0,
@@ -690,7 +692,7 @@ class LedgerBase:
             journal_note=journal_note,
         )
 
-    def _resolve(
+    def resolve(
         self,
         key: str,
         actual: int,
@@ -702,9 +704,9 @@ class LedgerBase:
         expected: str | None = None,
         ids: tuple[str | None, str | None] = (None, None),
     ) -> tuple[bool, int]:
-        stamp = self._driver.ts(self.now())
-        with self._driver.transaction() as cur:
-            resolution = self._resolve_in(
+        stamp = self.driver.ts(self.now())
+        with self.driver.transaction() as cur:
+            resolution = self.resolve_in(
                 cur,
                 key,
                 actual,
@@ -719,7 +721,7 @@ class LedgerBase:
             resolution.apply(cur)
         return resolution.applied, resolution.amount
 
-    def _resolve_in(
+    def resolve_in(
         self,
         cur: Cursor,
         key: str,
@@ -736,7 +738,7 @@ class LedgerBase:
         ids: tuple[str | None, str | None] = (None, None),
         actor: str | None = None,
         journal_note: str | None = None,
-    ) -> _Resolution:
+    ) -> Resolution:
         """Journal and resolve the attempt (compare-and-set on the state read under its
         row lock); the caller applies the counters last. ``if_resolved="top_up"``: an
         attempt resolved meanwhile (by reconciliation, an operator) keeps its charge,
@@ -753,14 +755,14 @@ class LedgerBase:
         periods = [period_id for *_, period_id in rows]
         if current in ("settled", "released"):
             if charged == actual:
-                return _Resolution(False, amount, actual, [], key)
+                return Resolution(False, amount, actual, [], key)
             if if_resolved != "top_up":
                 raise SettlementConflict(key, charged, actual)
             if actual > charged:
                 why = f"a run reported {actual} after the attempt was {current} at {charged}"
                 _top_up(cur, attempt_id, periods, actual - charged, why, stamp)
                 log.warning("attempt %s: %s; +%d as an adjustment", key, why, actual - charged)
-            return _Resolution(False, amount, charged, [], key)
+            return Resolution(False, amount, charged, [], key)
         if expected is not None and current != expected:
             raise InvalidTransition(key, current, f"{state} it as {expected} (it changed)")
         if not attempt_may(current, state):
@@ -793,7 +795,7 @@ class LedgerBase:
             },
         )
         assert done == 1  # the row is locked (SQLite: the whole database is)
-        return _Resolution(True, int(amount), actual, periods, key, stamp)
+        return Resolution(True, int(amount), actual, periods, key, stamp)
 
 
 def _top_up(
@@ -805,13 +807,13 @@ def _top_up(
         _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id}, stamp)
 
 
-def _ids(request_id: str | None, response_id: str | None) -> tuple[str | None, str | None]:
+def checked_ids(request_id: str | None, response_id: str | None) -> tuple[str | None, str | None]:
     check.optional_text(request_id, "request_id")
     check.optional_text(response_id, "response_id", max_length=255)
     return request_id, response_id
 
 
-def _bound_params(call: CallFacts | None) -> dict[str, int | None]:
+def bound_params(call: CallFacts | None) -> dict[str, int | None]:
     bound = call.bound if call is not None else None
     return {
         "input_bound": bound.input_tokens if bound is not None else None,
@@ -820,7 +822,7 @@ def _bound_params(call: CallFacts | None) -> dict[str, int | None]:
 
 
 @dataclass(frozen=True, slots=True)
-class _Resolution:
+class Resolution:
     """A settlement written to the journal, whose counters are still to be applied."""
 
     applied: bool
@@ -841,7 +843,7 @@ class _Resolution:
             )
 
 
-def _attempt(r: Row[Any]) -> Attempt:
+def attempt_of(r: Row[Any]) -> Attempt:
     return Attempt(
         key=r.key,
         budget=r.budget,
