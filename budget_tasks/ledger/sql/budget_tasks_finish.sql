@@ -1,0 +1,78 @@
+CREATE OR REPLACE FUNCTION budget_tasks_finish(
+    p_operation_id bigint, p_owner text, p_key text, p_actual bigint,
+    p_estimate_only boolean, p_note text, p_request_id text, p_response_id text,
+    p_result text, p_now timestamptz, OUT amount bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    made bigint;
+    was text;
+    recorded bigint;
+    periods bigint[];
+    hold bigint;
+    status_was text;
+    owner_was text;
+    after record;
+BEGIN
+    -- the attempt first, then its operation: the order every writer locks them in
+    SELECT a.id, a.amount, a.state, a.recorded_actual INTO made, amount, was, recorded
+    FROM attempts a WHERE a.key = p_key FOR UPDATE;
+    IF NOT FOUND OR was <> 'sending' OR p_actual < COALESCE(recorded, 0) THEN
+        RAISE EXCEPTION USING ERRCODE = 'BT001', MESSAGE = 'the attempt is not sending, or recorded more';
+    END IF;
+    IF p_operation_id IS NOT NULL THEN
+        SELECT status, lease_owner INTO status_was, owner_was
+        FROM operations WHERE id = p_operation_id FOR UPDATE;
+        IF status_was IS DISTINCT FROM 'running' OR owner_was IS DISTINCT FROM p_owner THEN
+            RAISE EXCEPTION USING ERRCODE = 'BT001', MESSAGE = 'the run does not hold the lease';
+        END IF;
+        -- read by the operation's index (its attempts are few; a state index would
+        -- walk every entry a state ever had until a vacuum)
+        IF (SELECT bool_or(state = 'reserved') FROM attempts
+            WHERE operation_id = p_operation_id) THEN
+            RAISE EXCEPTION USING ERRCODE = 'BT001', MESSAGE = 'holds of the operation are still to release';
+        END IF;
+    END IF;
+    -- its holds' periods by budget id (statements.LOCK_ATTEMPT), each period read by
+    -- its key: an attempt holds in one to a few
+    SELECT array_agg(j.period_id ORDER BY (SELECT p.budget_id FROM budget_periods p
+                                           WHERE p.id = j.period_id))
+    INTO periods FROM journal j WHERE j.attempt_id = made AND j.kind = 'hold';
+    FOREACH hold IN ARRAY periods LOOP
+        INSERT INTO journal
+        (attempt_id, period_id, kind, held_delta, spent_delta, note, ref, created_at,
+         actor, drawn_delta, granted_delta, cap_delta, period_start)
+    VALUES (made, hold, 'charge', -amount, p_actual, p_note, NULL, p_now, NULL,
+            0, 0, 0,
+            (SELECT period_start FROM budget_periods WHERE id = hold));
+    END LOOP;
+    -- statements.RESOLVE_ATTEMPT
+    UPDATE attempts SET state = 'settled', actual = p_actual, resolved_at = p_now,
+        note = COALESCE(p_note, note), estimate_only = p_estimate_only,
+        request_id = COALESCE(request_id, p_request_id),
+        response_id = COALESCE(response_id, p_response_id)
+    WHERE id = made;  -- locked above, and read as sending
+    -- statements.SET_OPERATION: succeeded, the run's lease given back, its run ended
+    IF p_operation_id IS NOT NULL THEN
+        UPDATE operations SET status = 'succeeded', result = COALESCE(p_result, result),
+            error = NULL, next_reason = NULL, lease_owner = NULL, lease_expires_at = NULL,
+            updated_at = p_now, completed_at = p_now,
+            runs = CASE WHEN runs > 0 THEN runs - 1 ELSE runs END
+        WHERE id = p_operation_id;
+    END IF;
+    -- statements.APPLY_SETTLEMENT, and what must follow it is the statement path's
+    FOREACH hold IN ARRAY periods LOOP
+        UPDATE budget_periods SET held = held - amount, spent = spent + p_actual,
+            overrun = overrun + CASE WHEN p_actual > amount THEN p_actual - amount ELSE 0 END
+        WHERE id = hold
+        RETURNING (SELECT escrow FROM budgets WHERE budgets.id = budget_id) AS escrowed,
+            (drawn - spent - held) AS room, carried_out AS carried, (cap - spent - held - granted) AS available,
+            closed_at AS closed
+        INTO after;
+        IF (after.escrowed AND after.room < 0)
+           OR (after.escrowed AND after.room > 0 AND after.closed IS NOT NULL)
+           OR (after.carried > 0 AND after.available < after.carried) THEN
+            RAISE EXCEPTION USING ERRCODE = 'BT001', MESSAGE = 'the charge draws past a grant, returns one or takes back a carry';
+        END IF;
+    END LOOP;
+END
+$$
