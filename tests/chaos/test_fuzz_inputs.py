@@ -30,6 +30,7 @@ from sqlalchemy import text
 from budget_tasks import BudgetTask, BudgetTasksError, Ledger
 from budget_tasks import _validate as check
 from budget_tasks import cli as cli_module
+from budget_tasks.config import LEDGER_URL_ENV
 from budget_tasks.ledger import CallAsk
 from budget_tasks.ledger.states import ATTEMPT_REASONS, HOLDING_STATES
 from budget_tasks.pricing import Usage, default_prices, parse_prices
@@ -869,7 +870,7 @@ def run_cli(url: str, args: list[str]) -> tuple[int, str]:
     """The ``budget-tasks`` entry point (cli.run, which maps bad input to exit 2), in
     process, with its output captured by click's CliRunner."""
     runner = CliRunner()
-    with runner.isolation(env={cli_module.LEDGER_URL_ENV: url}) as (_, err, _output):
+    with runner.isolation(env={LEDGER_URL_ENV: url}) as (_, err, _output):
         argv = sys.argv
         sys.argv = ["budget-tasks", *args]
         try:

@@ -51,6 +51,7 @@ from hypothesis.stateful import (
 from sqlalchemy import text
 
 from budget_tasks import BudgetExceeded, BudgetFrozen, Ledger, cli
+from budget_tasks.cli import _common as cli_common
 from budget_tasks.errors import CannotReopen, CapBelowCommitted, RetentionRefused, UnknownAttempt
 from budget_tasks.ledger import partitions
 from budget_tasks.ledger.operations import Decision, OperationStart
@@ -529,12 +530,12 @@ class Combined(RuleBasedStateMachine):
 
     def status(self) -> dict[str, dict[str, Any]]:
         """``budget-tasks status --json``, run by click on this ledger."""
-        opened = cli._ledger
-        cli._ledger = lambda url: self.ledger
+        opened = cli_common.open_ledger
+        cli_common.open_ledger = lambda url: self.ledger
         try:
             shown = CliRunner().invoke(cli.main, ["status", "--json", "--ledger-url", "x"])
         finally:
-            cli._ledger = opened
+            cli_common.open_ledger = opened
         assert shown.exit_code == 0, shown.output
         keep = ("cap", "spent", "held", "available", "overrun", "frozen")
         return {row["budget"]: {k: row[k] for k in keep} for row in json.loads(shown.output)}

@@ -65,7 +65,7 @@ def imports_of(package: str) -> set[str]:
         # metrics and tracing are hooks sinks: nothing they observe imports them
         ("task.py", (".metrics", ".tracing", ".dashboard", "starlette")),
         ("beat.py", (".metrics", ".tracing", ".task", ".dashboard", "starlette")),
-        ("cli.py", (".metrics", ".tracing", ".task")),
+        ("cli", ("..metrics", "..tracing", "..task")),
         ("config.py", (".task", ".metrics", "celery")),
         ("hooks.py", (".metrics", ".tracing", ".task", ".ledger", "celery", "opentelemetry")),
         ("metrics.py", (".task", ".delivery")),

@@ -1,0 +1,5 @@
+"""``python -m budget_tasks.cli``."""
+
+from . import run
+
+run()
