@@ -44,7 +44,7 @@ from benchmarks.ledger_bench import (  # noqa: E402
     scratch_database,
 )
 from budget_tasks import Ledger  # noqa: E402
-from budget_tasks.testing.harness import race  # noqa: E402
+from budget_tasks.demo.processes import race  # noqa: E402
 
 TARGET = 0.9
 SHAPES = (

@@ -38,8 +38,8 @@ from datetime import UTC, datetime
 import psycopg
 
 from budget_tasks import CallFacts, Ledger
+from budget_tasks.demo.processes import race
 from budget_tasks.ledger import statements as sql
-from budget_tasks.testing.harness import race
 
 ADMIN_URL = os.environ.get(
     "BUDGET_TASKS_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"

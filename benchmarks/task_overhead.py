@@ -34,8 +34,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from budget_tasks import Ledger  # noqa: E402
+from budget_tasks.demo.processes import worker_env  # noqa: E402
 from budget_tasks.testing import FakeProvider  # noqa: E402
-from budget_tasks.testing.harness import worker_env  # noqa: E402
 from tests.workers import Worker  # noqa: E402
 
 ADMIN_URL = os.environ.get(

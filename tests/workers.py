@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from budget_tasks.testing.worker import Worker as _Worker
+from tests.support import Worker as _Worker
 
 ROOT = Path(__file__).resolve().parents[1]
 

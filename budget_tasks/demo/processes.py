@@ -4,11 +4,6 @@ run in many OS processes released at the same instant."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from multiprocessing.queues import Queue
-from multiprocessing.synchronize import Barrier
-from pathlib import Path
-from typing import Any
 import multiprocessing
 import os
 import signal
@@ -16,6 +11,11 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
+from pathlib import Path
+from typing import Any
 
 
 def worker_env(

@@ -35,8 +35,8 @@ from ..delivery.keys import step_key
 from ..ledger import Ledger
 from ..providers import estimates
 from ..testing import FakeProvider
-from ..testing.harness import Worker, wait_for, worker_env
 from .checks import Checks, budget_rows, render_table
+from .processes import Worker, wait_for, worker_env
 
 Echo = Callable[[str], None]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import BudgetExceeded, BudgetFrozen
 from ..ledger import Ledger
-from ..testing.harness import race
+from .processes import race
 
 Echo = Callable[[str], None]
 

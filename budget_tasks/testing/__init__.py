@@ -2,8 +2,8 @@
 pytest plugin (:mod:`.pytest_plugin`, loaded by pytest on its own: fixtures
 ``budget_ledger``, ``fake_llm``, ``budget_eager``).
 
-budget-tasks' own harness (worker processes, the fault proxy, races) is apart, in
-:mod:`budget_tasks.testing.harness`, and is not part of this API.
+budget-tasks' own test harness (worker processes, a fault proxy, races) is not
+shipped: it lives in the project's ``tests/support/``.
 """
 
 from .clock import ManualClock

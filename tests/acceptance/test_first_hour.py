@@ -33,7 +33,7 @@ import pytest
 import redis
 
 from budget_tasks import Ledger
-from budget_tasks.testing.harness import wait_for
+from tests.support import wait_for
 
 from ..demo_output import check_embedded_demo
 from ..services import REDIS_HOST, REDIS_PORT, check_postgres, check_redis, scratch_database

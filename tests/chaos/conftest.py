@@ -21,7 +21,7 @@ from celery import Celery
 
 from budget_tasks import Ledger
 from budget_tasks.testing import FakeProvider
-from budget_tasks.testing.harness import worker_env
+from tests.support import worker_env
 
 from ..services import missing
 from ..workers import Worker

@@ -30,7 +30,7 @@ from budget_tasks import Ledger
 from budget_tasks.delivery import PERSIST_DELAYS
 from budget_tasks.providers import estimates
 from budget_tasks.testing import FakeProvider
-from budget_tasks.testing.harness import worker_env
+from tests.support import worker_env
 
 from ..integration.worker_tasks import fixed_request
 from ..services import REDIS_HOST, REDIS_PORT, check_redis

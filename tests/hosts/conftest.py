@@ -33,8 +33,7 @@ from sqlalchemy.engine import URL, make_url
 
 from budget_tasks import Ledger
 from budget_tasks.testing import FakeProvider
-from budget_tasks.testing.harness import worker_env
-from budget_tasks.testing.proxy import FaultProxy
+from tests.support import FaultProxy, worker_env
 
 from ..chaos.conftest import celery_client
 from ..services import REDIS_HOST, REDIS_PORT, check_redis, missing

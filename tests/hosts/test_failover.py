@@ -28,7 +28,7 @@ from sqlalchemy import text
 
 from budget_tasks import Ledger, LedgerUnavailable
 from budget_tasks.testing import FakeProvider
-from budget_tasks.testing.harness import wait_for
+from tests.support import wait_for
 
 from ..chaos.invariants import (
     check_audit_and_caps,

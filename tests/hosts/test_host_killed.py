@@ -19,7 +19,7 @@ from sqlalchemy import text
 
 from budget_tasks import Ledger
 from budget_tasks.testing import FakeProvider
-from budget_tasks.testing.harness import wait_for
+from tests.support import wait_for
 
 from .host_tasks import LEASE_SECONDS
 

@@ -17,7 +17,7 @@ from celery import Celery
 
 from budget_tasks import Ledger
 from budget_tasks.testing import FakeProvider
-from budget_tasks.testing.harness import wait_for
+from tests.support import wait_for
 
 from .test_host_killed import lease, requests_for
 

@@ -33,7 +33,7 @@ from sqlalchemy import text
 from budget_tasks import Ledger
 from budget_tasks.ledger.periods import opening_cap
 from budget_tasks.testing import FakeProvider
-from budget_tasks.testing.harness import wait_for
+from tests.support import wait_for
 
 from ..chaos.invariants import check_no_hold_lost
 from ..services import REDIS_HOST, REDIS_PORT

@@ -14,7 +14,7 @@ from celery import Celery
 
 from budget_tasks import Ledger
 from budget_tasks.testing import FakeProvider
-from budget_tasks.testing.harness import worker_env
+from tests.support import worker_env
 
 from ..hostile_gateway import HostileGateway
 from ..services import REDIS_HOST, REDIS_PORT, check_redis

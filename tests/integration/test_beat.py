@@ -29,7 +29,7 @@ from budget_tasks.ledger.leases import owner_id, this_process
 from budget_tasks.providers import estimates, openai_chat, openai_client
 from budget_tasks.providers.calls import LOOKUP_ANTHROPIC_MESSAGES, LOOKUP_OPENAI_CHAT
 from budget_tasks.testing import FakeProvider, ManualClock
-from budget_tasks.testing.harness import race
+from tests.support import race
 
 PROMPT = {
     "model": "gpt-4o-mini",

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 from budget_tasks import BudgetExceeded, Ledger
-from budget_tasks.testing.harness import race
+from tests.support import race
 
 
 def reserve_once(url: str, key: str, amount: int) -> bool:

@@ -15,7 +15,7 @@ from budget_tasks import BudgetExceeded, BudgetFrozen, Ledger
 from budget_tasks.ledger.escrow import GRANT_SHARE
 from budget_tasks.ledger.schema import budget_periods, journal
 from budget_tasks.testing import ManualClock
-from budget_tasks.testing.harness import race
+from tests.support import race
 
 from .test_concurrency import churn, reserve_many
 

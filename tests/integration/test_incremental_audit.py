@@ -15,7 +15,7 @@ from sqlalchemy import text
 from budget_tasks import Ledger
 from budget_tasks.ledger import statements as sql
 from budget_tasks.testing import ManualClock
-from budget_tasks.testing.harness import race
+from tests.support import race
 
 from ..services import pg_conninfo
 

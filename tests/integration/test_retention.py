@@ -19,7 +19,7 @@ from budget_tasks.beat import renew_periods
 from budget_tasks.errors import UnknownOperation
 from budget_tasks.ledger.records import CallAsk, CallEnd
 from budget_tasks.testing import ManualClock
-from budget_tasks.testing.harness import race
+from tests.support import race
 
 from .test_cli import cli
 

@@ -16,7 +16,7 @@ from sqlalchemy import text
 
 from budget_tasks import BudgetExceeded, Ledger
 from budget_tasks.testing import ManualClock
-from budget_tasks.testing.harness import race
+from tests.support import race
 
 MIDNIGHT = datetime(2026, 3, 2, tzinfo=UTC)
 ALLOWANCE = 1_000

@@ -17,8 +17,8 @@ from sqlalchemy import text
 from budget_tasks import BudgetTask, Ledger, UnusableApiKey
 from budget_tasks.providers import estimates, openai_chat
 from budget_tasks.testing import FakeProvider
-from budget_tasks.testing.worker import Worker
 from budget_tasks.transport import guarded_openai_client
+from tests.support import Worker
 
 from ..services import pg_conninfo
 

@@ -17,7 +17,7 @@ from budget_tasks import BudgetExceeded, BudgetFrozen, IdempotencyConflict, Ledg
 from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager
 from budget_tasks.ledger.schema import budget_periods, budgets
 from budget_tasks.testing import ManualClock
-from budget_tasks.testing.harness import race
+from tests.support import race
 
 from .test_concurrency import reserve_many
 

@@ -19,8 +19,8 @@ from budget_tasks.delivery import catch_up, owed
 from budget_tasks.ledger import CallLedger
 from budget_tasks.providers.calls import Sent
 from budget_tasks.testing import FakeProvider
-from budget_tasks.testing.harness import FaultProxy
 from budget_tasks.transport import guarded_anthropic_client
+from tests.support import FaultProxy
 
 from ..services import PG_ADMIN_URL
 
