@@ -4,9 +4,10 @@ SDK client, an async one, ``requests``, a framework built without the guarded cl
 is refused when it opens, through Python's audit hook on sockets, before any byte is
 sent: :class:`UnmeteredConnection`.
 
-Known provider endpoints are the vendors' API hosts (``api.openai.com``,
-``api.anthropic.com``), the ``OPENAI_BASE_URL`` / ``ANTHROPIC_BASE_URL`` of the
-environment, and every base URL a guarded or helper client was built for.
+Known provider endpoints are the registered vendors' API hosts, the base URL each
+vendor's SDK reads from the environment (``OPENAI_BASE_URL``...), and every base URL
+a guarded or helper client was built for; the vendors tell this module (see
+:mod:`budget_tasks.providers.registry`), which names none itself.
 
 What it cannot see, and so does not refuse: a connection opened before ``run`` and
 reused inside it (a pooled keep-alive connection); a name resolved in a thread the run
@@ -38,17 +39,19 @@ __all__ = [
     "guarded",
     "install",
     "know",
+    "know_env",
     "unmetered",
 ]
 
 #: The environment switch: ``off`` installs no hook (nothing is refused).
 SWITCH_ENV = "BUDGET_TASKS_REFUSE_UNMETERED"
-VENDOR_HOSTS = ("api.openai.com", "eu.api.openai.com", "us.api.openai.com", "api.anthropic.com")
 
 _guarded: ContextVar[bool] = ContextVar("budget_tasks_guarded_send", default=False)
 _lock = threading.Lock()
 _hosts: set[str] = set()
 _endpoints: set[tuple[str, int]] = set()
+#: the environment variables that name a provider's base URL, read again at install
+_base_url_envs: set[str] = set()
 #: guarded sends out now, in this process (names resolved in an executor thread are
 #: let through while any is: that thread cannot tell whose they are)
 _sending = 0
@@ -91,10 +94,20 @@ def forget(url: str) -> None:
         _endpoints.difference_update({(host, port), ("127.0.0.1", port), ("::1", port)})
 
 
+def know_env(name: str) -> None:
+    """Remember that environment variable ``name`` may name a provider base URL (read
+    now, and again when the hook is installed)."""
+    if not name:
+        return
+    with _lock:
+        _base_url_envs.add(name)
+    know(os.environ.get(name))
+
+
 def _known_at_start() -> None:
-    for host in VENDOR_HOSTS:
-        know(f"https://{host}")
-    for name in ("OPENAI_BASE_URL", "ANTHROPIC_BASE_URL"):
+    with _lock:
+        names = sorted(_base_url_envs)
+    for name in names:
         know(os.environ.get(name))
 
 

@@ -240,6 +240,30 @@ class Vendor:
     #: every usage field of the SDK's usage types: how it is priced, or why it needs no
     #: price of its own (a reviewed list, checked against the installed SDK)
     usage_fields: Mapping[str, str] = {}
+    #: its official SDK: the module and its client classes (sync, async) that the
+    #: guarded clients subclass
+    sdk: str = ""
+    sdk_clients: tuple[str, str] = ("", "")
+    #: where its SDK reads a key, a bearer token and a base URL from the environment,
+    #: and the client arguments that carry a credential
+    key_env: str = ""
+    token_env: str = ""
+    base_url_env: str = ""
+    credential_arguments: tuple[str, ...] = ("api_key",)
+
+    def stores_by_default(self, endpoint: Endpoint) -> bool:
+        """Whether the provider keeps a request to ``endpoint`` where the request does
+        not say (a kept answer can be looked up again by reconciliation)."""
+        return False
+
+    def marked_for_lookup(
+        self, endpoint: Endpoint, body: Mapping[str, Any], provider_key: str, digest: str
+    ) -> dict[str, Any] | None:
+        """The request body as sent, marked with the attempt's provider key and the
+        request's digest where the provider keeps the answer under them (so that a
+        lookup finds it, and adopts it only for the same request); None: sent as it
+        is."""
+        return None
 
     def look_up(self, facts: LookupFacts, clients: Clients, prices: Prices | None) -> Lookup:
         """Ask the provider what became of a call (default: it keeps no record)."""

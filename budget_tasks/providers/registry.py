@@ -26,6 +26,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .. import bypass
 from ..errors import BudgetTasksError
 from .anthropic import Anthropic
 from .base import Endpoint, Kind, Rule, Vendor
@@ -83,6 +84,10 @@ class Registry:
             self._vendors[vendor.name] = vendor
             for host in vendor.hosts:
                 self._hosts[host.lower()] = vendor
+        # its endpoints are known provider endpoints: opened unguarded, they are refused
+        for host in vendor.hosts:
+            bypass.know(f"https://{host}")
+        bypass.know_env(vendor.base_url_env)
         return vendor
 
     def unregister(self, name: str) -> None:
@@ -98,6 +103,10 @@ class Registry:
             return self._vendors[name]
         except KeyError:
             raise UnknownVendor(name) from None
+
+    def find(self, name: str) -> Vendor | None:
+        """The vendor named ``name``, or None."""
+        return self._vendors.get(name)
 
     def vendors(self) -> list[Vendor]:
         return list(self._vendors.values())

@@ -4,7 +4,8 @@ unchanged, each billable request its own reserved attempt.
 Install it with :func:`guarded_http_client` / :func:`guarded_async_http_client` (an
 ``httpx2`` client, which the official ``openai`` and ``anthropic`` SDKs take as
 ``http_client=``), or build the SDK's client with :func:`guarded_openai_client`,
-:func:`guarded_anthropic_client` and their async twins (retries locked off). Every POST
+:func:`guarded_anthropic_client` and their async twins, or any registered vendor's with
+:func:`guarded_client` (retries locked off). Every POST
 is judged by the vendors' rules (:mod:`budget_tasks.providers.registry`): free requests
 pass, billable ones that cannot be bounded are refused before sending
 (:class:`~budget_tasks.errors.RefusedEndpoint`), and each metered one, inside a
@@ -35,6 +36,7 @@ from .clients import (
     guarded_async_anthropic_client,
     guarded_async_http_client,
     guarded_async_openai_client,
+    guarded_client,
     guarded_http_client,
     guarded_openai_client,
 )
@@ -55,6 +57,7 @@ __all__ = [
     "guarded_async_anthropic_client",
     "guarded_async_http_client",
     "guarded_async_openai_client",
+    "guarded_client",
     "guarded_http_client",
     "guarded_openai_client",
     "raised_by_transport",

@@ -15,7 +15,7 @@ import httpx2
 
 from .. import bypass
 from ..errors import RetriesEnabled
-from ..providers.clients import KEY_ENV, _refuse_retries, check_api_key
+from ..providers.clients import _refuse_retries, check_api_key
 from ..providers.registry import registry
 from .async_ import AsyncGuardedTransport
 from .guard import MISSING_API_KEY
@@ -131,21 +131,27 @@ def guarded_async_http_client(
     )
 
 
-def _sdk_client(
-    name: str,
+def guarded_client(
     vendor: str,
     *,
-    asynchronous: bool,
-    allow_unguarded: bool,
-    allow: tuple[str, ...],
-    image_tokens: int | None,
-    kwargs: dict[str, Any],
+    asynchronous: bool = False,
+    allow_unguarded: bool = False,
+    allow: tuple[str, ...] = (),
+    image_tokens: int | None = None,
     store_for_lookup: bool = True,
+    **kwargs: Any,
 ) -> Any:
-    """The SDK's client class ``name`` (of module ``vendor``), retries locked off, on a
-    guarded http client (its timeout the SDK client's)."""
+    """The registered ``vendor``'s official SDK client (its sync class, or its async
+    one), built with ``**kwargs``, retries locked off, on a guarded http client whose
+    timeout is the SDK client's; its ``copy``/``with_options`` refuse to turn retries
+    back on or to swap the transport. ``allow``, ``image_tokens`` and
+    ``store_for_lookup`` as for :func:`guarded_http_client`."""
+    found = registry.vendor(vendor)
+    name = found.sdk_clients[1 if asynchronous else 0]
+    if not found.sdk or not name:
+        raise ValueError(f"vendor {vendor!r} names no SDK client to guard")
     _refuse_retries(f"{name}(...)", kwargs)
-    check_api_key(vendor, kwargs)
+    check_api_key(found, kwargs)
     bypass.know(str(kwargs["base_url"]) if kwargs.get("base_url") else None)
     build = guarded_async_http_client if asynchronous else guarded_http_client
     http = build(
@@ -156,102 +162,41 @@ def _sdk_client(
         store_for_lookup=store_for_lookup,
         timeout=kwargs.get("timeout", 600.0),
     )
-    key_given = kwargs.get("api_key") is not None or bool(os.environ.get(KEY_ENV[vendor]))
-    token = vendor == "anthropic" and (
-        kwargs.get("auth_token") is not None or bool(os.environ.get("ANTHROPIC_AUTH_TOKEN"))
+    key_given = kwargs.get("api_key") is not None or bool(
+        found.key_env and os.environ.get(found.key_env)
+    )
+    token = bool(found.token_env) and (
+        kwargs.get("auth_token") is not None or bool(os.environ.get(found.token_env))
     )
     if not (key_given or token):
         # OpenAI's SDK refuses to build without a key; Anthropic's fails at the request:
         # a placeholder lets the module import, and the transport refuses to send it
         kwargs = {**kwargs, "api_key": MISSING_API_KEY}
-    client = guarded_class(vendor, name)(**{**kwargs, "max_retries": 0, "http_client": http})
+    client = guarded_class(found.sdk, name)(**{**kwargs, "max_retries": 0, "http_client": http})
     with _built_lock:
         _built[client] = _Built(vendor, kwargs.get("base_url") is not None, key_given or token)
     return client
 
 
-def guarded_openai_client(
-    *,
-    allow_unguarded: bool = False,
-    allow: tuple[str, ...] = (),
-    image_tokens: int | None = None,
-    store_for_lookup: bool = True,
-    **kwargs: Any,
-) -> Any:
-    """``openai.OpenAI(**kwargs)`` with retries off and the guarded transport; its
-    ``copy``/``with_options`` refuse to turn retries back on or to swap the transport.
-    ``allow``, ``image_tokens`` and ``store_for_lookup`` as for
-    :func:`guarded_http_client`."""
-    return _sdk_client(
-        "OpenAI",
-        "openai",
-        asynchronous=False,
-        allow_unguarded=allow_unguarded,
-        allow=allow,
-        image_tokens=image_tokens,
-        kwargs=kwargs,
-        store_for_lookup=store_for_lookup,
-    )
+def guarded_openai_client(**options: Any) -> Any:
+    """``openai.OpenAI(**kwargs)``, guarded (see :func:`guarded_client`)."""
+    return guarded_client("openai", **options)
 
 
-def guarded_anthropic_client(
-    *,
-    allow_unguarded: bool = False,
-    allow: tuple[str, ...] = (),
-    image_tokens: int | None = None,
-    **kwargs: Any,
-) -> Any:
-    """``anthropic.Anthropic(**kwargs)``, guarded as :func:`guarded_openai_client`."""
-    return _sdk_client(
-        "Anthropic",
-        "anthropic",
-        asynchronous=False,
-        allow_unguarded=allow_unguarded,
-        allow=allow,
-        image_tokens=image_tokens,
-        kwargs=kwargs,
-    )
+def guarded_anthropic_client(**options: Any) -> Any:
+    """``anthropic.Anthropic(**kwargs)``, guarded (see :func:`guarded_client`)."""
+    return guarded_client("anthropic", **options)
 
 
-def guarded_async_openai_client(
-    *,
-    allow_unguarded: bool = False,
-    allow: tuple[str, ...] = (),
-    image_tokens: int | None = None,
-    store_for_lookup: bool = True,
-    **kwargs: Any,
-) -> Any:
+def guarded_async_openai_client(**options: Any) -> Any:
     """``openai.AsyncOpenAI(**kwargs)``, guarded: usable inside ``run`` through
     ``asyncio.run``, and in async code a task calls."""
-    return _sdk_client(
-        "AsyncOpenAI",
-        "openai",
-        asynchronous=True,
-        allow_unguarded=allow_unguarded,
-        allow=allow,
-        image_tokens=image_tokens,
-        kwargs=kwargs,
-        store_for_lookup=store_for_lookup,
-    )
+    return guarded_client("openai", asynchronous=True, **options)
 
 
-def guarded_async_anthropic_client(
-    *,
-    allow_unguarded: bool = False,
-    allow: tuple[str, ...] = (),
-    image_tokens: int | None = None,
-    **kwargs: Any,
-) -> Any:
+def guarded_async_anthropic_client(**options: Any) -> Any:
     """``anthropic.AsyncAnthropic(**kwargs)``, guarded."""
-    return _sdk_client(
-        "AsyncAnthropic",
-        "anthropic",
-        asynchronous=True,
-        allow_unguarded=allow_unguarded,
-        allow=allow,
-        image_tokens=image_tokens,
-        kwargs=kwargs,
-    )
+    return guarded_client("anthropic", asynchronous=True, **options)
 
 
 _classes: dict[tuple[str, str], type] = {}

@@ -41,8 +41,6 @@ from ..ledger import CallFacts
 from ..pricing import Estimate, Prices
 from ..providers.base import Endpoint, Kind, Reported, request_digest
 from ..providers.calls import Sent
-from ..providers.clients import KEY_ENV
-from ..providers.openai.lookups import ATTEMPT_METADATA_KEY, REQUEST_METADATA_KEY
 from ..providers.registry import Route, registry
 from .positions import position_label
 
@@ -104,8 +102,9 @@ def check_key(request: httpx2.Request, vendor: str | None) -> None:
     """Refuse a request from a guarded SDK client built without an API key."""
     sent = request.headers.get("authorization", "") + request.headers.get("x-api-key", "")
     if MISSING_API_KEY in sent:
-        name = vendor or "provider"
-        raise marked(MissingApiKey(name, KEY_ENV.get(name, "the API key variable")))
+        known = registry.find(vendor) if vendor else None
+        env = known.key_env if known is not None and known.key_env else "the API key variable"
+        raise marked(MissingApiKey(vendor or "provider", env))
 
 
 def unguarded(request: httpx2.Request) -> BudgetTasksError:
@@ -197,15 +196,10 @@ def prepare(route: Route, request: httpx2.Request, options: Options) -> Metered:
 
 
 def _stores_by_default(route: Route) -> bool:
-    """OpenAI's own chat completions (a gateway speaking its API may not keep them)."""
-    vendor = route.vendor
-    endpoint = route.endpoint
-    return (
-        vendor is not None
-        and vendor.name == "openai"
-        and endpoint is not None
-        and endpoint.name == "openai.chat"
-    )
+    """Whether the route's vendor keeps such a request unless it says (see
+    :meth:`~budget_tasks.providers.Vendor.stores_by_default`)."""
+    vendor, endpoint = route.vendor, route.endpoint
+    return vendor is not None and endpoint is not None and vendor.stores_by_default(endpoint)
 
 
 def addressed(m: Metered, provider_key: str) -> httpx2.Request:
@@ -213,13 +207,12 @@ def addressed(m: Metered, provider_key: str) -> httpx2.Request:
     also carries it, and the request's digest, in its metadata, so reconciliation finds
     it when its answer never arrived and adopts it only for the same request."""
     request = m.request
-    if m.endpoint.name.endswith(".chat") and m.body.get("store"):
-        metadata = {
-            **(m.body.get("metadata") or {}),
-            ATTEMPT_METADATA_KEY: provider_key,
-            REQUEST_METADATA_KEY: m.digest,
-        }
-        request = with_body(request, {**m.body, "metadata": metadata})
+    vendor = m.route.vendor
+    marked = None
+    if vendor is not None:
+        marked = vendor.marked_for_lookup(m.endpoint, m.body, provider_key, m.digest)
+    if marked is not None:
+        request = with_body(request, marked)
     request.headers["Idempotency-Key"] = provider_key
     return request
 

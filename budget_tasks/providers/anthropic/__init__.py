@@ -31,6 +31,13 @@ _ID = r"[^/]+"
 class Anthropic(Vendor):
     """Anthropic's API (and any API that speaks it, on the hosts you give)."""
 
+    sdk = "anthropic"
+    sdk_clients = ("Anthropic", "AsyncAnthropic")
+    key_env = "ANTHROPIC_API_KEY"
+    token_env = "ANTHROPIC_AUTH_TOKEN"  # noqa: S105  (the variable's name, not a token)
+    base_url_env = "ANTHROPIC_BASE_URL"
+    credential_arguments = ("api_key", "auth_token")
+
     def __init__(
         self,
         name: str = "anthropic",

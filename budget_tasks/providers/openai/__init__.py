@@ -43,7 +43,15 @@ class OpenAI(Vendor):
 
     ``project_tier``: the service tier your project bills a request that leaves the
     tier to it (``auto`` or none); unset, such a request is bounded at the dearest of
-    the default and priority tiers, since a project may be set to priority."""
+    the default and priority tiers, since a project may be set to priority.
+    ``stores_chat``: whether a chat completion is stored unless the request says
+    (OpenAI's own API does; a gateway that speaks its API may not): unset, only the
+    vendor named ``openai`` does."""
+
+    sdk = "openai"
+    sdk_clients = ("OpenAI", "AsyncOpenAI")
+    key_env = "OPENAI_API_KEY"
+    base_url_env = "OPENAI_BASE_URL"
 
     def __init__(
         self,
@@ -52,14 +60,32 @@ class OpenAI(Vendor):
         hosts: Sequence[str] = ("api.openai.com", "eu.api.openai.com", "us.api.openai.com"),
         price_provider: str | None = "openai",
         project_tier: str | None = None,
+        stores_chat: bool | None = None,
     ) -> None:
         self.name = name
+        self.stores_chat = name == "openai" if stores_chat is None else stores_chat
         self.hosts = tuple(hosts)
         self.price_provider = price_provider
         self.auto_tiers = (project_tier,) if project_tier else estimates.AUTO_TIERS
         self.lookups = (f"{name}.chat", f"{name}.responses")
         self.usage_fields = usage_of.USAGE_FIELDS
         self.rules = self._rules()
+
+    def stores_by_default(self, endpoint: Endpoint) -> bool:
+        return self.stores_chat and endpoint.name == f"{self.name}.chat"
+
+    def marked_for_lookup(
+        self, endpoint: Endpoint, body: Mapping[str, Any], provider_key: str, digest: str
+    ) -> dict[str, Any] | None:
+        """A stored chat completion carries both in its metadata."""
+        if endpoint.name != f"{self.name}.chat" or not body.get("store"):
+            return None
+        metadata = {
+            **(body.get("metadata") or {}),
+            ATTEMPT_METADATA_KEY: provider_key,
+            REQUEST_METADATA_KEY: digest,
+        }
+        return {**body, "metadata": metadata}
 
     # -- estimates, bound to this vendor's prices and tiers ---------------------------
 
