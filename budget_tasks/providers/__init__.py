@@ -14,11 +14,19 @@ from .anthropic import (
 )
 from .base import Endpoint, Kind, LookupFacts, Part, Reported, Rule, Vendor
 from .calls import ATTEMPT_METADATA_KEY, Sent, anthropic_message, openai_chat, openai_response
-from .clients import anthropic_client, openai_client, require_no_retries, settle_after
+from .clients import require_no_retries, settle_after
 from .lookups import Found, Lookup, NotFound, Pending, Unknowable
 from .openai import OpenAI, lookup_openai_chat, lookup_openai_response
 from .outcomes import ErrorOutcome, classify
-from .registry import Registry, Route, UnknownVendor, register, registry
+from .registry import (
+    Registry,
+    Route,
+    UnknownVendor,
+    anthropic_client,
+    openai_client,
+    register,
+    registry,
+)
 
 __all__ = [
     "ATTEMPT_METADATA_KEY",

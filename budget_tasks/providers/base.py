@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import importlib
 import json
 import math
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from ..errors import UsageUnreadable
+from .. import bypass
+from ..errors import RetriesEnabled, UnusableApiKey, UsageUnreadable
 from ..pricing import STANDARD, Estimate, PriceContext, Prices, Usage, default_prices
 from .lookups import Lookup, Unknowable
 
@@ -270,8 +273,50 @@ class Vendor:
         return Unknowable(f"{self.name} keeps no record of {facts.lookup} to look up")
 
     def client(self, timeout: float) -> Any:
-        """An SDK client for this vendor's lookups, from the environment (beat)."""
-        raise NotImplementedError(f"{self.name} has no lookup client")
+        """An SDK client for this vendor's lookups, from the environment (beat): its
+        key and base URL from the variables its SDK reads."""
+        return sdk_client(
+            self,
+            base_url=os.environ.get(self.base_url_env) if self.base_url_env else None,
+            api_key=os.environ.get(self.key_env, "unset") if self.key_env else "unset",
+            timeout=timeout,
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+def refuse_retries(name: str, kwargs: dict[str, Any]) -> None:
+    """Refuse (RetriesEnabled) SDK client arguments that turn its own retries on."""
+    if kwargs.get("max_retries", 0) != 0:
+        raise RetriesEnabled(name, kwargs["max_retries"])
+
+
+def check_api_key(vendor: Vendor, kwargs: dict[str, Any]) -> None:
+    """Refuse (UnusableApiKey) a key, given or in the environment, that no HTTP header
+    may carry, before any call could hold money for it."""
+    candidates = [(f"{name}=", kwargs.get(name)) for name in vendor.credential_arguments]
+    env = vendor.key_env
+    if env:
+        candidates.append((env, os.environ.get(env) if kwargs.get("api_key") is None else None))
+    for source, value in candidates:
+        if not isinstance(value, str):
+            continue
+        for position, char in enumerate(value):
+            if not "!" <= char <= "~":
+                what = {"\n": "a line break", "\r": "a carriage return", " ": "a space"}.get(
+                    char, "a control character" if char < " " else "a character outside ASCII"
+                )
+                raise UnusableApiKey(vendor.name, source, what, position)
+
+
+def sdk_client(vendor: Vendor, **kwargs: Any) -> Any:
+    """``vendor``'s official SDK client (its sync class) with ``max_retries=0``."""
+    name = vendor.sdk_clients[0]
+    if not vendor.sdk or not name:
+        raise ValueError(f"{vendor.name} names no SDK client")
+    refuse_retries(f"{vendor.sdk}.{name}(...)", kwargs)
+    check_api_key(vendor, kwargs)
+    bypass.know(str(kwargs["base_url"]) if kwargs.get("base_url") else None)
+    client_class = getattr(importlib.import_module(vendor.sdk), name)
+    return client_class(**{**kwargs, "max_retries": 0})

@@ -25,11 +25,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from .. import bypass
 from ..errors import BudgetTasksError
 from .anthropic import Anthropic
-from .base import Endpoint, Kind, Rule, Vendor
+from .base import Endpoint, Kind, Rule, Vendor, sdk_client
 from .openai import OpenAI
 
 #: Most restrictive first: where two rules match as much of a path, the first wins.
@@ -153,3 +154,13 @@ registry = Registry([OpenAI(), Anthropic()])
 def register(vendor: Vendor) -> Vendor:
     """Register ``vendor`` with this process's registry (see the module)."""
     return registry.register(vendor)
+
+
+def openai_client(**kwargs: Any) -> Any:
+    """An ``openai.OpenAI`` client with ``max_retries=0`` (needs the ``[openai]`` extra)."""
+    return sdk_client(registry.vendor("openai"), **kwargs)
+
+
+def anthropic_client(**kwargs: Any) -> Any:
+    """An ``anthropic.Anthropic`` client with ``max_retries=0`` (``[anthropic]`` extra)."""
+    return sdk_client(registry.vendor("anthropic"), **kwargs)

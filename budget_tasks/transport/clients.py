@@ -15,7 +15,8 @@ import httpx2
 
 from .. import bypass
 from ..errors import RetriesEnabled
-from ..providers.clients import _refuse_retries, check_api_key
+from ..providers.base import check_api_key
+from ..providers.base import refuse_retries as _refuse_retries
 from ..providers.registry import registry
 from .async_ import AsyncGuardedTransport
 from .guard import MISSING_API_KEY

@@ -63,6 +63,8 @@ def test_environment_uses_the_names_the_code_reads(compose: dict[str, Any]) -> N
     read = set(re.findall(r"os\.environ\.get\(\s*\"([A-Z_]+)\"", source))
     read |= set(re.findall(r"envvar=\"?([A-Z_]+)", source))
     read |= {"BUDGET_TASKS_LEDGER_URL"}  # read through the LEDGER_URL_ENV constant
+    # each vendor's SDK variables, read through its attributes (Vendor.client, bypass)
+    read |= set(re.findall(r"(?:key|token|base_url)_env = \"([A-Z_]+)\"", source))
     read |= set(ENV_SETTINGS) | set(ENV_TRANSPORT)  # read by configure(app)
     for name in APP_SERVICES:
         env = {**example_env(), **compose["services"][name]["environment"]}

@@ -8,10 +8,8 @@ deployments and anything this module does not name.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
 from ...pricing import Prices
 from ..base import Clients, Endpoint, Kind, LookupFacts, Rule, Vendor
@@ -133,15 +131,6 @@ class Anthropic(Vendor):
                 prices=prices,
             )
         return Unknowable(f"{self.name} has no lookup named {facts.lookup!r}")
-
-    def client(self, timeout: float) -> Any:
-        from ..clients import anthropic_client
-
-        return anthropic_client(
-            base_url=os.environ.get("ANTHROPIC_BASE_URL"),
-            api_key=os.environ.get("ANTHROPIC_API_KEY", "unset"),
-            timeout=timeout,
-        )
 
 
 __all__ = [

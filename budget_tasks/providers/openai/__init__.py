@@ -13,7 +13,6 @@ completions' metadata, cancels, the admin API...).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -340,15 +339,6 @@ class OpenAI(Vendor):
                 prices=prices,
             )
         return Unknowable(f"{self.name} has no lookup named {facts.lookup!r}")
-
-    def client(self, timeout: float) -> Any:
-        from ..clients import openai_client
-
-        return openai_client(
-            base_url=os.environ.get("OPENAI_BASE_URL"),
-            api_key=os.environ.get("OPENAI_API_KEY", "unset"),
-            timeout=timeout,
-        )
 
 
 __all__ = [
