@@ -85,248 +85,304 @@ def _csv(rows: list[dict[str, Any]], name: str) -> Response:
     )
 
 
+def _ledger(request: Request) -> Ledger:
+    ledger: Ledger = request.app.state.ledger
+    return ledger
+
+
+def _guard(request: Request) -> Guard:
+    guard: Guard = request.app.state.guard
+    return guard
+
+
+def page(request: Request, name: str, **context: Any) -> Response:
+    context.setdefault("status_code", 200)
+    status = context.pop("status_code")
+    return TEMPLATES.TemplateResponse(
+        request,
+        name,
+        {"writable": _guard(request).writable, "csrf": _guard(request).csrf_for, **context},
+        status_code=status,
+    )
+
+
+def listing(
+    build: Callable[[Request], Any], csv_rows: Callable[[Any], list[dict[str, Any]]], name: str
+) -> Callable[[Request], Response]:
+    def endpoint(request: Request) -> Response:
+        data = build(request)
+        if request.query_params.get("format") == "csv":
+            return _csv(csv_rows(data), name)
+        return JSONResponse(data)
+
+    return endpoint
+
+
+# -- reads ---------------------------------------------------------------------
+
+
+def status_param(request: Request) -> str | None:
+    status = request.query_params.get("status") or None
+    if status is not None and status not in OPERATION_STATUSES:
+        raise ValueError(f"status must be one of {', '.join(OPERATION_STATUSES)}")
+    return status
+
+
+def spend_params(request: Request) -> tuple[str, str, int]:
+    bucket = request.query_params.get("bucket", "hour")
+    if bucket not in ("hour", "day"):
+        raise ValueError("bucket must be hour or day")
+    hours = _int_param(request, "hours", 24 if bucket == "hour" else 30 * 24, 1, MAX_HOURS)
+    return request.query_params.get("budget", ""), bucket, hours
+
+
+def api_budgets(request: Request) -> Any:
+    return views.budgets_view(_ledger(request))
+
+
+def api_spend(request: Request) -> Any:
+    return views.spend_view(_ledger(request), *spend_params(request))
+
+
+def api_holds(request: Request) -> Any:
+    return views.holds_view(
+        _ledger(request), _int_param(request, "limit", views.HOLDS_LIMIT, 1, MAX_LIMIT)
+    )
+
+
+def api_holds_summary(request: Request) -> Any:
+    summary = views.holds_view(_ledger(request))["by_state_and_age"]
+    return [{"state": state, **by_age} for state, by_age in summary.items()]
+
+
+def api_worklist(request: Request) -> Any:
+    return views.worklist_view(_ledger(request))
+
+
+def api_attempt(request: Request) -> Any:
+    return views.attempt_view(_ledger(request), request.query_params.get("key", ""))
+
+
+def api_operations(request: Request) -> Any:
+    limit = _int_param(request, "limit", 100, 1, MAX_LIMIT)
+    return views.operations_view(_ledger(request), status_param(request), limit)
+
+
+def flat_budgets(data: Any) -> list[dict[str, Any]]:
+    return [
+        {**{k: v for k, v in r.items() if k != "burn"}, **_prefixed("burn_", r["burn"])}
+        for r in data
+    ]
+
+
+def flat_operations(data: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            **{k: v for k, v in o.items() if k != "attempts"},
+            "attempts": ";".join(a["attempt"] for a in o["attempts"]),
+        }
+        for o in data
+    ]
+
+
+def index(request: Request) -> Response:
+    return page(
+        request,
+        "index.html",
+        budgets=[{**b, "bar": charts.bar(b)} for b in views.budgets_view(_ledger(request))],
+        holds=views.holds_view(_ledger(request)),
+        worklist=views.worklist_view(_ledger(request)),
+        age_classes=[name for _, name in views.AGE_CLASSES],
+        done=request.query_params.get("done"),
+    )
+
+
+def budget_page(request: Request) -> Response:
+    spend = views.spend_view(_ledger(request), *spend_params(request))
+    return page(request, "budget.html", spend=spend, chart=charts.spend_chart(spend))
+
+
+def holds_page(request: Request) -> Response:
+    return page(request, "holds.html", holds=views.holds_view(_ledger(request)))
+
+
+def attempt_page(request: Request) -> Response:
+    view = views.attempt_view(_ledger(request), request.query_params.get("key", ""))
+    return page(request, "attempt.html", view=view, done=request.query_params.get("done"))
+
+
+def operations_page(request: Request) -> Response:
+    status = status_param(request)
+    return page(
+        request,
+        "operations.html",
+        operations=views.operations_view(_ledger(request), status, 100),
+        status=status,
+        statuses=OPERATION_STATUSES,
+        done=request.query_params.get("done"),
+    )
+
+
+# -- writes --------------------------------------------------------------------
+
+
+async def form_of(request: Request) -> dict[str, str]:
+    if request.headers.get("content-type", "").split(";")[0].strip() != (
+        "application/x-www-form-urlencoded"
+    ):
+        raise Refused("a form post is application/x-www-form-urlencoded")
+    body = (await request.body()).decode("utf-8", "replace")
+    return {k: v[0] for k, v in parse_qs(body, keep_blank_values=True).items()}
+
+
+def check_write(request: Request, given_token: str | None) -> None:
+    """Every write: from this site, by the token. Nothing is read or written
+    before this passes."""
+    if not _guard(request).writable:
+        raise Refused(f"the dashboard is read-only: set {TOKEN_ENV} to allow writes")
+    if not same_origin(request.headers, request.url.scheme):
+        raise Refused("a cross-site request is refused")
+    if not _guard(request).token_ok(given_token):
+        raise Refused("wrong or missing token")
+
+
+def do_resolve(
+    ledger: Ledger, key: str, actual_text: str, note: str, by: str | None
+) -> dict[str, Any]:
+    try:
+        actual = int(actual_text)
+    except ValueError as exc:
+        raise ValueError(f"actual must be an integer of minor units, not {actual_text!r}") from exc
+    if not note.strip():
+        raise ValueError("a note is required: it is recorded in the journal")
+    done = resolve_outcome(ledger, key, actual, note, by or None)
+    return {
+        "attempt": key,
+        "from": done.before.state,
+        "state": done.after.state,
+        "actual": done.after.actual,
+        "applied": done.done.applied,
+        "operation": done.done.operation,
+        "operation_status": done.done.operation_status,
+    }
+
+
+def do_reopen(ledger: Ledger, key: str, reason: str, by: str | None) -> dict[str, Any]:
+    if not reason.strip():
+        raise ValueError("a reason is required: it is recorded with the operation")
+    op = ledger.reopen_operation(key, reason=reason, by=by or None)
+    return {"operation": op.key, "status": op.status}
+
+
+async def resolve_form(request: Request) -> Response:
+    form = await form_of(request)
+    key = form.get("attempt", "")
+    check_write(request, form.get("token"))
+    if not _guard(request).csrf_ok(form.get("csrf"), "resolve", key):
+        raise Refused("the form is not this page's (or has expired): reload it")
+    done = await run_in_threadpool(
+        do_resolve,
+        _ledger(request),
+        key,
+        form.get("actual", ""),
+        form.get("note", ""),
+        form.get("by"),
+    )
+    message = f"{key}: {done['from']} -> {done['state']}, charged {done['actual']}"
+    if not done["applied"]:
+        message += " (already so: nothing changed)"
+    query = urlencode({"key": key, "done": message})
+    return RedirectResponse(f"/attempt?{query}", status_code=303)
+
+
+async def reopen_form(request: Request) -> Response:
+    form = await form_of(request)
+    key = form.get("operation", "")
+    check_write(request, form.get("token"))
+    if not _guard(request).csrf_ok(form.get("csrf"), "reopen", key):
+        raise Refused("the form is not this page's (or has expired): reload it")
+    done = await run_in_threadpool(
+        do_reopen, _ledger(request), key, form.get("reason", ""), form.get("by")
+    )
+    message = f"operation {key}: failed -> {done['status']}; enqueue it again to run it"
+    return RedirectResponse(f"/operations?{urlencode({'done': message})}", status_code=303)
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    # a browser sends JSON cross-site only after a preflight this server never allows
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        raise Refused("the API takes application/json")
+    auth = request.headers.get("authorization", "")
+    check_write(request, auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None)
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise ValueError("the body is not JSON") from exc
+    if not isinstance(body, dict):
+        raise ValueError("the body is a JSON object")
+    return {k: v if v is None else str(v) for k, v in body.items()}
+
+
+async def api_resolve(request: Request) -> Response:
+    body = await json_body(request)
+    done = await run_in_threadpool(
+        do_resolve,
+        _ledger(request),
+        body.get("attempt") or "",
+        body.get("actual") or "",
+        body.get("note") or "",
+        body.get("by"),
+    )
+    return JSONResponse(done)
+
+
+async def api_reopen(request: Request) -> Response:
+    body = await json_body(request)
+    done = await run_in_threadpool(
+        do_reopen,
+        _ledger(request),
+        body.get("operation") or "",
+        body.get("reason") or "",
+        body.get("by"),
+    )
+    return JSONResponse(done)
+
+
+# -- errors --------------------------------------------------------------------
+
+
+def wants_json(request: Request) -> bool:
+    return request.url.path.startswith("/api/")
+
+
+def error(request: Request, status: int, message: str) -> Response:
+    if wants_json(request):
+        return JSONResponse({"error": message}, status_code=status)
+    return page(request, "error.html", message=message, status_code=status)
+
+
+async def on_refused(request: Request, exc: Exception) -> Response:
+    return error(request, 403, str(exc))
+
+
+async def on_unknown(request: Request, exc: Exception) -> Response:
+    return error(request, 404, str(exc))
+
+
+async def on_unavailable(request: Request, exc: Exception) -> Response:
+    return error(request, 503, str(exc))
+
+
+async def on_bad(request: Request, exc: Exception) -> Response:
+    # conflicts (resolved otherwise, cannot reopen, never sent) and bad input
+    return error(request, 409 if isinstance(exc, BudgetTasksError) else 400, str(exc))
+
+
 def create_app(
     ledger: Ledger, *, token: str | None = None, hosts: tuple[str, ...] = ()
 ) -> Starlette:
     """The dashboard over ``ledger``; writes need ``token`` (None: read-only). Requests
     are answered only for the local hosts and ``hosts`` (``*``: any)."""
-    guard = Guard(token)
-
-    def page(request: Request, name: str, **context: Any) -> Response:
-        context.setdefault("status_code", 200)
-        status = context.pop("status_code")
-        return TEMPLATES.TemplateResponse(
-            request,
-            name,
-            {"writable": guard.writable, "csrf": guard.csrf_for, **context},
-            status_code=status,
-        )
-
-    def listing(
-        build: Callable[[Request], Any], csv_rows: Callable[[Any], list[dict[str, Any]]], name: str
-    ) -> Callable[[Request], Response]:
-        def endpoint(request: Request) -> Response:
-            data = build(request)
-            if request.query_params.get("format") == "csv":
-                return _csv(csv_rows(data), name)
-            return JSONResponse(data)
-
-        return endpoint
-
-    # -- reads ---------------------------------------------------------------------
-
-    def status_param(request: Request) -> str | None:
-        status = request.query_params.get("status") or None
-        if status is not None and status not in OPERATION_STATUSES:
-            raise ValueError(f"status must be one of {', '.join(OPERATION_STATUSES)}")
-        return status
-
-    def spend_params(request: Request) -> tuple[str, str, int]:
-        bucket = request.query_params.get("bucket", "hour")
-        if bucket not in ("hour", "day"):
-            raise ValueError("bucket must be hour or day")
-        hours = _int_param(request, "hours", 24 if bucket == "hour" else 30 * 24, 1, MAX_HOURS)
-        return request.query_params.get("budget", ""), bucket, hours
-
-    def api_budgets(request: Request) -> Any:
-        return views.budgets_view(ledger)
-
-    def api_spend(request: Request) -> Any:
-        return views.spend_view(ledger, *spend_params(request))
-
-    def api_holds(request: Request) -> Any:
-        return views.holds_view(
-            ledger, _int_param(request, "limit", views.HOLDS_LIMIT, 1, MAX_LIMIT)
-        )
-
-    def api_holds_summary(request: Request) -> Any:
-        summary = views.holds_view(ledger)["by_state_and_age"]
-        return [{"state": state, **by_age} for state, by_age in summary.items()]
-
-    def api_worklist(request: Request) -> Any:
-        return views.worklist_view(ledger)
-
-    def api_attempt(request: Request) -> Any:
-        return views.attempt_view(ledger, request.query_params.get("key", ""))
-
-    def api_operations(request: Request) -> Any:
-        limit = _int_param(request, "limit", 100, 1, MAX_LIMIT)
-        return views.operations_view(ledger, status_param(request), limit)
-
-    def flat_budgets(data: Any) -> list[dict[str, Any]]:
-        return [
-            {**{k: v for k, v in r.items() if k != "burn"}, **_prefixed("burn_", r["burn"])}
-            for r in data
-        ]
-
-    def flat_operations(data: Any) -> list[dict[str, Any]]:
-        return [
-            {
-                **{k: v for k, v in o.items() if k != "attempts"},
-                "attempts": ";".join(a["attempt"] for a in o["attempts"]),
-            }
-            for o in data
-        ]
-
-    def index(request: Request) -> Response:
-        return page(
-            request,
-            "index.html",
-            budgets=[{**b, "bar": charts.bar(b)} for b in views.budgets_view(ledger)],
-            holds=views.holds_view(ledger),
-            worklist=views.worklist_view(ledger),
-            age_classes=[name for _, name in views.AGE_CLASSES],
-            done=request.query_params.get("done"),
-        )
-
-    def budget_page(request: Request) -> Response:
-        spend = views.spend_view(ledger, *spend_params(request))
-        return page(request, "budget.html", spend=spend, chart=charts.spend_chart(spend))
-
-    def holds_page(request: Request) -> Response:
-        return page(request, "holds.html", holds=views.holds_view(ledger))
-
-    def attempt_page(request: Request) -> Response:
-        view = views.attempt_view(ledger, request.query_params.get("key", ""))
-        return page(request, "attempt.html", view=view, done=request.query_params.get("done"))
-
-    def operations_page(request: Request) -> Response:
-        status = status_param(request)
-        return page(
-            request,
-            "operations.html",
-            operations=views.operations_view(ledger, status, 100),
-            status=status,
-            statuses=OPERATION_STATUSES,
-            done=request.query_params.get("done"),
-        )
-
-    # -- writes --------------------------------------------------------------------
-
-    async def form_of(request: Request) -> dict[str, str]:
-        if request.headers.get("content-type", "").split(";")[0].strip() != (
-            "application/x-www-form-urlencoded"
-        ):
-            raise Refused("a form post is application/x-www-form-urlencoded")
-        body = (await request.body()).decode("utf-8", "replace")
-        return {k: v[0] for k, v in parse_qs(body, keep_blank_values=True).items()}
-
-    def check_write(request: Request, given_token: str | None) -> None:
-        """Every write: from this site, by the token. Nothing is read or written
-        before this passes."""
-        if not guard.writable:
-            raise Refused(f"the dashboard is read-only: set {TOKEN_ENV} to allow writes")
-        if not same_origin(request.headers, request.url.scheme):
-            raise Refused("a cross-site request is refused")
-        if not guard.token_ok(given_token):
-            raise Refused("wrong or missing token")
-
-    def do_resolve(key: str, actual_text: str, note: str, by: str | None) -> dict[str, Any]:
-        try:
-            actual = int(actual_text)
-        except ValueError as exc:
-            raise ValueError(
-                f"actual must be an integer of minor units, not {actual_text!r}"
-            ) from exc
-        if not note.strip():
-            raise ValueError("a note is required: it is recorded in the journal")
-        done = resolve_outcome(ledger, key, actual, note, by or None)
-        return {
-            "attempt": key,
-            "from": done.before.state,
-            "state": done.after.state,
-            "actual": done.after.actual,
-            "applied": done.done.applied,
-            "operation": done.done.operation,
-            "operation_status": done.done.operation_status,
-        }
-
-    def do_reopen(key: str, reason: str, by: str | None) -> dict[str, Any]:
-        if not reason.strip():
-            raise ValueError("a reason is required: it is recorded with the operation")
-        op = ledger.reopen_operation(key, reason=reason, by=by or None)
-        return {"operation": op.key, "status": op.status}
-
-    async def resolve_form(request: Request) -> Response:
-        form = await form_of(request)
-        key = form.get("attempt", "")
-        check_write(request, form.get("token"))
-        if not guard.csrf_ok(form.get("csrf"), "resolve", key):
-            raise Refused("the form is not this page's (or has expired): reload it")
-        done = await run_in_threadpool(
-            do_resolve, key, form.get("actual", ""), form.get("note", ""), form.get("by")
-        )
-        message = f"{key}: {done['from']} -> {done['state']}, charged {done['actual']}"
-        if not done["applied"]:
-            message += " (already so: nothing changed)"
-        query = urlencode({"key": key, "done": message})
-        return RedirectResponse(f"/attempt?{query}", status_code=303)
-
-    async def reopen_form(request: Request) -> Response:
-        form = await form_of(request)
-        key = form.get("operation", "")
-        check_write(request, form.get("token"))
-        if not guard.csrf_ok(form.get("csrf"), "reopen", key):
-            raise Refused("the form is not this page's (or has expired): reload it")
-        done = await run_in_threadpool(do_reopen, key, form.get("reason", ""), form.get("by"))
-        message = f"operation {key}: failed -> {done['status']}; enqueue it again to run it"
-        return RedirectResponse(f"/operations?{urlencode({'done': message})}", status_code=303)
-
-    async def json_body(request: Request) -> dict[str, Any]:
-        # a browser sends JSON cross-site only after a preflight this server never allows
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-            raise Refused("the API takes application/json")
-        auth = request.headers.get("authorization", "")
-        check_write(request, auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None)
-        try:
-            body = json.loads(await request.body())
-        except ValueError as exc:
-            raise ValueError("the body is not JSON") from exc
-        if not isinstance(body, dict):
-            raise ValueError("the body is a JSON object")
-        return {k: v if v is None else str(v) for k, v in body.items()}
-
-    async def api_resolve(request: Request) -> Response:
-        body = await json_body(request)
-        done = await run_in_threadpool(
-            do_resolve,
-            body.get("attempt") or "",
-            body.get("actual") or "",
-            body.get("note") or "",
-            body.get("by"),
-        )
-        return JSONResponse(done)
-
-    async def api_reopen(request: Request) -> Response:
-        body = await json_body(request)
-        done = await run_in_threadpool(
-            do_reopen, body.get("operation") or "", body.get("reason") or "", body.get("by")
-        )
-        return JSONResponse(done)
-
-    # -- errors --------------------------------------------------------------------
-
-    def wants_json(request: Request) -> bool:
-        return request.url.path.startswith("/api/")
-
-    def error(request: Request, status: int, message: str) -> Response:
-        if wants_json(request):
-            return JSONResponse({"error": message}, status_code=status)
-        return page(request, "error.html", message=message, status_code=status)
-
-    async def on_refused(request: Request, exc: Exception) -> Response:
-        return error(request, 403, str(exc))
-
-    async def on_unknown(request: Request, exc: Exception) -> Response:
-        return error(request, 404, str(exc))
-
-    async def on_unavailable(request: Request, exc: Exception) -> Response:
-        return error(request, 503, str(exc))
-
-    async def on_bad(request: Request, exc: Exception) -> Response:
-        # conflicts (resolved otherwise, cannot reopen, never sent) and bad input
-        return error(request, 409 if isinstance(exc, BudgetTasksError) else 400, str(exc))
-
     routes = [
         Route("/", index),
         Route("/budget", budget_page),
@@ -347,7 +403,7 @@ def create_app(
         Route("/healthz", lambda request: PlainTextResponse("ok")),
     ]
     allowed = ["*"] if "*" in hosts else [*LOCAL_HOSTS, *hosts]
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed)],
         exception_handlers={
@@ -360,6 +416,9 @@ def create_app(
             ValueError: on_bad,
         },
     )
+    app.state.ledger = ledger
+    app.state.guard = Guard(token)
+    return app
 
 
 def _prefixed(prefix: str, data: dict[str, Any]) -> dict[str, Any]:
