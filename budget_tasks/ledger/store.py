@@ -195,7 +195,7 @@ class Store:
         self.use_functions = server_functions and not self.driver.sqlite
 
     def __repr__(self) -> str:
-        return f"Ledger({self.url!r})"
+        return f"Store({self.url!r})"
 
     def kept_text(self, encoded: str) -> str:
         """What is stored of ``encoded`` (a result, an answer, for replay): itself, or
@@ -549,7 +549,7 @@ class Store:
         call: CallFacts | None = None,
     ) -> Reservation:
         """Reserve in the caller's transaction, in the periods ``found`` by
-        :meth:`_holds` before it began (opening a period is a transaction of its own).
+        :meth:`find_holds` before it began (opening a period is a transaction of its own).
         With ``call``, the attempt is granted its send at once (state ``sending``) and
         described as ``call``: admission, grant and description are one commit."""
         key, amount, reason = row["key"], row["amount"], row["reason"]
