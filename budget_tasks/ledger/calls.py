@@ -9,6 +9,7 @@ result, in another; a redelivery replays it by its position in the run."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -26,7 +27,16 @@ from . import holds, operations
 from . import statements as sql
 from .driver import Cursor
 from .holds import CallPlan, check_reservation
-from .operations import Ask, OperationStart, Refused, RunEnd, check_delivery, decode, operation_ref
+from .operations import (
+    Ask,
+    Decision,
+    OperationStart,
+    Refused,
+    RunEnd,
+    check_delivery,
+    decode,
+    operation_ref,
+)
 from .records import (
     AttemptRef,
     CallAdmission,
@@ -34,9 +44,14 @@ from .records import (
     CallEnd,
     CallFacts,
     Reservation,
+    SettledCall,
 )
 from .states import OperationStatus
 from .store import HoldPlan, Store, attempt_row, bound_params, checked_ids
+
+#: A labelled call asked with its run's admission: what it asks, where its answer is
+#: stored, and the plan of the attempt to make at its position.
+FirstCall = tuple[CallAsk, str, CallPlan]
 
 
 def _step_of(cur: Cursor, operation_id: int, step: str) -> tuple[AttemptRef | None, int]:
@@ -45,6 +60,44 @@ def _step_of(cur: Cursor, operation_id: int, step: str) -> tuple[AttemptRef | No
         return None, 0
     akey, state, amount, reason, answer, recorded, count = row
     return AttemptRef(akey, state, amount, reason, step, answer, recorded), int(count)
+
+
+def _labelled_in(
+    store: Store,
+    cur: Cursor,
+    operation_id: int,
+    call: CallAsk,
+    record: str,
+    chain: Any,
+    found: HoldPlan,
+    now: datetime,
+    plan: CallPlan,
+    *,
+    created: bool = False,
+) -> CallAdmission:
+    """A labelled call's admission in the caller's transaction (see
+    :meth:`CallLedger.admit_call`); ``created``: its operation was created in this
+    transaction, so nothing is stored or attempted at its position yet."""
+    assert call.step is not None
+    if created:
+        return holds.admit_call_in(
+            store, cur, call, CallAdmission(operation_id), chain, found, now, plan
+        )
+    stored = cur.one(sql.SIDE_EFFECT, {"operation_id": operation_id, "name": record})
+    if stored is not None and stored[0] == "done":
+        return CallAdmission(operation_id, stored=(stored[0], decode(stored[1])))
+    latest, count = _step_of(cur, operation_id, call.step)
+    here = CallAdmission(operation_id, latest, count)
+    return holds.admit_call_in(store, cur, call, here, chain, found, now, plan)
+
+
+def _check_first(first: FirstCall | None) -> None:
+    if first is None:
+        return
+    call, record, _ = first
+    if call.step is None:
+        raise ValueError("a labelled call names its step")
+    check.text(record, "side effect name")
 
 
 class CallLedger:
@@ -275,6 +328,7 @@ class CallLedger:
         payload: Any = None,
         call: CallAsk | None = None,
         plan: CallPlan | None = None,
+        first: FirstCall | None = None,
     ) -> OperationStart:
         """One delivery's admission in one transaction: a finished key replays (one
         statement); otherwise the delivery is recorded and decided (see
@@ -285,14 +339,32 @@ class CallLedger:
         granted and described in this commit. ``start.call`` says what was found and
         made; a budget that does not exist admits nothing (``plan`` is not asked).
 
+        With ``first`` (a labelled call on the main call's budget: what it asks, its
+        record, its plan), a run that defers its lease to its first call commits once
+        before that call is sent: where this delivery creates the operation, that
+        call is admitted instead of the main call (``start.call`` is None: a main
+        call that reserves nothing needs no attempt), as :meth:`admit_call` would
+        (``start.first``); where the operation existed, the main call is admitted as
+        without ``first``, and ``first`` too where the main call was granted at once.
+
         A refusal (BudgetExceeded, BudgetFrozen) rolls the whole transaction back; the
         operation is then recorded pending with the refusal, in one more statement
         that is the delivery's only commit, and the refusal raised."""
         ask = Ask(key, fingerprint, owner, lease, max_runs, task, payload)
         check_delivery(ask)
+        _check_first(first)
+        if first is not None and (call is None or first[0].budget != call.budget):
+            raise ValueError("a first call is admitted on its run's main call's budget")
         chain = None if call is None else operations.chain_or_none(self._store, call.budget)
         if self._store.use_functions:
-            alone = operations.admitted_alone(self._store, ask, call, chain, plan)
+            if first is None:
+                alone = operations.admitted_alone(self._store, ask, call, chain, plan)
+            else:
+                # a first delivery's one attempt is its first call's (the function
+                # declines a key that exists: the statement path decides that)
+                alone = operations.admitted_alone(self._store, ask, first[0], chain, first[2])
+                if alone is not None and alone.decision is Decision.RUN:
+                    alone = replace(alone, call=None, first=alone.call, created=True)
             if alone is not None:
                 return alone
 
@@ -300,15 +372,43 @@ class CallLedger:
             start = operations.begin_or_replay_in(self._store, cur, ask, now)
             if start.call is None or call is None or chain is None or found is None:
                 return start
+            if first is not None and start.created:
+                try:
+                    made_first = _labelled_in(
+                        self._store,
+                        cur,
+                        start.operation_id,
+                        *first[:2],
+                        chain,
+                        found,
+                        now,
+                        first[2],
+                        created=True,
+                    )
+                except (BudgetExceeded, BudgetFrozen) as exc:
+                    raise Refused(exc) from exc
+                return replace(start, call=None, first=made_first)
             if plan is None:
                 return start
             try:
                 made = holds.admit_call_in(
                     self._store, cur, call, start.call, chain, found, now, plan
                 )
+                labelled = None
+                if first is not None and made.reservation is not None:
+                    labelled = _labelled_in(
+                        self._store,
+                        cur,
+                        start.operation_id,
+                        *first[:2],
+                        chain,
+                        found,
+                        now,
+                        first[2],
+                    )
             except (BudgetExceeded, BudgetFrozen) as exc:
                 raise Refused(exc) from exc
-            return replace(start, call=made)
+            return replace(start, call=made, first=labelled)
 
         try:
             return self._store.admitting(chain, admission)
@@ -373,10 +473,12 @@ class CallLedger:
         call: CallEnd | None = None,
         owner: str | None = None,
         encoded: str | None = None,
+        settled: Sequence[SettledCall] = (),
     ) -> RunEnd:
-        """End a run that returned, in one transaction: write what its main ``call``
-        came to (as :meth:`~budget_tasks.Ledger.end_call` does) and store the
-        operation's result, which later deliveries replay.
+        """End a run that returned, in one transaction: settle its ``settled`` calls
+        with their answers, write what its main ``call`` came to (as
+        :meth:`~budget_tasks.Ledger.end_call` does) and store the operation's result,
+        which later deliveries replay.
 
         With ``owner``, the result is stored while that owner still holds the lease; if
         it does not, it is stored only if no live run holds the operation, it is
@@ -385,9 +487,12 @@ class CallLedger:
         encoded = self._store.kept_text(json.dumps(result) if encoded is None else encoded)
         now = self._store.now()
         stamp = self._store.driver.ts(now)
-        if operations.finished_alone(self._store, operation_id, call, owner, encoded, stamp):
+        if operations.finished_alone(
+            self._store, operation_id, call, owner, encoded, stamp, settled
+        ):
             return RunEnd(OperationStatus.SUCCEEDED, json.loads(encoded), None, applied=True)
         with self._store.driver.transaction() as cur:
+            before = operations.settle_calls_in(self._store, cur, operation_id, settled, stamp)
             row, ended = operations.call_and_operation_in(
                 self._store, cur, call, owner, stamp, op_id=operation_id
             )
@@ -395,8 +500,10 @@ class CallLedger:
             end: RunEnd = operations.store_result_in(
                 self._store, cur, row, now, stamp, owner, attempt, encoded
             )
-            operations.apply_call(cur, ended)
-        operations.log_call(self._store, ended)
+            for each in (*before, ended):
+                operations.apply_call(cur, each)
+        for each in (*before, ended):
+            operations.log_call(self._store, each)
         return end
 
     def fail_operation(
@@ -429,30 +536,40 @@ class CallLedger:
         return end
 
     def admit_call(
-        self, operation_id: int, call: CallAsk, *, record: str, plan: CallPlan
+        self,
+        operation_id: int,
+        call: CallAsk,
+        *,
+        record: str,
+        plan: CallPlan,
+        settled: Sequence[SettledCall] = (),
     ) -> CallAdmission:
         """A labelled call's admission in one transaction, as the main call's is in
         :meth:`admit`: its stored answer if it completed before (under ``record``);
         else what its position holds (its latest attempt, how many it has had) and,
         where ``plan`` names the attempt to make, that attempt reserved, granted and
-        described. A refusal raises and writes nothing."""
+        described. The run's ``settled`` calls are settled first, in the same commit
+        (what they free counts for this call). A refusal raises and writes nothing,
+        those settlements included."""
         check.row_id(operation_id, "operation_id")
-        if call.step is None:
-            raise ValueError("a labelled call names its step")
-        check.text(record, "side effect name")
+        _check_first((call, record, plan))
         chain = self._store.admission_chain(call.budget)
-        step = call.step
+        ended: list[tuple[Any, bool] | None] = []
 
         def admission(cur: Cursor, found: HoldPlan | None, now: datetime) -> CallAdmission:
             assert found is not None  # a chain has its periods
-            stored = cur.one(sql.SIDE_EFFECT, {"operation_id": operation_id, "name": record})
-            if stored is not None and stored[0] == "done":
-                return CallAdmission(operation_id, stored=(stored[0], decode(stored[1])))
-            latest, count = _step_of(cur, operation_id, step)
-            here = CallAdmission(operation_id, latest, count)
-            return holds.admit_call_in(self._store, cur, call, here, chain, found, now, plan)
+            stamp = self._store.driver.ts(now)
+            ended[:] = operations.settle_calls_in(self._store, cur, operation_id, settled, stamp)
+            for each in ended:
+                operations.apply_call(cur, each)
+            return _labelled_in(
+                self._store, cur, operation_id, call, record, chain, found, now, plan
+            )
 
-        return self._store.admitting(chain, admission)
+        here = self._store.admitting(chain, admission)
+        for each in ended:
+            operations.log_call(self._store, each)
+        return here
 
     def side_effect(self, operation_id: int, name: str) -> tuple[str, Any] | None:
         """``(state, result)`` of a side effect, or None if it never started."""

@@ -8,9 +8,11 @@ written). Where a function repeats an expression of the statement path (what a
 period has available, what an escrowed grant has left), it repeats it verbatim, and a
 test holds the two together.
 
-The admission serves a direct reservation too (no operation), and the settlement a
-direct settlement. Each is the common case only, written to leave exactly the rows the
-statement path (:mod:`.operations`, :mod:`.holds`, :mod:`.escrow`) leaves for it. Anything else (a
+The admission serves a direct reservation too (no operation) and a run admitted with
+its first labelled call; the settlement a direct settlement, and a run's one labelled
+call settled with its end (its answer stored for replay). Each is the common case
+only, written to leave exactly the rows the statement path (:mod:`.operations`,
+:mod:`.holds`, :mod:`.escrow`) leaves for it. Anything else (a
 delivery of a key that exists, a grant to draw, a refusal, an attempt resolved
 meanwhile, a lease that moved, an overrun past an escrowed grant, a closed period that
 carried) raises :data:`NOT_HERE` before the function returns: its writes roll back, and
@@ -66,7 +68,7 @@ SELECT decision, operation_id, stored, runs FROM budget_tasks_admit(
 FINISH = """
 SELECT amount FROM budget_tasks_finish(
     :operation_id, :owner, :key, :actual, :estimate_only, :note, :request_id,
-    :response_id, :result, :now)"""
+    :response_id, :result, :now, :record, :answer)"""
 
 #: Every parameter ADMIT names, in order.
 ADMIT_PARAMS = tuple(re.findall(r"(?<!:):(\w+)", ADMIT))

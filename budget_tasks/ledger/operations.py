@@ -44,7 +44,7 @@ from . import statements as sql
 from .driver import Cursor
 from .holds import CallPlan, attempt_params, call_row
 from .leases import lease_is_live, owner_id
-from .records import AttemptRef, CallAdmission, CallAsk, CallEnd
+from .records import AttemptRef, CallAdmission, CallAsk, CallEnd, SettledCall
 from .states import FINISHED, OPEN, AttemptState, OperationStatus, operation_may
 from .store import Chain, Resolution, Store, made_now
 
@@ -82,6 +82,11 @@ class OperationStart:
     #: where the lease was taken (``run``): the main call's admission, call 0 of the
     #: operation (its latest attempt, and the one the admission made, if it did)
     call: CallAdmission | None = None
+    #: the first labelled call's admission, where it was asked with the run's (see
+    #: :meth:`~budget_tasks.ledger.CallLedger.admit`)
+    first: CallAdmission | None = None
+    #: the operation was created by this delivery: nothing earlier is at any position
+    created: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +307,22 @@ def end_call_in(
     return None, False  # store: the hold was resolved already
 
 
+def settle_calls_in(
+    store: Store, cur: Cursor, operation_id: int, settled: Sequence[SettledCall], stamp: Any
+) -> list[tuple[Resolution | None, bool] | None]:
+    """Settle each call of ``settled`` and store its answer for replay, in the caller's
+    transaction; the resolutions, whose counters the caller applies last."""
+    ended = []
+    for one in settled:
+        ended.append(end_call_in(store, cur, one.call, stamp, lease_mine=True))
+        encoded = store.kept_text(json.dumps(one.result))
+        cur.run(
+            sql.STORE_SIDE_EFFECT,
+            {"operation_id": operation_id, "name": one.record, "result": encoded, "now": stamp},
+        )
+    return ended
+
+
 def release_reserved(
     store: Store, cur: Cursor, attempts: Iterable[AttemptRef], stamp: Any
 ) -> list[Any]:
@@ -419,6 +440,7 @@ def begin_in(store: Store, cur: Cursor, ask: Ask, now: datetime) -> OperationSta
             runs=1,
             lease_expires_at=expires,
             call=CallAdmission(created[0]),
+            created=True,
         )
     row = lock_operation(store, cur, key=ask.key)
     if row.fingerprint != ask.fingerprint:
@@ -611,11 +633,21 @@ def finished_alone(
     owner: str | None,
     encoded: str,
     stamp: Any,
+    settled: Sequence[SettledCall] = (),
 ) -> bool:
-    """:meth:`finish_operation`'s common case (the run's own main call settled) as
-    one function call (see :mod:`.functions`); False where it is not that case or
-    the function declined: the statement path decides."""
-    if not store.use_functions or call is None or call.action != "settle" or owner is None:
+    """:meth:`finish_operation`'s common case (the run's one call settled: its main
+    call, or its one labelled call with no main attempt) as one function call (see
+    :mod:`.functions`); False where it is not that case or the function declined: the
+    statement path decides."""
+    if not store.use_functions or owner is None:
+        return False
+    record = answer = None
+    if settled:
+        if call is not None or len(settled) != 1:
+            return False
+        call, record = settled[0].call, settled[0].record
+        answer = store.kept_text(json.dumps(settled[0].result))
+    if call is None or call.action != "settle":
         return False
     return store.settled_alone(
         call.key,
@@ -626,6 +658,8 @@ def finished_alone(
         operation_id=operation_id,
         owner=owner,
         result=encoded,
+        record=record,
+        answer=answer,
     )
 
 

@@ -114,6 +114,22 @@ class CallEnd:
 
 
 @dataclass(frozen=True, slots=True)
+class SettledCall:
+    """A labelled call that was answered and priced, with the answer a redelivery
+    replays (stored under ``record``): written in the run's next commit (the next
+    call's admission, or the run's end) instead of one of its own."""
+
+    call: CallEnd
+    record: str
+    result: Any = None
+
+    def __post_init__(self) -> None:
+        if self.call.action != "settle":
+            raise ValueError(f"only a settlement waits for a later commit: {self.call.action!r}")
+        check.text(self.record, "side effect name")
+
+
+@dataclass(frozen=True, slots=True)
 class CallFacts:
     """What a call is, known before it is sent: the lookup that finds it again, the
     model it is priced at, the client timeout it is sent with (seconds; ``math.inf``

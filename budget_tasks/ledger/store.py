@@ -476,11 +476,14 @@ class Store:
         operation_id: int | None = None,
         owner: str | None = None,
         result: str | None = None,
+        record: str | None = None,
+        answer: str | None = None,
     ) -> bool:
         """A settlement of a ``sending`` attempt as one function call (see
         :mod:`.functions`); with ``operation_id``, its operation ends succeeded with
-        ``result`` under ``owner``'s lease, in the same statement. False where the
-        function declined: nothing was written, the statement path decides."""
+        ``result`` under ``owner``'s lease, in the same statement (and, with
+        ``record``, the call's ``answer`` is stored under it for replay). False where
+        the function declined: nothing was written, the statement path decides."""
         settled = self.sent_alone(
             functions.FINISH,
             {
@@ -494,6 +497,8 @@ class Store:
                 "response_id": ids[1],
                 "result": result,
                 "now": stamp,
+                "record": record,
+                "answer": answer,
             },
         )
         if settled is None:

@@ -23,7 +23,7 @@ from budget_tasks.migrations import current, include_object, upgrade
 from ..services import check_postgres, pg_conninfo, scratch_database
 
 #: The latest revision: bumped by each new migration.
-HEAD = "0018"
+HEAD = "0019"
 
 
 def describe(url: str) -> dict[str, Any]:
@@ -417,7 +417,8 @@ def test_upgrading_one_revision_at_a_time_gives_a_fresh_install() -> None:
     """A ledger made at 0001 with data in it, then upgraded one revision at a time, has
     the tables, keys, indexes, triggers and functions (their text) of a fresh install,
     works, and its journal and every partition refuse TRUNCATE. 0016's functions are
-    the text frozen when it was written, not today's: 0017 brings today's."""
+    the text frozen when it was written, not today's: 0017 brings later ones, 0019
+    today's."""
     check_postgres()
     revisions = _revisions()
     assert revisions[0] == "0001" and revisions[-1] == HEAD
@@ -439,6 +440,9 @@ def test_upgrading_one_revision_at_a_time_gives_a_fresh_install() -> None:
         assert at["0015"][guard] == today[guard]
         assert set(at["0016"]) == set(today) == {guard, admit, "budget_tasks_finish"}
         assert at["0016"][admit] != today[admit]
+        # 0019's settlement stores a labelled call's answer with the run's end
+        finish = "budget_tasks_finish"
+        assert at["0018"][finish] != today[finish] == at["0019"][finish]
         assert at[HEAD] == today
         a, b = describe(migrated), describe(created)
         assert a["triggers"] and a["functions"] and "audit_partitions" in a

@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from budget_tasks import Ledger
 from budget_tasks.errors import BudgetTasksError
 from budget_tasks.ledger.driver import Declined
-from budget_tasks.ledger.records import CallAdmission, CallAsk, CallEnd, CallFacts
+from budget_tasks.ledger.records import CallAdmission, CallAsk, CallEnd, CallFacts, SettledCall
 from budget_tasks.migrations import upgrade
 from budget_tasks.testing import ManualClock
 
@@ -87,6 +87,10 @@ DUMPS = {
         JOIN budgets b ON b.id = p.budget_id
         LEFT JOIN attempts a ON a.id = j.attempt_id
         WHERE b.name LIKE %(prefix)s ORDER BY j.id""",
+    "side_effects": """
+        SELECT o.key, s.name, s.state, s.result, s.created_at, s.completed_at
+        FROM side_effects s JOIN operations o ON o.id = s.operation_id
+        WHERE o.key LIKE %(prefix)s ORDER BY o.key, s.name""",
 }
 
 
@@ -190,6 +194,82 @@ class ParityMachine(RuleBasedStateMachine):
         key = f"{self.prefix}op{self.count}"
         if self.ops.get(key, (None, None, []))[2]:
             self.finish_as(key, actual, True)
+
+    @rule(
+        name=st.sampled_from(NAMES),
+        amount=st.integers(0, 160),
+        actual=st.integers(0, 200),
+        owner=st.sampled_from(OWNERS),
+    )
+    def deliver_with_its_first_call(self, name: str, amount: int, actual: int, owner: str) -> None:
+        """The Quick start's run: a first delivery whose main call reserves nothing,
+        admitted with its first labelled call (no main attempt), that call settled with
+        the run's end and its answer stored for replay."""
+        self.count += 1
+        key = f"{self.prefix}op{self.count}"
+        step = f"{key}:openai.chat:1"
+        facts = CallFacts(lookup="resp", model="m-1", timeout=30, request="e" * 64)
+        labelled = CallAsk(
+            self.prefix + name,
+            amount,
+            fingerprint=f"req-{amount}",
+            price_version="v1",
+            facts=facts,
+            label="openai.chat",
+            step=step,
+        )
+        main = CallAsk(self.prefix + name, 0, fingerprint="req-0", price_version="v1")
+        record = "spend:openai.chat:1"
+
+        def first_plan(here: CallAdmission) -> tuple[str, str] | None:
+            return (step, "first") if here.latest is None else None
+
+        def admit(ledger: Ledger) -> Any:
+            start = ledger.calls.admit(
+                key,
+                fingerprint="f",
+                owner=owner,
+                lease=timedelta(minutes=10),
+                max_runs=3,
+                task="parity",
+                payload={"n": amount},
+                call=main,
+                plan=self.plan_for(key),
+                first=(labelled, record, first_plan),
+            )
+            self.ids.setdefault(key, [0, 0])[self.side] = start.operation_id
+            made = None if start.first is None else start.first.reservation
+            return (
+                start.decision.value,
+                start.call,
+                start.created,
+                None if made is None else (made.key, made.budget, made.amount, made.state),
+            )
+
+        kind, answer = self.both(admit)
+        if kind != "ok":
+            return
+        self.ops[key] = (name, owner, [])  # redeliveries may meet it; no main call to end
+        if answer[3] is None:
+            return
+
+        def finish(ledger: Ledger) -> Any:
+            end = ledger.calls.finish_operation(
+                self.ids[key][self.side],
+                result={"k": key},
+                call=None,
+                owner=owner,
+                settled=[
+                    SettledCall(
+                        CallEnd(step, "settle", actual=actual, ids=("req_1", "resp_1")),
+                        record,
+                        {"answer": actual},
+                    )
+                ],
+            )
+            return (end.status, end.result, end.error, end.applied)
+
+        self.both(finish)
 
     @rule(
         data=st.data(),

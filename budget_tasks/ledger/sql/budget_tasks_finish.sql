@@ -1,7 +1,7 @@
 CREATE OR REPLACE FUNCTION budget_tasks_finish(
     p_operation_id bigint, p_owner text, p_key text, p_actual bigint,
     p_estimate_only boolean, p_note text, p_request_id text, p_response_id text,
-    p_result text, p_now timestamptz, OUT amount bigint)
+    p_result text, p_now timestamptz, p_record text, p_answer text, OUT amount bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     made bigint;
@@ -51,6 +51,13 @@ BEGIN
         request_id = COALESCE(request_id, p_request_id),
         response_id = COALESCE(response_id, p_response_id)
     WHERE id = made;  -- locked above, and read as sending
+    -- a labelled call's answer, kept for replay (statements.STORE_SIDE_EFFECT)
+    IF p_record IS NOT NULL THEN
+        INSERT INTO side_effects (operation_id, name, state, result, created_at, completed_at)
+        VALUES (p_operation_id, p_record, 'done', p_answer, p_now, p_now)
+        ON CONFLICT (operation_id, name) DO UPDATE
+        SET state = 'done', result = excluded.result, completed_at = excluded.completed_at;
+    END IF;
     -- statements.SET_OPERATION: succeeded, the run's lease given back, its run ended
     IF p_operation_id IS NOT NULL THEN
         UPDATE operations SET status = 'succeeded', result = COALESCE(p_result, result),
