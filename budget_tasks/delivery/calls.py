@@ -133,11 +133,13 @@ class CallPath:
         amount: int,
         site_of: Callable[[CallAdmission], CallSite],
         admission: Callable[[Callable[[CallAdmission], tuple[str, str] | None]], T],
+        *,
+        tell: bool = True,
     ) -> T:
         """Run a call's admission (the ledger's ``admit`` for the main call,
         ``admit_call`` for a labelled one) with the one plan of what it may reserve at
-        once. A refusal is told; a lost answer raises GrantUnanswered, naming what it
-        may have granted."""
+        once. A refusal is told (with ``tell``); a lost answer raises GrantUnanswered,
+        naming what it may have granted."""
         seen: list[tuple[int, str | None]] = []
 
         def plan(here: CallAdmission) -> tuple[str, str] | None:
@@ -148,7 +150,8 @@ class CallPath:
         try:
             return admission(plan)
         except (BudgetExceeded, BudgetFrozen) as exc:
-            self.told.denied(exc, amount)
+            if tell:
+                self.told.denied(exc, amount)
             raise
         except LedgerUnavailable as exc:
             operation_id, key = seen[0] if seen else (None, None)

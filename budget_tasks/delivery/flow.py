@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -45,8 +45,9 @@ from ..errors import (
 )
 from ..hooks import Hooks, hooks
 from ..ledger import CallAdmission, CallAsk, CallEnd, CallFacts, CallLedger
+from ..ledger.calls import FirstCall
 from ..ledger.operations import Decision, OperationStart, RunEnd, owner_id
-from ..ledger.records import PURGED_ERROR, AttemptRef
+from ..ledger.records import PURGED_ERROR, AttemptRef, SettledCall
 from ..ledger.states import OperationStatus
 from .calls import AnswerFound, CallPath, CallSite, GrantUnanswered, Moved, Opened, Unresolved
 from .fates import (
@@ -59,7 +60,7 @@ from .fates import (
     fate_after_return,
     replayable,
 )
-from .keys import step_key
+from .keys import main_key, step_key
 from .options import DeliveryOptions
 from .owed import Write, call_end, call_write, catch_up, end_write, owe, persist, unsent_write
 from .scope import AttemptScope, Call
@@ -125,6 +126,18 @@ class _Replayed(Exception):
         self.result = result
 
 
+class _Stopped(BaseException):
+    """Internal: a run whose admission was deferred to its first call found, at that
+    admission, that it may not go on (``cause``: a replay, another run's lease, a
+    failed or poisoned operation, the ledger down). Raised through the run's own code
+    (not an Exception, which that code, or an SDK, may catch and wrap), and kept on
+    its scope should that code swallow it."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 class OperationManager:
     """Runs deliveries of one task's operations on one ledger (see the module)."""
 
@@ -157,11 +170,37 @@ class OperationManager:
         # admission committed (estimate_cost itself): its lease is taken, and the run
         # counted, before any of that code runs again, so poison detection sees it.
         estimate, facts, failure = (None, None, None) if d.redelivered else self._estimate(d)
-        for _ in range(MAX_REREADS):
-            start = self._admit(d, estimate, facts)
+        if estimate == 0 and self.options.defer_lease:
+            return self._run(d, self._deferred_scope(d, facts))
+        try:
+            site, start, opened = self._start(d, estimate, facts, failure)
+        except _Replayed as replayed:
+            return replayable(d.key, replayed.result)
+        assert start.call is not None and opened is not None
+        return self._run(d, self._scope(d, site, start.call, opened))
+
+    def _start(
+        self,
+        d: Delivery,
+        estimate: int | None,
+        facts: CallFacts | None,
+        failure: Exception | None,
+        first: FirstCall | None = None,
+    ) -> tuple[CallSite, OperationStart, Opened | None]:
+        """Admit the run and open its main call: where it sits, what the admission
+        found (``start.first``: ``first``'s admission, where it was made with the
+        run's) and what was opened (None: the run was admitted with ``first`` and no
+        main attempt). Raises _Replayed, or what stops the run."""
+        for round_ in range(MAX_REREADS):
+            start = self._admit(d, estimate, facts, first if round_ == 0 else None)
             self._decided(d, start)
             if start.decision is Decision.REPLAY:
-                return replayable(d.key, start.result)
+                raise _Replayed(start.result)
+            if start.call is None and start.first is not None:
+                assert estimate == 0  # a main call that reserves nothing needs no attempt
+                self.told.decided(d.key, "admitted")
+                here = CallAdmission(start.operation_id)
+                return self._main_site(d, self._main_ask(d, 0, facts), here), start, None
             if estimate is None and failure is None:
                 estimate, facts, failure = self._estimate(d)
             if failure is not None:
@@ -174,14 +213,81 @@ class OperationManager:
                 raise failure
             assert estimate is not None and start.call is not None
             site = self._main_site(d, self._main_ask(d, estimate, facts), start.call)
-            try:
-                opened = self._open_main(d, site, start.call)
-            except _Replayed as replayed:
-                return replayable(d.key, replayed.result)
+            opened = self._open_main(d, site, start.call)
             if opened is not None:
                 self.told.decided(d.key, "admitted", opened.key, site.ask.amount)
-                return self._run(d, self._scope(d, site, start.call, opened))
+                return site, start, opened
         raise RetryLater("in_progress", OperationInProgress(d.key))
+
+    # -- a lease deferred to the run's first call ---------------------------------------
+
+    def _deferred_scope(self, d: Delivery, facts: CallFacts | None) -> AttemptScope:
+        """The scope of a first delivery whose main call reserves nothing: its run is
+        admitted with its first call's admission (one commit before that call is
+        sent), or when it asks for its operation, or at its end. Meanwhile another
+        delivery of the key may run the same code (see docs/design.md)."""
+        scope = AttemptScope(
+            main_key(d.key, 1),
+            0,
+            self.ledger,
+            reason="first",
+            operation_key=d.key,
+            operation_id=0,
+            budget=d.budget,
+            fingerprint=d.fingerprint,
+            manager=self,
+            owner=d.owner,
+            told=self.told,
+        )
+
+        def admission(first: FirstCall | None = None) -> CallAdmission | None:
+            return self._admit_deferred(d, scope, facts, first)
+
+        scope.defer(admission)
+        return scope
+
+    def _admit_deferred(
+        self, d: Delivery, scope: AttemptScope, facts: CallFacts | None, first: FirstCall | None
+    ) -> CallAdmission | None:
+        """Admit a deferred run (with ``first``, its first call, in the same commit):
+        ``first``'s admission where it was made so. A refusal is raised into the run
+        as its call's; anything else that stops the run raises _Stopped."""
+        if scope.stopped is not None:
+            raise _Stopped(scope.stopped)
+        try:
+            site, start, opened = self._start(d, 0, facts, None, first)
+        except (BudgetExceeded, BudgetFrozen) as exc:
+            scope.refused_unadmitted = exc  # recorded pending with the refusal
+            raise
+        except Exception as exc:
+            scope.stopped = exc
+            raise _Stopped(exc) from None
+        if opened is None:
+            scope.admitted_as(None, start.operation_id, reason="first", next_reason=None)
+        else:
+            assert start.call is not None
+            scope.admitted_as(
+                opened.key,
+                start.operation_id,
+                reason=opened.reason,
+                next_reason=start.call.next_reason,
+                described=site.ask.facts if opened.described else None,
+            )
+        return start.first
+
+    def _admitted(self, scope: AttemptScope) -> BaseException | None:
+        """Admit a deferred run that reached its end without a call; what stops it."""
+        if scope.stopped is None and not scope.admitted:
+            with suppress(_Stopped):
+                scope.operation_id  # noqa: B018 - asking admits
+        return scope.stopped
+
+    @staticmethod
+    def _stopped(d: Delivery, cause: BaseException) -> Any:
+        """What a stopped run returns (a replay) or raises."""
+        if isinstance(cause, _Replayed):
+            return replayable(d.key, cause.result)
+        raise cause
 
     def _decided(self, d: Delivery, start: OperationStart) -> None:
         """What the admission decided without running: a replay (told), or raised."""
@@ -220,9 +326,25 @@ class OperationManager:
             d.key, ask, 0, run_reason=here.next_reason or "first", next_reason=here.next_reason
         )
 
-    def _admit(self, d: Delivery, estimate: int | None, facts: CallFacts | None) -> OperationStart:
+    def _admit(
+        self,
+        d: Delivery,
+        estimate: int | None,
+        facts: CallFacts | None,
+        first: FirstCall | None = None,
+    ) -> OperationStart:
         ask = None if estimate is None else self._main_ask(d, estimate, facts)
         catch_up(self.ledger)
+        granted: list[str] = []  # what ``first``'s plan granted, should the answer be lost
+        if first is not None:
+            first_ask, record, first_plan = first
+
+            def recorded(here: CallAdmission) -> tuple[str, str] | None:
+                made = first_plan(here)
+                granted[:] = [] if made is None else [made[0]]
+                return made
+
+            first = (first_ask, record, recorded)
 
         def admission(plan: Callable[[CallAdmission], tuple[str, str] | None]) -> OperationStart:
             start: OperationStart = self.ledger.admit(
@@ -235,6 +357,7 @@ class OperationManager:
                 payload=d.payload,
                 call=ask,
                 plan=plan,
+                first=first,
             )
             return start
 
@@ -243,28 +366,30 @@ class OperationManager:
             return self._main_site(d, ask, here)
 
         try:
-            return self.calls.admit(estimate or 0, site_of, admission)
+            # with ``first``, a refusal is told by that call's own admission
+            return self.calls.admit(estimate or 0, site_of, admission, tell=first is None)
         except (BudgetExceeded, BudgetFrozen) as exc:
             # Refused in the admission's transaction: the operation is pending again.
-            if self.options.retry_when_budget_frees:
+            if self.options.retry_when_budget_frees and first is None:
                 raise RetryLater("budget", exc) from exc
             raise
         except GrantUnanswered as lost:
             # Fail closed: nothing is sent. The lease and a grant may have committed all
             # the same (a COMMIT whose answer was lost): this process, which knows it sent
             # nothing, gives them back once the ledger answers.
-            self._give_back(d, lost)
+            self._give_back(d, lost, granted)
             raise RetryLater("ledger", lost.cause) from lost.cause
 
-    def _give_back(self, d: Delivery, lost: GrantUnanswered) -> None:
-        """Owe what undoes an admission or a grant whose answer was lost: the grant (if
-        one may have committed), then the lease (by the operation's id where known).
+    def _give_back(self, d: Delivery, lost: GrantUnanswered, also: Sequence[str] = ()) -> None:
+        """Owe what undoes an admission or a grant whose answer was lost: the grants (if
+        they may have committed), then the lease (by the operation's id where known).
         Each write is compare-and-set on this run's lease: should the lease have moved
         on meanwhile, another run may be sending under that very attempt."""
         writes: list[Write] = []
         operation = d.key if lost.operation_id is None else lost.operation_id
-        if lost.key is not None:
-            writes.append(unsent_write(lost.key, operation, d.owner))
+        for key in (lost.key, *also):
+            if key is not None:
+                writes.append(unsent_write(key, operation, d.owner))
         writes.append(end_write(operation, d.owner, OperationStatus.PENDING, str(lost.cause)))
         owe(self.ledger, d.key, d.owner, writes)
 
@@ -341,6 +466,8 @@ class OperationManager:
             result = d.run(scope)
         except BaseException as exc:
             return self._after_error(d, scope, exc)
+        if scope.stopped is not None:  # the run's code swallowed what stopped it
+            return self._stopped(d, scope.stopped)
         try:
             encoded = json.dumps(result)
         except Exception as exc:  # TypeError, ValueError, RecursionError, an encoder's own
@@ -352,6 +479,9 @@ class OperationManager:
         return self._finish(d, scope, result, encoded)
 
     def _finish(self, d: Delivery, scope: AttemptScope, result: Any, encoded: str) -> Any:
+        stopped = self._admitted(scope)
+        if stopped is not None:
+            return self._stopped(d, stopped)
         catch_up(self.ledger)  # what this run's labelled calls still owe goes first
         fate = fate_after_return(scope)
         self._warn_if_estimate_unused(scope, fate)
@@ -362,8 +492,9 @@ class OperationManager:
         kwargs = {
             "result": None,
             "encoded": encoded,
-            "call": call_end(scope, fate),
+            "call": call_end(scope, fate) if scope.has_main else None,
             "owner": d.owner,
+            "settled": scope.take_settled(),
         }
         operation = scope.operation_id
         try:
@@ -372,7 +503,8 @@ class OperationManager:
             kept = Write("finish_operation", {"operation_id": operation, **kwargs})
             owe(self.ledger, d.key, d.owner, [kept])
             raise RetryLater("ledger", exc) from exc
-        self.told.ended(d.budget, scope.attempt_key, scope.amount, fate)
+        if scope.has_main:
+            self.told.ended(d.budget, scope.attempt_key, scope.amount, fate)
         if not end.applied:
             if end.status == OperationStatus.SUCCEEDED:
                 log.warning("operation %s was finished meanwhile: its stored result stands", d.key)
@@ -404,6 +536,16 @@ class OperationManager:
         self, d: Delivery, scope: AttemptScope, exc: BaseException, fate: HoldFate | None = None
     ) -> Any:
         """Write what an error out of ``run`` means, then raise what the task raises."""
+        if scope.stopped is None and not scope.admitted:
+            refused = scope.refused_unadmitted
+            if refused is not None and isinstance(exc, BudgetExceeded | BudgetFrozen):
+                # its first call was refused, and the refusal recorded: no run was admitted
+                if self.options.retry_when_budget_frees:
+                    raise RetryLater("budget", exc) from exc
+                raise exc
+        stopped = self._admitted(scope)
+        if stopped is not None:
+            return self._stopped(d, stopped)
         # A task that retries itself (self.retry, autoretry_for) leaves run with Celery's
         # Retry, raised while it handled the provider's error: that error says what the
         # call cost (a 429 was not billed), and the retry is already on its way.
@@ -413,7 +555,8 @@ class OperationManager:
         after = self._run_end(scope, cause, fate, retried)
         catch_up(self.ledger)  # what this run's labelled calls still owe goes first
         end = self._write_all(d, self._end_writes(d, scope, fate, after, describe_error(exc)))
-        self.told.ended(d.budget, scope.attempt_key, scope.amount, fate)
+        if scope.has_main:
+            self.told.ended(d.budget, scope.attempt_key, scope.amount, fate)
         if end is None:  # the ledger is down: the writes are owed; bring the message back
             raise RetryLater("ledger", exc) from exc
         if end.status == OperationStatus.SUCCEEDED:
@@ -459,13 +602,28 @@ class OperationManager:
         """The main call's outcome and the run's end, as the writes that make them (a
         failed run settles its billed main call in the same commit as it fails)."""
         operation = scope.operation_id
+        settled = [
+            Write(
+                "end_call",
+                {
+                    "call": one.call,
+                    "operation_id": operation,
+                    "owner": d.owner,
+                    "record": one.record,
+                    "result": one.result,
+                },
+            )
+            for one in scope.take_settled()
+        ]
         lease = {"owner": d.owner, "error": error}
+        main = call_end(scope, fate) if scope.has_main else None
         if after.status == OperationStatus.FAILED:
-            failing = {"operation_id": operation, **lease, "call": call_end(scope, fate)}
-            return [Write("fail_operation", failing)]
-        outcome = call_write(scope, fate, operation_id=operation, owner=d.owner)
+            failing = {"operation_id": operation, **lease, "call": main}
+            return [*settled, Write("fail_operation", failing)]
+        if main is not None:
+            settled.append(call_write(scope, fate, operation_id=operation, owner=d.owner))
         ending = {"operation": operation, **lease, "status": after.status}
-        return [outcome, Write("end_run", {**ending, "next_reason": after.next_reason})]
+        return [*settled, Write("end_run", {**ending, "next_reason": after.next_reason})]
 
     def _write_all(self, d: Delivery, writes: list[Write]) -> RunEnd | None:
         end = None
@@ -553,7 +711,11 @@ class OperationManager:
             self._call_failed(scope, site, made, exc)
             raise
         fate = fate_after_return(made)
-        self._write_call(scope, made, fate, wait=True, record=site.record, result=made.result)
+        if fate.action == "settle" and site.record is not None:
+            # written with the run's next commit: the next call's admission, or its end
+            scope.keep(SettledCall(call_end(made, fate), site.record, made.result))
+        else:
+            self._write_call(scope, made, fate, wait=True, record=site.record, result=made.result)
         if fate.action == "settle" or fate.untrusted:
             self.told.ended(scope.budget, made.attempt_key, made.amount, fate)
 
@@ -565,9 +727,18 @@ class OperationManager:
         assert record is not None
 
         def admission(plan: Callable[[CallAdmission], tuple[str, str] | None]) -> CallAdmission:
-            here: CallAdmission = self.ledger.admit_call(
-                scope.operation_id, ask, record=record, plan=plan
-            )
+            if not scope.admitted:
+                first: CallAdmission | None = scope.admit_first((ask, record, plan))
+                if first is not None:
+                    return first
+            settled = scope.take_settled()
+            try:
+                here: CallAdmission = self.ledger.admit_call(
+                    scope.operation_id, ask, record=record, plan=plan, settled=settled
+                )
+            except BaseException:
+                scope.put_back(settled)
+                raise
             return here
 
         for _ in range(MAX_REREADS):

@@ -16,5 +16,8 @@ class DeliveryOptions:
     retry_when_budget_frees: float = 0.0
     rerun_billed: bool = False
     price_version: str | None = None
+    #: a first delivery whose main call reserves nothing takes its lease with its first
+    #: call's admission (one commit before that call), not before ``run``
+    defer_lease: bool = True
     #: exceptions out of ``run`` by which a task asks to run again later (Celery's Retry)
     retry_types: tuple[type[BaseException], ...] = ()

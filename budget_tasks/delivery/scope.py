@@ -5,7 +5,7 @@ this context and in this process."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from typing import Any, Protocol
@@ -14,6 +14,7 @@ from .. import _validate as check
 from .._trust import Bound, doubt
 from ..errors import LedgerUnavailable, ResendRefused
 from ..ledger import CallFacts, CallLedger
+from ..ledger.records import SettledCall
 from .fates import before_send
 from .told import Told
 
@@ -291,7 +292,6 @@ class AttemptScope(Recorded):
         #: why the operation runs again, if it was told (manual: an operator reopened it)
         self.next_reason = next_reason
         self.operation_key = operation_key
-        self.operation_id = operation_id
         self.budget = budget
         self.fingerprint = fingerprint
         self.manager = manager
@@ -305,6 +305,86 @@ class AttemptScope(Recorded):
         self.left_open = False
         #: the run made a labelled call (spend(), the guarded transport)
         self.made_calls = False
+        self._operation_id = operation_id
+        #: whether the main call has an attempt in the ledger (a run admitted with its
+        #: first call, whose main call reserves nothing, has none)
+        self.has_main = True
+        #: what admits the run, while its lease is deferred to its first call (see
+        #: :meth:`defer`); None once admitted
+        self._admission: Callable[[Any], Any] | None = None
+        self._admission_lock = threading.Lock()
+        #: why the run cannot go on (its deferred admission found it replayed, taken,
+        #: or the ledger down), kept should the run's code swallow what was raised
+        self.stopped: BaseException | None = None
+        #: the refusal its deferred admission recorded (the run was never admitted)
+        self.refused_unadmitted: BaseException | None = None
+        #: calls answered and priced whose settlement waits for the run's next commit
+        self._settled: list[SettledCall] = []
+        self._settled_lock = threading.Lock()
+
+    @property
+    def operation_id(self) -> int:
+        """The operation's id in the ledger; asking for it admits a deferred run."""
+        if self._admission is not None:
+            self.admit_first(None)
+        return self._operation_id
+
+    @property
+    def admitted(self) -> bool:
+        """Whether the run's admission has committed (see :meth:`defer`)."""
+        return self._admission is None
+
+    def defer(self, admission: Callable[[Any], Any]) -> None:
+        """Defer the run's admission: ``admission(first)`` runs it (raising what stops
+        the run), with its first call's admission (``first``) where one asks."""
+        self._admission = admission
+
+    def admit_first(self, first: Any) -> Any:
+        """Admit the deferred run with its first call (``(ask, record, plan)``): that
+        call's admission, or None where it was not made with the run's."""
+        # threads the run started may call at once: one admits, the others then find
+        # the run admitted (and their calls are admitted on their own)
+        with self._admission_lock:
+            if self._admission is None:
+                return None
+            return self._admission(first)
+
+    def admitted_as(
+        self,
+        key: str | None,
+        operation_id: int,
+        *,
+        reason: str,
+        next_reason: str | None,
+        described: CallFacts | None = None,
+    ) -> None:
+        """The deferred admission committed: the operation and the main attempt it
+        made (``key`` None: none, the run was admitted with its first call)."""
+        if key is None:
+            self.has_main = False
+        else:
+            self._key = key
+        self._operation_id = operation_id
+        self.reason = reason
+        self.next_reason = next_reason
+        self._described = described
+        self._admission = None
+
+    def keep(self, settled: SettledCall) -> None:
+        """Keep a call's settlement for the run's next commit."""
+        with self._settled_lock:
+            self._settled.append(settled)
+
+    def take_settled(self) -> list[SettledCall]:
+        """The settlements kept for the next commit, handed over (give them back with
+        :meth:`put_back` if that commit fails)."""
+        with self._settled_lock:
+            taken, self._settled = self._settled, []
+        return taken
+
+    def put_back(self, settled: list[SettledCall]) -> None:
+        with self._settled_lock:
+            self._settled[:0] = settled
 
     def position(self, label: str, request: str | None) -> int:
         """The position of this run's next call labelled ``label``: the next one, or
@@ -325,16 +405,37 @@ class AttemptScope(Recorded):
         if request is not None:
             self._refused[label] = request
 
-    @property
-    def key(self) -> str:
-        """The main attempt's key. Refused when ``estimate_cost`` was 0: nothing is
-        reserved for a call under it (use ``spend()`` or the guarded transport)."""
+    def describe(self, *args: Any, **kwargs: Any) -> None:
+        """As :meth:`Recorded.describe`, on the main attempt (refused where
+        ``estimate_cost`` was 0: see :attr:`key`)."""
+        self._check_reserved()
+        super().describe(*args, **kwargs)
+
+    def record(self, sent: Any) -> None:
+        """As :meth:`Recorded.record`, on the main attempt (refused where
+        ``estimate_cost`` was 0)."""
+        self._check_reserved()
+        super().record(sent)
+
+    def record_usage(self, cost: int) -> None:
+        """As :meth:`Recorded.record_usage`, on the main attempt (refused where
+        ``estimate_cost`` was 0)."""
+        self._check_reserved()
+        super().record_usage(cost)
+
+    def _check_reserved(self) -> None:
         if self.amount == 0:
             raise ValueError(
                 f"operation {self.operation_key!r}: estimate_cost is 0, so nothing was "
                 "reserved for a call under the main attempt; give an estimate, or make "
                 "the calls with self.spend(...) or through the guarded transport"
             )
+
+    @property
+    def key(self) -> str:
+        """The main attempt's key. Refused when ``estimate_cost`` was 0: nothing is
+        reserved for a call under it (use ``spend()`` or the guarded transport)."""
+        self._check_reserved()
         return super().key
 
     @property

@@ -1,7 +1,10 @@
-"""Two ledger commits per billable call: counted by PostgreSQL itself
-(``pg_stat_database.xact_commit`` of a scratch database nothing else uses) and the
-statements by the driver, through the benchmark that reports them (``make bench``,
-section 6), with BudgetTasks calling the fake provider through the official SDK."""
+"""Two ledger commits per run of a task that makes one billable call: counted by
+PostgreSQL itself (``pg_stat_database.xact_commit`` of a scratch database nothing else
+uses) and the statements by the driver, through the benchmark that reports them
+(``make bench``, section 6), with BudgetTasks calling the fake provider through the
+official SDK: on the Quick start's path (``estimate_cost`` 0, the guarded client: the
+lease is taken with the call's admission, the call settled with the run's end) and
+through the call helper under the main attempt."""
 
 from __future__ import annotations
 
@@ -21,9 +24,26 @@ TASKS = 50
 SETUP = 4 / TASKS
 
 
-def test_a_first_run_commits_twice_a_replay_and_a_denial_once() -> None:
+def test_the_quick_starts_task_commits_twice_a_replay_and_a_denial_once() -> None:
     check_postgres()
-    counts = commit_count.run(TASKS)
+    counts = commit_count.run(TASKS, "guarded")
+    assert counts.tasks == TASKS
+    for kind, target in (("first run", 2), ("replay", 1), ("denial", 1)):
+        assert target <= counts.commits[kind] <= target + SETUP + 1e-9, (kind, counts)
+    # one function call each way: the run admitted with its call, the call settled with
+    # the run's end (its answer stored); a replay reads the stored result
+    assert counts.statements["first run"] == 2
+    assert counts.statements["replay"] == 1
+    # a denial: the function declines (a refusal is the statement path's to decide),
+    # the statement path's transaction rolls back, then one statement records the
+    # refusal; nothing else is written
+    assert counts.rollbacks["denial"] == 2
+    assert counts.rollbacks["first run"] == counts.rollbacks["replay"] == 0
+
+
+def test_a_first_run_on_the_helper_path_commits_twice_a_replay_and_a_denial_once() -> None:
+    check_postgres()
+    counts = commit_count.run(TASKS, "helper")
     assert counts.tasks == TASKS
     for kind, target in (("first run", 2), ("replay", 1), ("denial", 1)):
         assert target <= counts.commits[kind] <= target + SETUP + 1e-9, (kind, counts)

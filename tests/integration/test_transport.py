@@ -12,7 +12,7 @@ import openai
 import pytest
 from celery import Celery
 
-from budget_tasks import BudgetExceeded, BudgetTask, Ledger, OutcomeUnknown
+from budget_tasks import BudgetExceeded, BudgetTask, Ledger, OperationFailed, OutcomeUnknown
 from budget_tasks.errors import EstimateRefused, UnguardedCall
 from budget_tasks.testing import FakeProvider
 from budget_tasks.transport import guarded_anthropic_client, guarded_openai_client
@@ -177,6 +177,77 @@ def test_anthropic_through_the_transport_and_its_denials_stay_typed(
     with pytest.raises(BudgetExceeded):
         app.jobs["claude"].delay("tiny").get()
     assert len(posts(fake)) == 1
+
+
+def test_a_run_that_swallows_what_stopped_it_still_replays_the_stored_result(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    """A duplicate of a finished key runs the task's code up to its first call (its
+    lease waits for that call); the call's admission finds the result stored, and what
+    stops the run passes code that catches every Exception, and even one that catches
+    BaseException: the delivery returns the stored result, nothing is sent."""
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"swallow-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        idempotency_key=lambda: "swallow",
+        estimate_cost=lambda: 0,
+    )
+    def swallow(self: BudgetTask) -> str:
+        try:
+            completion = app.openai.chat.completions.create(
+                model="gpt-4o-mini",
+                max_completion_tokens=8,
+                messages=[{"role": "user", "content": "swallow"}],
+            )
+        except BaseException:
+            return "swallowed"
+        return str(completion.choices[0].message.content)
+
+    first = swallow.delay().get()
+    assert first != "swallowed"
+    assert swallow.delay().get() == first
+    assert len(posts(fake)) == 1
+    assert Ledger(backend_url).operation("swallow").replays == 1
+
+
+def test_calls_answered_before_the_run_failed_are_settled_with_its_end(
+    app: Any, fake: FakeProvider, backend_url: str
+) -> None:
+    """Each call's settlement is written with the run's next commit: the next call's
+    admission, or the run's end, here a failure after two answered calls. Both are
+    charged what the provider billed, no hold is left, and the failure replays."""
+
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name=f"fails-{uuid.uuid4().hex[:6]}",
+        budget="team",
+        idempotency_key=lambda: "fails-late",
+        estimate_cost=lambda: 0,
+    )
+    def fails_late(self: BudgetTask) -> None:
+        for n in range(2):
+            app.openai.chat.completions.create(
+                model="gpt-4o-mini",
+                max_completion_tokens=8,
+                messages=[{"role": "user", "content": f"step {n}"}],
+            )
+        raise ValueError("the task's own bug, after two answers")
+
+    with pytest.raises(ValueError, match="own bug"):
+        fails_late.delay().get()
+    ledger = Ledger(backend_url)
+    labelled = [a for a in ledger.attempts() if a.amount > 0]
+    assert [a.state for a in labelled] == ["settled", "settled"]
+    assert ledger.balance("team").spent == fake.state()["billed_total"] > 0
+    assert ledger.holds() == [] and ledger.audit() == []
+    assert ledger.operation("fails-late").status == "failed"
+    with pytest.raises(OperationFailed):
+        fails_late.delay().get()
+    assert len(posts(fake)) == 2
 
 
 def test_the_main_attempt_of_a_zero_estimate_gives_out_no_key(
