@@ -1,11 +1,13 @@
 """The tasks the benchmarks run in a real worker (``-I benchmarks.bench_tasks``).
 
 ``bench.plain`` and ``bench.budgeted`` make the same provider call, plain and budgeted
-(overhead and replay figures); with ``delay=S`` the fake provider takes S seconds to
-answer that call (the ``x-fake-fault: delay=S`` header on the request itself, so each
-call of either kind gets exactly that delay). ``bench.cheap`` is a BudgetTask with no
-provider call: it reserves a tiny estimate, records a usage and settles (four ledger
-transactions), so 10,000 of them fit in the memory figure's time.
+(overhead and replay figures): the plain task through the SDK client with retries off,
+the BudgetTask as the Quick start writes it (``estimate_cost`` 0, the SDK's own call
+through the guarded client, which reserves the call's bound); with ``delay=S`` the fake
+provider takes S seconds to answer that call (the ``x-fake-fault: delay=S`` header on
+the request itself, so each call of either kind gets exactly that delay).
+``bench.cheap`` is a BudgetTask with no provider call: it reserves a tiny estimate,
+records a usage and settles, so 10,000 of them fit in the memory figure's time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from budget_tasks import BudgetTask
 from budget_tasks.providers import openai_chat, openai_client
+from budget_tasks.transport import guarded_openai_client
 from workers.app import app
 
 
@@ -23,6 +26,12 @@ from workers.app import app
 def client() -> Any:
     """The plain SDK client (retries off) both kinds of task call through."""
     return openai_client(base_url=os.environ.get("OPENAI_BASE_URL"), api_key="sk-bench")
+
+
+@cache
+def guarded() -> Any:
+    """The Quick start's client: the official SDK, retries off, each call metered."""
+    return guarded_openai_client(base_url=os.environ.get("OPENAI_BASE_URL"), api_key="sk-bench")
 
 
 REQUEST: dict[str, Any] = {
@@ -50,18 +59,11 @@ def plain(n: str, delay: float = 0.0) -> int:
     name="bench.budgeted",
     budget="bench",
     idempotency_key=lambda n, delay=0.0: f"budgeted:{n}",
-    estimate_cost=lambda n, delay=0.0: 1_000,
+    estimate_cost=lambda n, delay=0.0: 0,  # the call reserves its own bound
 )
 def budgeted(self: BudgetTask, n: str, delay: float = 0.0) -> int:
-    sent = openai_chat(
-        client(),
-        key=self.attempt.key,
-        store_for_lookup=False,
-        on_request_id=self.attempt.record_request_id,
-        **_request(delay),
-    )
-    self.attempt.record(sent)
-    return sent.cost or 0
+    completion = guarded().chat.completions.create(**_request(delay))
+    return int(completion.usage.total_tokens)
 
 
 @app.task(

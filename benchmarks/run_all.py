@@ -374,7 +374,8 @@ def overhead_section(report: Report, stack: Services) -> None:
     call = f"taking {PROVIDER_DELAY * 1e3:.0f} ms"
     _overhead_figures(report, delayed, call, "higher is better; what a user sees")
     fault = f"delay={PROVIDER_DELAY:g}"
-    held = [r for r in stack.fake.served() if r.fault == fault]
+    # the guarded client sends each attempt's provider key: given back as attempt keys
+    held = [r for r in stack.fake.served_as(stack.ledger) if r.fault == fault]
     plain_held = sum(1 for r in held if (r.idempotency_key or "").startswith("plain:"))
     budget_held = sum(1 for r in held if (r.idempotency_key or "").startswith("budgeted:"))
     expected = s.delay_rounds * s.delay_tasks + s.delay_latency_samples
@@ -409,7 +410,8 @@ def replay_section(report: Report, stack: Services) -> None:
     replay_s, replays = run_all_of(app, "bench.budgeted", keys)
     mismatches += sum(a != b for a, b in zip(firsts, replays, strict=True))
     prefix = f"budgeted:{tag}-"
-    sends = sum(1 for r in stack.fake.served() if (r.idempotency_key or "").startswith(prefix))
+    served = stack.fake.served_as(stack.ledger)
+    sends = sum(1 for r in served if (r.idempotency_key or "").startswith(prefix))
     resent = sends - (s.replay_samples + s.replay_tasks)
     ms = 1e3
     report.figures += [
