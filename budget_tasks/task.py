@@ -113,11 +113,13 @@ class BudgetTask(Task):  # type: ignore[misc]
     lease_seconds: ClassVar[float] = 600.0
     retry_when_budget_frees: ClassVar[float] = 0.0
     rerun_billed: ClassVar[bool] = False
-    #: With ``estimate_cost`` 0, a first delivery takes its lease with its first
-    #: call's admission (one commit before that call is sent, one at the run's end),
-    #: so its code before that call may run in two deliveries of the key at once.
-    #: False: the lease is taken before ``run`` (one more commit per run).
-    defer_lease: ClassVar[bool] = True
+    #: The run's ledger writes wait for its calls (two commits per run): with
+    #: ``estimate_cost`` 0, a first delivery takes its lease with its first call's
+    #: admission, so its code before that call may run in two deliveries of the key at
+    #: once; each call's settlement waits for the next call's admission or the run's
+    #: end, so a crash in between leaves that hold to reconciliation. False: the lease
+    #: is taken before ``run`` and each call settles as it returns (more commits).
+    defer_writes: ClassVar[bool] = True
     #: What the main call is (a :class:`~budget_tasks.ledger.CallFacts`: lookup, model,
     #: client timeout), a function of the task's arguments, where known before ``run``:
     #: written with the admission, so the call costs two ledger commits, not three.
@@ -199,7 +201,7 @@ class BudgetTask(Task):  # type: ignore[misc]
             retry_when_budget_frees=self.retry_when_budget_frees,
             rerun_billed=self.rerun_billed,
             price_version=self.price_version,
-            defer_lease=self.defer_lease,
+            defer_writes=self.defer_writes,
             retry_types=(Retry,),
         )
 

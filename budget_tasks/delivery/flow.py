@@ -26,7 +26,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -170,7 +170,7 @@ class OperationManager:
         # admission committed (estimate_cost itself): its lease is taken, and the run
         # counted, before any of that code runs again, so poison detection sees it.
         estimate, facts, failure = (None, None, None) if d.redelivered else self._estimate(d)
-        if estimate == 0 and self.options.defer_lease:
+        if estimate == 0 and self.options.defer_writes:
             return self._run(d, self._deferred_scope(d, facts))
         try:
             site, start, opened = self._start(d, estimate, facts, failure)
@@ -711,7 +711,7 @@ class OperationManager:
             self._call_failed(scope, site, made, exc)
             raise
         fate = fate_after_return(made)
-        if fate.action == "settle" and site.record is not None:
+        if fate.action == "settle" and site.record is not None and self.options.defer_writes:
             # written with the run's next commit: the next call's admission, or its end
             scope.keep(SettledCall(call_end(made, fate), site.record, made.result))
         else:
@@ -741,9 +741,14 @@ class OperationManager:
                 raise
             return here
 
+        def site_of(_: CallAdmission) -> CallSite:
+            # why the run exists is known once it is admitted (a deferred admission may
+            # happen in this very call's)
+            return replace(site, run_reason=scope.reason, next_reason=scope.next_reason)
+
         for _ in range(MAX_REREADS):
             try:
-                here = self.calls.admit(ask.amount, lambda _: site, admission)
+                here = self.calls.admit(ask.amount, site_of, admission)
                 if here.stored is not None:
                     return Call(
                         site.key(0),
@@ -752,7 +757,7 @@ class OperationManager:
                         replayed=True,
                         result=replayable(site.key(0), here.stored[1]),
                     )
-                opened = self.calls.open(site, here)
+                opened = self.calls.open(site_of(here), here)
             except Moved:
                 continue
             except Unresolved as unresolved:

@@ -16,8 +16,9 @@ class DeliveryOptions:
     retry_when_budget_frees: float = 0.0
     rerun_billed: bool = False
     price_version: str | None = None
-    #: a first delivery whose main call reserves nothing takes its lease with its first
-    #: call's admission (one commit before that call), not before ``run``
-    defer_lease: bool = True
+    #: a run's writes wait for its calls: a first delivery whose main call reserves
+    #: nothing takes its lease with its first call's admission (not before ``run``),
+    #: and each call's settlement waits for the run's next commit
+    defer_writes: bool = True
     #: exceptions out of ``run`` by which a task asks to run again later (Celery's Retry)
     retry_types: tuple[type[BaseException], ...] = ()

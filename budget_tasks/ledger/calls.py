@@ -344,8 +344,10 @@ class CallLedger:
         before that call is sent: where this delivery creates the operation, that
         call is admitted instead of the main call (``start.call`` is None: a main
         call that reserves nothing needs no attempt), as :meth:`admit_call` would
-        (``start.first``); where the operation existed, the main call is admitted as
-        without ``first``, and ``first`` too where the main call was granted at once.
+        (``start.first``). Where the operation existed, what an earlier run left
+        decides the run's reasons and its calls' (a retry after a 429, an operator's
+        reopen): the main call is admitted as without ``first``, which its caller
+        then admits on its own.
 
         A refusal (BudgetExceeded, BudgetFrozen) rolls the whole transaction back; the
         operation is then recorded pending with the refusal, in one more statement
@@ -394,21 +396,9 @@ class CallLedger:
                 made = holds.admit_call_in(
                     self._store, cur, call, start.call, chain, found, now, plan
                 )
-                labelled = None
-                if first is not None and made.reservation is not None:
-                    labelled = _labelled_in(
-                        self._store,
-                        cur,
-                        start.operation_id,
-                        *first[:2],
-                        chain,
-                        found,
-                        now,
-                        first[2],
-                    )
             except (BudgetExceeded, BudgetFrozen) as exc:
                 raise Refused(exc) from exc
-            return replace(start, call=made, first=labelled)
+            return replace(start, call=made)
 
         try:
             return self._store.admitting(chain, admission)

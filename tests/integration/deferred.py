@@ -51,12 +51,14 @@ def deliver(
     go: Event | None = None,
     *,
     die: bool = False,
-    defer_lease: bool = True,
+    defer_writes: bool = True,
     lease_seconds: float = 600.0,
 ) -> tuple[str, Any]:
     """One delivery of ``key``: ``("ok", answer)`` or the error's name and text."""
     ledger = Ledger(url)
-    options = DeliveryOptions(task="deferred", defer_lease=defer_lease, lease_seconds=lease_seconds)
+    options = DeliveryOptions(
+        task="deferred", defer_writes=defer_writes, lease_seconds=lease_seconds
+    )
     manager = OperationManager(ledger.calls, options)
     delivery = Delivery(
         key=key,

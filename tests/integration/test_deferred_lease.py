@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from budget_tasks import Ledger, OutcomeUnknown
-from budget_tasks.errors import UnknownOperation
 from budget_tasks.beat import reconcile_unknown
+from budget_tasks.errors import UnknownOperation
 from budget_tasks.providers import openai_client
 from budget_tasks.testing import FakeProvider
 
@@ -89,11 +89,11 @@ def test_two_deliveries_of_a_key_run_the_code_before_its_call_at_once_and_send_o
 def test_a_lease_taken_before_run_keeps_a_second_delivery_out_of_the_code(
     ledger: Ledger, pg_url: str, fake: FakeProvider
 ) -> None:
-    """``defer_lease=False``: the second delivery finds the first one's lease before
+    """``defer_writes=False``: the second delivery finds the first one's lease before
     its code runs."""
-    one = Run(pg_url, fake.openai_base_url, "leased", defer_lease=False)
+    one = Run(pg_url, fake.openai_base_url, "leased", defer_writes=False)
     assert one.reached.wait(60)
-    two = Run(pg_url, fake.openai_base_url, "leased", defer_lease=False)
+    two = Run(pg_url, fake.openai_base_url, "leased", defer_writes=False)
     kind, _ = two.outcome()
     assert kind == "RetryLater"
     assert not two.reached.is_set()  # it never entered the code

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ import pytest
 from celery import Celery
 from sqlalchemy import text
 
-from budget_tasks import BudgetExceeded, Ledger
+from budget_tasks import BudgetExceeded, Ledger, OutcomeUnknown
+from budget_tasks.beat import reconcile_unknown
+from budget_tasks.providers import openai_client
 from budget_tasks.testing import FakeProvider
 from tests.support import wait_for
 
@@ -392,6 +395,16 @@ def test_retry_when_budget_frees_works_for_a_step(
     assert pg_ledger.holds() == [] and pg_ledger.audit() == []
 
 
+def reconcile_found(fake: FakeProvider, ledger: Ledger) -> None:
+    """Beat's reconciliation, once: the call a kill left sending is found at the
+    provider and settled with its answer."""
+    lookups = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
+    counts = reconcile_unknown(
+        ledger, lambda kind: lookups, margin=timedelta(0), requeue=lambda *_: None
+    )
+    assert counts["found"] == 1, counts
+
+
 def guarded_posts(fake: FakeProvider, topic: str, ledger: Ledger) -> list[str]:
     return [
         s.idempotency_key or ""
@@ -408,12 +421,22 @@ def test_an_sdk_agent_killed_after_three_calls_replays_them_and_sends_the_rest_o
     tmp_path: Path,
 ) -> None:
     """Five calls through the SDK's own code and the guarded transport; SIGKILL after
-    call three; the redelivery replays calls one to three from the ledger (no request)
-    and sends four and five once. Each call is charged once, at the fake's bill."""
+    call three, before the run's next commit, which call three's settlement waits for:
+    the redelivery finds call three sending and sends nothing (its outcome is unknown).
+    Beat finds it at the provider; the next delivery replays calls one to three from
+    the ledger (no request) and sends four and five once. Each call is charged once,
+    at the fake's bill."""
     start_worker()
     marker = tmp_path / "died-once"
+    with pytest.raises(OutcomeUnknown):
+        client.send_task("tests.guarded_agent", args=["tides", str(marker)]).get(timeout=90)
+    assert marker.exists()
+    assert guarded_posts(fake, "tides", pg_ledger) == [
+        f"guarded:tides:openai.chat:{n}" for n in range(1, 4)
+    ]
+    reconcile_found(fake, pg_ledger)
     value = client.send_task("tests.guarded_agent", args=["tides", str(marker)]).get(timeout=90)
-    assert marker.exists() and len(value) == 5
+    assert len(value) == 5
     keys = guarded_posts(fake, "tides", pg_ledger)
     assert keys == [f"guarded:tides:openai.chat:{n}" for n in range(1, 6)]  # each once
     steps = {a.key: a for a in pg_ledger.attempts() if a.key.startswith("guarded:tides:")}
@@ -434,14 +457,19 @@ def test_a_request_the_task_resends_after_a_429_stays_at_its_position_through_a_
 ) -> None:
     """The task's own code sends its request again after a 429: the resend is the next
     attempt of the same position, not the next position. SIGKILL once answered: the
-    redelivery meets that position answered and replays it. (The resend used to take
-    position 2; the redelivery found position 1 released and sent the request a third
-    time: one question answered and billed twice.)"""
+    redelivery meets that position open and sends nothing; beat finds the answer, and
+    the next delivery replays it. (The resend used to take position 2; the redelivery
+    found position 1 released and sent the request a third time: one question
+    answered and billed twice.)"""
     start_worker()
     fake.plan("status=429", count=1, path="/chat/completions")
     marker = tmp_path / "died-once"
+    with pytest.raises(OutcomeUnknown):
+        client.send_task("tests.retrying_agent", args=["surf", str(marker)]).get(timeout=90)
+    assert marker.exists()
+    reconcile_found(fake, pg_ledger)
     value = client.send_task("tests.retrying_agent", args=["surf", str(marker)]).get(timeout=90)
-    assert marker.exists() and value
+    assert value
     sent = [
         (s.idempotency_key, s.status)
         for s in fake.served_as(pg_ledger)
@@ -466,6 +494,9 @@ def test_a_redelivery_that_asks_something_else_at_a_replayed_position_is_a_confl
 ) -> None:
     start_worker()
     marker = tmp_path / "died-once"
+    with pytest.raises(OutcomeUnknown):  # killed after call three (see above)
+        client.send_task("tests.guarded_agent", args=["ebb", str(marker), 2]).get(timeout=90)
+    reconcile_found(fake, pg_ledger)
     result = client.send_task("tests.guarded_agent", args=["ebb", str(marker), 2])
     with pytest.raises(Exception, match=r"CallConflict|another request"):
         result.get(timeout=90)
