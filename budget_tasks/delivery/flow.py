@@ -198,7 +198,7 @@ class OperationManager:
                 raise _Replayed(start.result)
             if start.call is None and start.first is not None:
                 assert estimate == 0  # a main call that reserves nothing needs no attempt
-                self.told.decided(d.key, "admitted")
+                self.told.decided(d.key, "admitted", None, 0)
                 here = CallAdmission(start.operation_id)
                 return self._main_site(d, self._main_ask(d, 0, facts), here), start, None
             if estimate is None and failure is None:

@@ -124,7 +124,8 @@ def test_the_purge_leaves_no_copy_of_a_prompt_or_its_answer_anywhere(
     purged = purge_expired_operations(ledger, timedelta(0))
 
     assert (purged.operations, purged.unfinished) == (2, 1)
-    assert purged.side_effects >= 4 and purged.attempts >= 1
+    # the calls' answers are stored as side effects; their attempts carry no content
+    assert purged.side_effects >= 4
     after = everything(backend_url)
     assert mark not in after
     assert "ECHO:" not in after
