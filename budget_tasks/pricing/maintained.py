@@ -35,8 +35,20 @@ class MaintainedPrices(Estimating):
         self._genai = genai_prices
         self._snapshot = data_snapshot.get_snapshot()
         self.version = f"genai-prices {genai_prices.__version__}"
+        #: (model, provider) -> what the snapshot says: its lookup matches the model's
+        #: name against every model of the provider, on every call otherwise
+        self._models: dict[tuple[str, str | None], tuple[Any, Any]] = {}
 
     def _model(self, model: str, provider: str | None) -> tuple[Any, Any]:
+        found = self._models.get((model, provider))
+        if found is None:
+            found = self._find(model, provider)
+            if len(self._models) >= 1024:  # names that match a pattern are unbounded
+                self._models.clear()
+            self._models[(model, provider)] = found
+        return found
+
+    def _find(self, model: str, provider: str | None) -> tuple[Any, Any]:
         try:
             if provider is None:
                 found = self._snapshot.find_provider_model(model, None, None, None)
