@@ -65,13 +65,22 @@ class _LedgerClock:
         self.cpu = 0.0
         self._depth = 0
 
-    def install(self) -> None:
+    def install(self) -> dict[str, Any]:
+        """Time every public method of CallLedger; the originals, for :meth:`remove`."""
+        originals = {}
         for name in dir(CallLedger):
             if name.startswith("_"):
                 continue
             method = getattr(CallLedger, name)
             if callable(method):
+                originals[name] = method
                 setattr(CallLedger, name, self._timed(method))
+        return originals
+
+    @staticmethod
+    def remove(originals: dict[str, Any]) -> None:
+        for name, method in originals.items():
+            setattr(CallLedger, name, method)
 
     def _timed(self, method: Any) -> Any:
         @functools.wraps(method)
@@ -153,7 +162,22 @@ def _rounds(url: str, database: str, fake: FakeProvider, tasks: int, rounds: int
         return str(completion.choices[0].message.content)
 
     clock = _LedgerClock()
-    clock.install()
+    originals = clock.install()
+    try:
+        return _measured(url, database, clock, tasks, rounds, plain, budgeted)
+    finally:
+        clock.remove(originals)
+
+
+def _measured(
+    url: str,
+    database: str,
+    clock: _LedgerClock,
+    tasks: int,
+    rounds: int,
+    plain: Any,
+    budgeted: Any,
+) -> list[Round]:
     out = []
     for r in range(-1, rounds):  # round -1 warms up (connections, clock, chains)
         n = 20 if r < 0 else tasks

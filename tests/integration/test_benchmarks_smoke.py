@@ -79,3 +79,19 @@ def test_the_large_answer_benchmark_runs_and_the_cap_keeps_the_row_small() -> No
     assert capped and whole, run.stdout
     assert int(capped.group(1).replace(",", "")) < 1_000
     assert int(whole.group(1).replace(",", "")) > 3_000_000
+
+
+def test_the_task_profile_splits_a_budgettasks_time_and_leaves_the_ledger_as_it_was() -> None:
+    """``benchmarks/task_profile.py`` (not part of ``make bench``) in a tiny run: the
+    BudgetTask's time inside the ledger was measured and is part of its own, and the
+    ledger's methods are themselves again afterwards."""
+    check_postgres()
+    from benchmarks import task_profile
+    from budget_tasks.ledger import CallLedger
+
+    before = {name: getattr(CallLedger, name) for name in ("admit", "finish_operation")}
+    [found] = task_profile.run(tasks=5, rounds=1)
+    assert 0 < found.ledger_wall < found.budget_wall
+    assert 0 <= found.ledger_cpu <= found.budget_cpu
+    assert found.plain_wall > 0 and found.server_cpu >= 0
+    assert {name: getattr(CallLedger, name) for name in before} == before
