@@ -10,6 +10,6 @@ the CLI's, and need the token of ``BUDGET_TASKS_DASHBOARD_TOKEN``.
 
 from __future__ import annotations
 
-from .app import TOKEN_ENV, create_app
+from .app import create_app
 
-__all__ = ["TOKEN_ENV", "create_app"]
+__all__ = ["create_app"]

@@ -12,39 +12,25 @@
 """
 
 from .fates import (
-    BEFORE_SEND_ERRORS,
-    ErrorKind,
-    HoldFate,
-    before_send,
-    error_kind,
     fate_after_error,
-    fate_after_return,
     replayable,
 )
-from .flow import MAX_REREADS, Delivery, DeliveryOptions, OperationManager, RetryLater
+from .flow import Delivery, DeliveryOptions, OperationManager, RetryLater
 from .keys import main_key, step_key
 from .owed import PERSIST_DELAYS, catch_up, forget, owes
-from .scope import AttemptScope, Call, Recorded, current_scope, running, running_scopes
+from .scope import AttemptScope, Call, current_scope, running, running_scopes
 
 __all__ = [
-    "BEFORE_SEND_ERRORS",
-    "MAX_REREADS",
     "PERSIST_DELAYS",
     "AttemptScope",
     "Call",
     "Delivery",
     "DeliveryOptions",
-    "ErrorKind",
-    "HoldFate",
     "OperationManager",
-    "Recorded",
     "RetryLater",
-    "before_send",
     "catch_up",
     "current_scope",
-    "error_kind",
     "fate_after_error",
-    "fate_after_return",
     "forget",
     "main_key",
     "owes",

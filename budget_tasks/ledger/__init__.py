@@ -3,10 +3,9 @@
 from .calls import CallLedger
 from .operator import Ledger
 from .oversight import OperationHistory
-from .periods import PERIODS, RENEWALS, Period, Renewal, period_start
+from .periods import Period, Renewal
 from .records import (
     Attempt,
-    AttemptRef,
     AuditFinding,
     Balance,
     BudgetInfo,
@@ -29,10 +28,7 @@ from .upkeep import Upkeep
 from .views import Views
 
 __all__ = [
-    "PERIODS",
-    "RENEWALS",
     "Attempt",
-    "AttemptRef",
     "AuditFinding",
     "Balance",
     "BudgetInfo",
@@ -57,5 +53,4 @@ __all__ = [
     "SettledStats",
     "Upkeep",
     "Views",
-    "period_start",
 ]

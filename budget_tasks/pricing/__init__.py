@@ -8,15 +8,13 @@ to a whole minor unit; estimates are upper bounds (:mod:`~budget_tasks.pricing.r
 """
 
 from .maintained import MaintainedPrices
-from .prices import PRICES_ENV, Prices, Pricing, default_prices, set_default_prices
-from .rates import MESSAGE_OVERHEAD_TOKENS, PER_MILLION, REQUEST_OVERHEAD_TOKENS, Rates
+from .prices import Prices, Pricing, default_prices, set_default_prices
+from .rates import MESSAGE_OVERHEAD_TOKENS, REQUEST_OVERHEAD_TOKENS, Rates
 from .table import ModelPrice, PriceTable, load_prices, parse_prices
 from .usage import STANDARD, Estimate, PriceContext, Usage
 
 __all__ = [
     "MESSAGE_OVERHEAD_TOKENS",
-    "PER_MILLION",
-    "PRICES_ENV",
     "REQUEST_OVERHEAD_TOKENS",
     "STANDARD",
     "Estimate",

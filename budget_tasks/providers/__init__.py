@@ -9,18 +9,15 @@ This package never imports the ledger: the task layer wires the two together.
 from .anthropic import (
     Anthropic,
     lookup_anthropic_batch,
-    lookup_anthropic_batch_total,
     lookup_anthropic_message,
 )
-from .base import Endpoint, Kind, LookupFacts, Part, Reported, Rule, Vendor
-from .calls import ATTEMPT_METADATA_KEY, Sent, anthropic_message, openai_chat, openai_response
+from .base import Kind, LookupFacts, Reported, Vendor
+from .calls import Sent, anthropic_message, openai_chat, openai_response
 from .clients import require_no_retries, settle_after
 from .lookups import Found, Lookup, NotFound, Pending, Unknowable
 from .openai import OpenAI, lookup_openai_chat, lookup_openai_response
 from .outcomes import ErrorOutcome, classify
 from .registry import (
-    Registry,
-    Route,
     UnknownVendor,
     anthropic_client,
     openai_client,
@@ -29,9 +26,7 @@ from .registry import (
 )
 
 __all__ = [
-    "ATTEMPT_METADATA_KEY",
     "Anthropic",
-    "Endpoint",
     "ErrorOutcome",
     "Found",
     "Kind",
@@ -39,12 +34,8 @@ __all__ = [
     "LookupFacts",
     "NotFound",
     "OpenAI",
-    "Part",
     "Pending",
-    "Registry",
     "Reported",
-    "Route",
-    "Rule",
     "Sent",
     "Unknowable",
     "UnknownVendor",
@@ -53,7 +44,6 @@ __all__ = [
     "anthropic_message",
     "classify",
     "lookup_anthropic_batch",
-    "lookup_anthropic_batch_total",
     "lookup_anthropic_message",
     "lookup_openai_chat",
     "lookup_openai_response",

@@ -29,7 +29,7 @@ client was built with ``allow_unguarded=True``. Parallel calls inside ``run`` (t
 ``asyncio.gather``) need a :func:`call_label` per branch, else they are refused.
 """
 
-from ..errors import ParallelCallsUnlabelled, raised_by_transport
+from ..errors import ParallelCallsUnlabelled
 from .async_ import AsyncGuardedTransport
 from .clients import (
     guarded_anthropic_client,
@@ -40,13 +40,11 @@ from .clients import (
     guarded_http_client,
     guarded_openai_client,
 )
-from .guard import RETRY_HEADER
 from .positions import call_label
 from .scopes import LabelsLost, ManyRuns
 from .sync import GuardedTransport
 
 __all__ = [
-    "RETRY_HEADER",
     "AsyncGuardedTransport",
     "GuardedTransport",
     "LabelsLost",
@@ -60,5 +58,4 @@ __all__ = [
     "guarded_client",
     "guarded_http_client",
     "guarded_openai_client",
-    "raised_by_transport",
 ]

@@ -20,7 +20,6 @@ from .lookups import (
     lookup_anthropic_batch,
     lookup_anthropic_batch_total,
     lookup_anthropic_message,
-    message_result,
 )
 
 _ID = r"[^/]+"
@@ -138,5 +137,4 @@ __all__ = [
     "lookup_anthropic_batch",
     "lookup_anthropic_batch_total",
     "lookup_anthropic_message",
-    "message_result",
 ]

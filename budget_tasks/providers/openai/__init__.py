@@ -25,7 +25,6 @@ from . import usage as usage_of
 from .lookups import (
     ATTEMPT_METADATA_KEY,
     REQUEST_METADATA_KEY,
-    chat_result,
     lookup_openai_chat,
     lookup_openai_response,
 )
@@ -343,11 +342,8 @@ class OpenAI(Vendor):
 
 __all__ = [
     "ATTEMPT_METADATA_KEY",
-    "LOOKUP_CHAT",
-    "LOOKUP_RESPONSES",
     "REQUEST_METADATA_KEY",
     "OpenAI",
-    "chat_result",
     "lookup_openai_chat",
     "lookup_openai_response",
 ]
