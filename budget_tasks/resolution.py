@@ -10,8 +10,6 @@ from .errors import BudgetTasksError
 from .hooks import hooks
 from .ledger import Attempt, Resolved
 
-__all__ = ["NeverSent", "Resolution", "resolve_outcome"]
-
 
 class NeverSent(BudgetTasksError, ValueError):
     """A charge for an attempt that was never sent (reserved): it can only be released."""

@@ -25,16 +25,14 @@ from celery.signals import after_setup_logger, after_setup_task_logger, celeryd_
 from . import _validate as check
 from . import bypass, wiring
 from ._redact import redact_handlers
-from .config import LEDGER_URL_ENV, LEDGER_URL_SETTING, close_ledgers, ledger_for, ledger_of
+from .config import ledger_of
 from .delivery import (
-    PERSIST_DELAYS,
     AttemptScope,
     Call,
     Delivery,
     DeliveryOptions,
     OperationManager,
     RetryLater,
-    catch_up,
     current_scope,
     replayable,
     running,
@@ -49,21 +47,6 @@ from .errors import (
     raised_by_transport,
 )
 from .ledger import CallFacts, Ledger
-
-__all__ = [
-    "LEDGER_URL_ENV",
-    "LEDGER_URL_SETTING",
-    "NO_RETRY_LIMIT",
-    "PERSIST_DELAYS",
-    "AttemptScope",
-    "BudgetTask",
-    "Call",
-    "canonical_fingerprint",
-    "catch_up",
-    "close_ledgers",
-    "ledger_for",
-    "ledger_of",
-]
 
 #: Options given to ``@app.task(...)`` that are plain functions of the task's arguments.
 _FUNCTION_OPTIONS = ("estimate_cost", "idempotency_key", "fingerprint", "budget", "describe_call")

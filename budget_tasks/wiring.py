@@ -220,16 +220,3 @@ def warn_at_start(instance: Any, base: type) -> None:
         return
     for problem in startup_problems(app, base):
         log.warning("budget-tasks: %s", problem)
-
-
-__all__ = [
-    "BEAT_SCHEDULE",
-    "DELIVERY_DEFAULTS",
-    "ENV_SETTINGS",
-    "OTEL_ENV",
-    "configure",
-    "redis_broker",
-    "settings_from_environment",
-    "startup_problems",
-    "warn_at_start",
-]

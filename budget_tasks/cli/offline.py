@@ -23,7 +23,8 @@ def fake_provider(host: str, port: int, kind: bool) -> None:
     your own tasks offline, with no key and nothing billed."""
     import contextlib
 
-    from ..testing.fake_provider import FakeProvider, Realism
+    from ..testing.fake_billing import Realism
+    from ..testing.fake_provider import FakeProvider
 
     fake = FakeProvider(host, port, realism=Realism.kind() if kind else None)
     click.echo(f"fake provider on {fake.url}; point the SDKs at it with:")

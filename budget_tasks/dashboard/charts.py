@@ -6,11 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from .._display import age
-
 WIDTH, HEIGHT, PAD = 720, 220, 36
-
-__all__ = ["age", "bar", "spend_chart", "usd"]
 
 
 def usd(micros: int | None) -> str:

@@ -15,8 +15,9 @@ from .fates import (
     fate_after_error,
     replayable,
 )
-from .flow import Delivery, DeliveryOptions, OperationManager, RetryLater
+from .flow import Delivery, OperationManager, RetryLater
 from .keys import main_key, step_key
+from .options import DeliveryOptions
 from .owed import PERSIST_DELAYS, catch_up, forget, owes
 from .scope import AttemptScope, Call, current_scope, running, running_scopes
 

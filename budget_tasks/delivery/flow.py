@@ -46,7 +46,8 @@ from ..errors import (
 from ..hooks import Hooks, hooks
 from ..ledger import CallAdmission, CallAsk, CallEnd, CallFacts, CallLedger
 from ..ledger.calls import FirstCall
-from ..ledger.operations import Decision, OperationStart, RunEnd, owner_id
+from ..ledger.leases import owner_id
+from ..ledger.operations import Decision, OperationStart, RunEnd
 from ..ledger.records import PURGED_ERROR, AttemptRef, SettledCall
 from ..ledger.states import OperationStatus
 from .calls import AnswerFound, CallPath, CallSite, GrantUnanswered, Moved, Opened, Unresolved
@@ -65,8 +66,6 @@ from .options import DeliveryOptions
 from .owed import Write, call_end, call_write, catch_up, end_write, owe, persist, unsent_write
 from .scope import AttemptScope, Call
 from .told import Told
-
-__all__ = ["MAX_REREADS", "Delivery", "DeliveryOptions", "OperationManager", "RetryLater"]
 
 log = logging.getLogger("budget_tasks.delivery")
 

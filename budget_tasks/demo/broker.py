@@ -28,6 +28,3 @@ def _session_of_this_thread(channel: Any) -> Any:
 def install() -> None:
     """Give every channel of kombu's SQLAlchemy transport a session per thread."""
     sqla.Channel.session = property(_session_of_this_thread)  # type: ignore[assignment,method-assign]
-
-
-__all__ = ["install"]

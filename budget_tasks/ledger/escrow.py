@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import BudgetExceeded, BudgetFrozen
 from . import statements as sql
-from .counters import grant_sources, owe_grant, record_grant
+from .counters import owe_grant, record_grant
 from .driver import Cursor
 from .periods import PeriodClosed, period_start
 
@@ -204,14 +204,3 @@ def give_back(cur: Cursor, period_id: int, stamp: Any, note: str, *, busy_ok: bo
         return 0
     owe_grant(cur, period_id, -unused, stamp, note)
     return unused
-
-
-__all__ = [
-    "GRANT_SHARE",
-    "Escrow",
-    "admit",
-    "aligned",
-    "give_back",
-    "grant_sources",
-    "reclaim_under",
-]

@@ -43,21 +43,12 @@ from . import functions
 from . import statements as sql
 from .driver import Cursor
 from .holds import CallPlan, attempt_params, call_row
-from .leases import lease_is_live, owner_id
+from .leases import lease_is_live
 from .records import AttemptRef, CallAdmission, CallAsk, CallEnd, SettledCall
 from .states import FINISHED, OPEN, AttemptState, OperationStatus, operation_may
 from .store import Chain, Resolution, Store, made_now
 
 log = logging.getLogger("budget_tasks.ledger")
-
-__all__ = [
-    "AttemptRef",
-    "Decision",
-    "OperationStart",
-    "RunEnd",
-    "lease_is_live",
-    "owner_id",
-]
 
 
 class Decision(enum.Enum):

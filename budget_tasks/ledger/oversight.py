@@ -25,8 +25,6 @@ from .schema import (
 from .states import OPERATION_STATUSES
 from .store import Store, attempt_of
 
-__all__ = ["OperationHistory"]
-
 #: The most operations one listing returns.
 MAX_LISTED = 10_000
 

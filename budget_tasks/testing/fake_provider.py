@@ -69,10 +69,7 @@ from ..pricing import PriceContext, Prices, Usage, default_prices
 from . import fake_answers as answers
 from . import fake_wire
 from .fake_billing import (
-    IMAGE_TOKENS,
     SNAPSHOTS,
-    STORED_ITEM_TOKENS,
-    TOOL_PROMPT_TOKENS,
     PromptCache,
     Realism,
     context_of,
@@ -95,17 +92,6 @@ IMAGE_OUTPUT_TOKENS = {
     "1024x1536": {"low": 408, "medium": 1584, "high": 6240},
     "1536x1024": {"low": 400, "medium": 1568, "high": 6208},
 }
-
-__all__ = [
-    "IMAGE_TOKENS",
-    "STORED_ITEM_TOKENS",
-    "TOOL_PROMPT_TOKENS",
-    "FakeProvider",
-    "Realism",
-    "Served",
-    "message_tokens",
-    "prompt_tokens",
-]
 
 
 @dataclass
