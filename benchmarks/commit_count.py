@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ if str(ROOT) not in sys.path:
 from celery import Celery  # noqa: E402
 from sqlalchemy import event  # noqa: E402
 
-from benchmarks.ledger_bench import ADMIN_URL  # noqa: E402
+from benchmarks.ledger_bench import ADMIN_URL, scratch_database  # noqa: E402
 from budget_tasks import BudgetExceeded, BudgetTask, CallFacts, Ledger  # noqa: E402
 from budget_tasks.config import close_ledgers, ledger_of  # noqa: E402
 from budget_tasks.providers import estimates, openai_chat, openai_client  # noqa: E402
@@ -132,18 +131,12 @@ def _flushed(database: str, app: Celery | None = None) -> tuple[int, int]:
 def run(tasks: int = 100, path: str = "guarded") -> Counts:
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, not {path!r}")
-    name = f"bt_commits_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')  # a generated name
-    url = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1)
-    url = f"{url}/{name}"
-    try:
-        with FakeProvider() as fake:
-            return _count(url, name, fake, tasks, path)
-    finally:
-        close_ledgers()
-        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with scratch_database() as url:
+        try:
+            with FakeProvider() as fake:
+                return _count(url, url.rsplit("/", 1)[1], fake, tasks, path)
+        finally:
+            close_ledgers()
 
 
 def _count(url: str, database: str, fake: FakeProvider, tasks: int, path: str) -> Counts:

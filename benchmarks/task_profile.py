@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
 from celery import Celery  # noqa: E402
 
 from benchmarks.commit_count import _backend_cpu  # noqa: E402
-from benchmarks.ledger_bench import ADMIN_URL  # noqa: E402
+from benchmarks.ledger_bench import scratch_database  # noqa: E402
 from budget_tasks import BudgetTask, Ledger  # noqa: E402
 from budget_tasks.config import close_ledgers  # noqa: E402
 from budget_tasks.ledger import CallLedger  # noqa: E402
@@ -120,18 +120,12 @@ def _timed(run: Any, n: int) -> tuple[float, float]:
 
 
 def run(tasks: int = 300, rounds: int = 3) -> list[Round]:
-    name = f"bt_profile_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')  # a generated name
-    url = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1)
-    url = f"{url}/{name}"
-    try:
-        with FakeProvider() as fake:
-            return _rounds(url, name, fake, tasks, rounds)
-    finally:
-        close_ledgers()
-        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with scratch_database() as url:
+        try:
+            with FakeProvider() as fake:
+                return _rounds(url, url.rsplit("/", 1)[1], fake, tasks, rounds)
+        finally:
+            close_ledgers()
 
 
 def _rounds(url: str, database: str, fake: FakeProvider, tasks: int, rounds: int) -> list[Round]:

@@ -63,7 +63,17 @@ from .fates import (
 )
 from .keys import main_key, step_key
 from .options import DeliveryOptions
-from .owed import Write, call_end, call_write, catch_up, end_write, owe, persist, unsent_write
+from .owed import (
+    Write,
+    call_end,
+    call_write,
+    catch_up,
+    end_call_write,
+    end_write,
+    owe,
+    persist,
+    unsent_write,
+)
 from .scope import AttemptScope, Call
 from .told import Told
 
@@ -602,15 +612,12 @@ class OperationManager:
         failed run settles its billed main call in the same commit as it fails)."""
         operation = scope.operation_id
         settled = [
-            Write(
-                "end_call",
-                {
-                    "call": one.call,
-                    "operation_id": operation,
-                    "owner": d.owner,
-                    "record": one.record,
-                    "result": one.result,
-                },
+            end_call_write(
+                one.call,
+                operation_id=operation,
+                owner=d.owner,
+                record=one.record,
+                result=one.result,
             )
             for one in scope.take_settled()
         ]

@@ -141,11 +141,21 @@ def call_write(
 ) -> Write:
     """The one write of what a call came to (the main call or a labelled one), made
     under ``owner``'s lease: kept through an outage, it still knows which run made it."""
-    kwargs: dict[str, Any] = {
-        "call": call_end(call, fate),
-        "operation_id": operation_id,
-        "owner": owner,
-    }
+    return end_call_write(
+        call_end(call, fate), operation_id=operation_id, owner=owner, record=record, result=result
+    )
+
+
+def end_call_write(
+    end: CallEnd,
+    *,
+    operation_id: int | str,
+    owner: str,
+    record: str | None = None,
+    result: Any = None,
+) -> Write:
+    """The ledger's ``end_call`` of ``end`` as a write (see :func:`call_write`)."""
+    kwargs: dict[str, Any] = {"call": end, "operation_id": operation_id, "owner": owner}
     if record is not None:
         kwargs.update(record=record, result=result)
     return Write("end_call", kwargs)
@@ -164,5 +174,4 @@ def unsent_write(key: str, operation: int | str, owner: str) -> Write:
     """Undoing a grant of ``key`` whose answer was lost: the run sent nothing under it
     (released if it committed and is still ``owner``'s, else nothing). ``operation``:
     its id, or its key where the admission's answer was lost before it had an id."""
-    call = CallEnd(key, "unsent")
-    return Write("end_call", {"call": call, "operation_id": operation, "owner": owner})
+    return end_call_write(CallEnd(key, "unsent"), operation_id=operation, owner=owner)

@@ -79,22 +79,17 @@ def _labelled_in(
     :meth:`CallLedger.admit_call`); ``created``: its operation was created in this
     transaction, so nothing is stored or attempted at its position yet."""
     assert call.step is not None
-    if created:
-        return holds.admit_call_in(
-            store, cur, call, CallAdmission(operation_id), chain, found, now, plan
-        )
-    stored = cur.one(sql.SIDE_EFFECT, {"operation_id": operation_id, "name": record})
-    if stored is not None and stored[0] == "done":
-        return CallAdmission(operation_id, stored=(stored[0], decode(stored[1])))
-    latest, count = _step_of(cur, operation_id, call.step)
-    here = CallAdmission(operation_id, latest, count)
+    here = CallAdmission(operation_id)
+    if not created:
+        stored = cur.one(sql.SIDE_EFFECT, {"operation_id": operation_id, "name": record})
+        if stored is not None and stored[0] == "done":
+            return CallAdmission(operation_id, stored=(stored[0], decode(stored[1])))
+        latest, count = _step_of(cur, operation_id, call.step)
+        here = CallAdmission(operation_id, latest, count)
     return holds.admit_call_in(store, cur, call, here, chain, found, now, plan)
 
 
-def _check_first(first: FirstCall | None) -> None:
-    if first is None:
-        return
-    call, record, _ = first
+def _check_labelled(call: CallAsk, record: str) -> None:
     if call.step is None:
         raise ValueError("a labelled call names its step")
     check.text(record, "side effect name")
@@ -354,9 +349,10 @@ class CallLedger:
         that is the delivery's only commit, and the refusal raised."""
         ask = Ask(key, fingerprint, owner, lease, max_runs, task, payload)
         check_delivery(ask)
-        _check_first(first)
-        if first is not None and (call is None or first[0].budget != call.budget):
-            raise ValueError("a first call is admitted on its run's main call's budget")
+        if first is not None:
+            _check_labelled(first[0], first[1])
+            if call is None or first[0].budget != call.budget:
+                raise ValueError("a first call is admitted on its run's main call's budget")
         chain = None if call is None else operations.chain_or_none(self._store, call.budget)
         if self._store.use_functions:
             if first is None:
@@ -542,7 +538,7 @@ class CallLedger:
         (what they free counts for this call). A refusal raises and writes nothing,
         those settlements included."""
         check.row_id(operation_id, "operation_id")
-        _check_first((call, record, plan))
+        _check_labelled(call, record)
         chain = self._store.admission_chain(call.budget)
         ended: list[tuple[Any, bool] | None] = []
 
@@ -626,11 +622,8 @@ class CallLedger:
             )
             if ended is None:
                 return False
-            if record is not None:
-                cur.run(
-                    sql.STORE_SIDE_EFFECT,
-                    {"operation_id": row.id, "name": record, "result": encoded, "now": stamp},
-                )
+            if record is not None and encoded is not None:
+                operations.store_answer_in(cur, row.id, record, encoded, stamp)
             changed = operations.apply_call(cur, ended)
         operations.log_call(self._store, ended)
         return changed

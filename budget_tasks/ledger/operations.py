@@ -307,11 +307,16 @@ def settle_calls_in(
     for one in settled:
         ended.append(end_call_in(store, cur, one.call, stamp, lease_mine=True))
         encoded = store.kept_text(json.dumps(one.result))
-        cur.run(
-            sql.STORE_SIDE_EFFECT,
-            {"operation_id": operation_id, "name": one.record, "result": encoded, "now": stamp},
-        )
+        store_answer_in(cur, operation_id, one.record, encoded, stamp)
     return ended
+
+
+def store_answer_in(cur: Cursor, operation_id: int, record: str, encoded: str, stamp: Any) -> None:
+    """Store a call's answer (``encoded``) under ``record``, for replay."""
+    cur.run(
+        sql.STORE_SIDE_EFFECT,
+        {"operation_id": operation_id, "name": record, "result": encoded, "now": stamp},
+    )
 
 
 def release_reserved(
