@@ -4,16 +4,14 @@ PostgreSQL (``pg_stat_database.xact_commit`` of a scratch database that nothing 
 uses), statements by the driver (a psycopg cursor class that counts ``execute``
 calls), not by the library counting itself.
 
-    .venv/bin/python benchmarks/commit_count.py [--tasks 20] [--path guarded|helper]
+    .venv/bin/python benchmarks/commit_count.py [--tasks 20]
 
 The tasks run in eager mode in this process (the same operation manager a worker
-runs), each making one call through the official openai SDK to the fake provider:
-on the Quick start's path (``--path guarded``, the default: ``estimate_cost`` 0 and
-the guarded client, which reserves each call's own bound) or through the call helper
-under the main attempt (``--path helper``). A
-backend flushes its statistics when it exits, so the ledger's connections are closed
-before each reading; a warm-up run (connections, the database clock) is flushed
-before the first.
+runs), each making one call through the official openai SDK to the fake provider
+on the Quick start's path (``estimate_cost`` 0 and the guarded client, which reserves
+each call's own bound). A backend flushes its statistics when it exits, so the
+ledger's connections are closed before each reading; a warm-up run (connections, the
+database clock) is flushed before the first.
 """
 
 from __future__ import annotations
@@ -38,19 +36,14 @@ from celery import Celery  # noqa: E402
 from sqlalchemy import event  # noqa: E402
 
 from benchmarks.ledger_bench import ADMIN_URL, scratch_database  # noqa: E402
-from budget_tasks import BudgetExceeded, BudgetTask, CallFacts, Ledger  # noqa: E402
+from budget_tasks import BudgetExceeded, BudgetTask, Ledger  # noqa: E402
 from budget_tasks.config import close_ledgers, ledger_of  # noqa: E402
-from budget_tasks.providers import estimates, openai_chat, openai_client  # noqa: E402
-from budget_tasks.providers.calls import LOOKUP_OPENAI_CHAT  # noqa: E402
-from budget_tasks.providers.clients import client_timeout  # noqa: E402
 from budget_tasks.testing import FakeProvider  # noqa: E402
 from budget_tasks.transport import guarded_openai_client  # noqa: E402
 
 #: Issue 15's targets: commits per first run, per replay, per denial.
 TARGETS = {"first run": 2, "replay": 1, "denial": 1}
 MODEL = "gpt-4o-mini"
-#: The ways a task may meter its call: the Quick start's and the call helper's.
-PATHS = ("guarded", "helper")
 
 
 @dataclass(frozen=True)
@@ -128,18 +121,16 @@ def _flushed(database: str, app: Celery | None = None) -> tuple[int, int]:
     return _stat(database)
 
 
-def run(tasks: int = 100, path: str = "guarded") -> Counts:
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, not {path!r}")
+def run(tasks: int = 100) -> Counts:
     with scratch_database() as url:
         try:
             with FakeProvider() as fake:
-                return _count(url, url.rsplit("/", 1)[1], fake, tasks, path)
+                return _count(url, url.rsplit("/", 1)[1], fake, tasks)
         finally:
             close_ledgers()
 
 
-def _count(url: str, database: str, fake: FakeProvider, tasks: int, path: str) -> Counts:
+def _count(url: str, database: str, fake: FakeProvider, tasks: int) -> Counts:
     setup = Ledger(url)
     setup.create_schema()
     setup.create_budget("plenty", 10**12)
@@ -147,8 +138,6 @@ def _count(url: str, database: str, fake: FakeProvider, tasks: int, path: str) -
     setup.dispose()
     app = Celery("commit-count", set_as_current=False)
     app.conf.update(task_always_eager=True, task_eager_propagates=True, budget_ledger_url=url)
-    client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=10.0)
-    timeout = client_timeout(client)
 
     def request(text: str) -> dict[str, Any]:
         return {
@@ -159,34 +148,17 @@ def _count(url: str, database: str, fake: FakeProvider, tasks: int, path: str) -
 
     guarded = guarded_openai_client(base_url=fake.openai_base_url, api_key="x", timeout=10.0)
 
-    if path == "guarded":
-
-        @app.task(
-            base=BudgetTask,
-            bind=True,
-            name="commits.summarize",
-            budget=lambda budget, key: budget,
-            idempotency_key=lambda budget, key: key,
-            estimate_cost=lambda budget, key: 0,
-        )
-        def summarize(self: BudgetTask, budget: str, key: str) -> str:
-            completion = guarded.chat.completions.create(**request(key))
-            return str(completion.choices[0].message.content)
-
-    else:
-
-        @app.task(
-            base=BudgetTask,
-            bind=True,
-            name="commits.summarize",
-            budget=lambda budget, key: budget,
-            idempotency_key=lambda budget, key: key,
-            estimate_cost=lambda budget, key: estimates.openai_chat(request(key)).amount,
-            describe_call=lambda budget, key: CallFacts(LOOKUP_OPENAI_CHAT, MODEL, timeout),
-        )
-        def summarize(self: BudgetTask, budget: str, key: str) -> str:
-            sent = openai_chat(client, attempt=self.attempt, **request(key))
-            return str(sent.result["content"])
+    @app.task(
+        base=BudgetTask,
+        bind=True,
+        name="commits.summarize",
+        budget=lambda budget, key: budget,
+        idempotency_key=lambda budget, key: key,
+        estimate_cost=lambda budget, key: 0,
+    )
+    def summarize(self: BudgetTask, budget: str, key: str) -> str:
+        completion = guarded.chat.completions.create(**request(key))
+        return str(completion.choices[0].message.content)
 
     def each(kind: str, budget: str, keys: list[str]) -> Callable[[], None]:
         def go() -> None:
@@ -227,10 +199,8 @@ def _count(url: str, database: str, fake: FakeProvider, tasks: int, path: str) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--tasks", type=int, default=100)
-    parser.add_argument("--path", choices=PATHS, default="guarded")
     args = parser.parse_args()
-    counts = run(args.tasks, args.path)
-    print(f"the {args.path} path")
+    counts = run(args.tasks)
     for kind, value in counts.commits.items():
         print(
             f"{kind:10} {value:5.2f} commits per task (target {TARGETS[kind]}), "

@@ -67,7 +67,7 @@ from budget_tasks.ledger.leases import owner_id  # noqa: E402
 from budget_tasks.ledger.operations import Decision, OperationStart  # noqa: E402
 from budget_tasks.providers import estimates  # noqa: E402
 from budget_tasks.providers.base import request_digest  # noqa: E402
-from budget_tasks.providers.calls import LOOKUP_OPENAI_CHAT  # noqa: E402
+from budget_tasks.providers.openai import LOOKUP_CHAT  # noqa: E402
 
 #: round trips per first run and per replay, the one-call path's targets
 TARGETS = {"first run": 2, "replay": 1}
@@ -194,7 +194,7 @@ def _main_call(budget: str) -> CallAsk:
     it its own fingerprint)."""
     estimate = estimates.openai_chat(REQUEST)
     facts = CallFacts(
-        LOOKUP_OPENAI_CHAT, estimate.model, TIMEOUT_S, request_digest(REQUEST), Bound.of(estimate)
+        LOOKUP_CHAT, estimate.model, TIMEOUT_S, request_digest(REQUEST), Bound.of(estimate)
     )
     return CallAsk(budget, estimate.amount, None, estimate.price_version, facts)
 

@@ -46,7 +46,7 @@ from benchmarks.ledger_bench import scratch_database  # noqa: E402
 from budget_tasks import BudgetTask, Ledger  # noqa: E402
 from budget_tasks.config import close_ledgers  # noqa: E402
 from budget_tasks.ledger import CallLedger  # noqa: E402
-from budget_tasks.providers import openai_client  # noqa: E402
+from budget_tasks.providers.registry import openai_client  # noqa: E402
 from budget_tasks.testing import FakeProvider  # noqa: E402
 from budget_tasks.transport import guarded_openai_client  # noqa: E402
 

@@ -35,8 +35,8 @@ from .hooks import hooks
 from .ledger import Attempt, Hold, Ledger, Purged, Resolved, Retained
 from .ledger.records import NO_TIMEOUT_MS, UNTRUSTED_LOOKUP
 from .ledger.states import nothing_sent_under
-from .providers import Found, Lookup, LookupFacts, NotFound, Unknowable, registry, settle_after
-from .providers.clients import DEFAULT_MARGIN
+from .providers import Found, Lookup, LookupFacts, NotFound, Unknowable, registry
+from .providers.clients import DEFAULT_MARGIN, settle_after
 
 log = logging.getLogger("budget_tasks.beat")
 

@@ -1,12 +1,12 @@
 """Calls that bypass the guard: a connection to a known provider endpoint opened inside a
-BudgetTask's ``run`` by anything but the guarded transport or the call helpers (a plain
+BudgetTask's ``run`` by anything but the guarded transport (a plain
 SDK client, an async one, ``requests``, a framework built without the guarded client)
 is refused when it opens, through Python's audit hook on sockets, before any byte is
 sent: :class:`UnmeteredConnection`.
 
 Known provider endpoints are the registered vendors' API hosts, the base URL each
 vendor's SDK reads from the environment (``OPENAI_BASE_URL``...), and every base URL
-a guarded or helper client was built for; the vendors tell this module (see
+a guarded client was built for; the vendors tell this module (see
 :mod:`budget_tasks.providers.registry`), which names none itself.
 
 What it cannot see, and so does not refuse: a connection opened before ``run`` and

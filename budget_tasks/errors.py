@@ -252,8 +252,8 @@ class RetriesEnabled(ProviderError):
 
     template = (
         "{client} has max_retries={max_retries!r}; budget-tasks needs max_retries=0 "
-        "(use budget_tasks.providers.openai_client()/anthropic_client() or "
-        "client.with_options(max_retries=0))"
+        "(use budget_tasks.transport.guarded_openai_client()/guarded_anthropic_client() "
+        "or client.with_options(max_retries=0))"
     )
     client: str = ""
     max_retries: object = None

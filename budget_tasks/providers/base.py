@@ -22,6 +22,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from .. import bypass
+from .._trust import Bound
 from ..errors import RetriesEnabled, UnusableApiKey, UsageUnreadable
 from ..pricing import STANDARD, Estimate, PriceContext, Prices, Usage, default_prices
 from .lookups import Lookup, Unknowable
@@ -320,3 +321,22 @@ def sdk_client(vendor: Vendor, **kwargs: Any) -> Any:
     bypass.know(str(kwargs["base_url"]) if kwargs.get("base_url") else None)
     client_class = getattr(importlib.import_module(vendor.sdk), name)
     return client_class(**{**kwargs, "max_retries": 0})
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A completed billable call: what it returned, what it used and what it cost."""
+
+    provider: str
+    model: str
+    request_id: str | None
+    response_id: str | None
+    usage: Usage | None
+    cost: int | None
+    result: dict[str, Any]
+    #: the SDK's own response object; for a stream, the list of the SDK's own events
+    #: (chunks) in the order they came
+    response: Any = None
+    #: the most tokens the request allowed (what its usage is vetted against), where
+    #: its estimate could count them
+    bound: Bound | None = None

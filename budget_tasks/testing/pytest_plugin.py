@@ -7,7 +7,7 @@ registers this module as a pytest plugin).
   come from the ``budgets`` marker: ``@pytest.mark.budgets(acme=5_000_000)``.
 - ``fake_llm``: the fake OpenAI/Anthropic provider on a loopback port, with
   ``OPENAI_BASE_URL``, ``ANTHROPIC_BASE_URL`` and test API keys set, so the official
-  SDKs (and ``openai_client()``/``anthropic_client()``) talk to it.
+  SDKs (and the guarded clients built without a base URL) talk to it.
 - ``budget_eager``: wires a Celery app for a test in eager mode against
   ``budget_ledger``: ``budget_eager(app)`` (no broker, no worker).
 - ``budget_celery_config``: for Celery's own fixtures (``celery_app``,

@@ -39,8 +39,7 @@ from ..errors import (
 )
 from ..ledger import CallFacts
 from ..pricing import Estimate, Prices
-from ..providers.base import Endpoint, Kind, Reported, request_digest
-from ..providers.calls import Sent
+from ..providers.base import Endpoint, Kind, Reported, Sent, request_digest
 from ..providers.registry import Route, registry
 from .positions import position_label
 

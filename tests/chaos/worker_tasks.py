@@ -27,8 +27,9 @@ from typing import Any
 from budget_tasks import BudgetTask, Ledger
 from budget_tasks.config import ledger_of
 from budget_tasks.ledger import CallLedger
-from budget_tasks.providers import estimates, openai_chat
+from budget_tasks.providers import estimates
 from tests.integration.worker_tasks import client
+from tests.support.sdk_calls import openai_chat
 from workers.app import app
 from workers.tasks import BUDGET
 

@@ -26,10 +26,11 @@ from celery.signals import task_postrun, task_prerun
 import budget_tasks.config as ledger_config
 import budget_tasks.ledger.store as ledger_base
 from budget_tasks import BudgetTask, Ledger
-from budget_tasks.providers import estimates, openai_chat
+from budget_tasks.providers import estimates
 from budget_tasks.wiring import BEAT_SCHEDULE
 from tests.chaos.worker_tasks import chaos_request
 from tests.integration.worker_tasks import client
+from tests.support.sdk_calls import openai_chat
 from workers.app import app
 from workers.tasks import BUDGET
 

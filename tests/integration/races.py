@@ -14,7 +14,9 @@ from typing import Any
 
 from budget_tasks import Ledger
 from budget_tasks.delivery import AttemptScope, Delivery, DeliveryOptions, OperationManager
-from budget_tasks.providers import estimates, openai_chat, openai_client
+from budget_tasks.providers import estimates
+from budget_tasks.providers.registry import openai_client
+from tests.support.sdk_calls import openai_chat
 
 PROMPT = {
     "model": "gpt-4o-mini",

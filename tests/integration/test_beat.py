@@ -26,10 +26,11 @@ from budget_tasks.beat import (
     stale_hold,
 )
 from budget_tasks.ledger.leases import owner_id, this_process
-from budget_tasks.providers import estimates, openai_chat, openai_client
-from budget_tasks.providers.calls import LOOKUP_ANTHROPIC_MESSAGES, LOOKUP_OPENAI_CHAT
+from budget_tasks.providers import estimates
+from budget_tasks.providers.registry import openai_client
 from budget_tasks.testing import FakeProvider, ManualClock
 from tests.support import race
+from tests.support.sdk_calls import LOOKUP_ANTHROPIC_MESSAGES, LOOKUP_OPENAI_CHAT, openai_chat
 
 PROMPT = {
     "model": "gpt-4o-mini",

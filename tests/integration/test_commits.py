@@ -3,8 +3,7 @@ PostgreSQL itself (``pg_stat_database.xact_commit`` of a scratch database nothin
 uses) and the statements by the driver, through the benchmark that reports them
 (``make bench``, section 6), with BudgetTasks calling the fake provider through the
 official SDK: on the Quick start's path (``estimate_cost`` 0, the guarded client: the
-lease is taken with the call's admission, the call settled with the run's end) and
-through the call helper under the main attempt."""
+lease is taken with the call's admission, the call settled with the run's end)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ SETUP = 4 / TASKS
 
 def test_the_quick_starts_task_commits_twice_a_replay_and_a_denial_once() -> None:
     check_postgres()
-    counts = commit_count.run(TASKS, "guarded")
+    counts = commit_count.run(TASKS)
     assert counts.tasks == TASKS
     for kind, target in (("first run", 2), ("replay", 1), ("denial", 1)):
         assert target <= counts.commits[kind] <= target + SETUP + 1e-9, (kind, counts)
@@ -37,21 +36,6 @@ def test_the_quick_starts_task_commits_twice_a_replay_and_a_denial_once() -> Non
     # a denial: the function declines (a refusal is the statement path's to decide),
     # the statement path's transaction rolls back, then one statement records the
     # refusal; nothing else is written
-    assert counts.rollbacks["denial"] == 2
-    assert counts.rollbacks["first run"] == counts.rollbacks["replay"] == 0
-
-
-def test_a_first_run_on_the_helper_path_commits_twice_a_replay_and_a_denial_once() -> None:
-    check_postgres()
-    counts = commit_count.run(TASKS, "helper")
-    assert counts.tasks == TASKS
-    for kind, target in (("first run", 2), ("replay", 1), ("denial", 1)):
-        assert target <= counts.commits[kind] <= target + SETUP + 1e-9, (kind, counts)
-    # a replay is one statement: the stored result read while the delivery is counted
-    assert counts.statements["replay"] == 1
-    # a denial: the admission's function declines (a refusal is the statement path's
-    # to decide), the statement path's transaction rolls back, then one statement
-    # records the refusal
     assert counts.rollbacks["denial"] == 2
     assert counts.rollbacks["first run"] == counts.rollbacks["replay"] == 0
     # the database runs on this host: its backends' CPU is read (in clock ticks of 10

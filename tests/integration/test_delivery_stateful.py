@@ -50,9 +50,11 @@ from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager, R
 from budget_tasks.delivery.scope import running
 from budget_tasks.errors import BudgetTasksError
 from budget_tasks.ledger.leases import owner_id, this_process
-from budget_tasks.providers import estimates, openai_chat, openai_client
+from budget_tasks.providers import estimates
+from budget_tasks.providers.registry import openai_client
 from budget_tasks.testing import FakeProvider
 from budget_tasks.transport import guarded_openai_client
+from tests.support.sdk_calls import openai_chat
 
 from ..conftest import empty_ledger_tables
 

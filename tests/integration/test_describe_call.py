@@ -14,9 +14,10 @@ from celery import Celery
 from budget_tasks import BudgetTask, CallFacts, Ledger
 from budget_tasks.config import close_ledgers
 from budget_tasks.ledger import CallLedger
-from budget_tasks.providers import estimates, openai_chat, openai_client
-from budget_tasks.providers.calls import LOOKUP_OPENAI_CHAT
+from budget_tasks.providers import estimates
+from budget_tasks.providers.registry import openai_client
 from budget_tasks.testing import FakeProvider
+from tests.support.sdk_calls import LOOKUP_OPENAI_CHAT, openai_chat
 
 MODEL = "gpt-4o-mini"
 

@@ -11,15 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from budget_tasks.errors import EstimateRefused, UnknownModelPrice
-from budget_tasks.providers import (
-    anthropic_client,
-    anthropic_message,
-    estimates,
-    openai_chat,
-    openai_client,
-)
+from budget_tasks.providers import estimates
+from budget_tasks.providers.registry import anthropic_client, openai_client
 from budget_tasks.testing import FakeProvider
 from budget_tasks.testing.fake_billing import IMAGE_TOKENS
+from tests.support.sdk_calls import anthropic_message, openai_chat
 
 texts = st.text(st.characters(codec="utf-8"), max_size=300)
 messages = st.lists(

@@ -17,8 +17,10 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
-from budget_tasks.providers import classify, openai_chat, openai_client
+from budget_tasks.providers import classify
 from budget_tasks.providers.outcomes import ErrorOutcome
+from budget_tasks.providers.registry import openai_client
+from tests.support.sdk_calls import openai_chat
 
 
 def free_port() -> int:

@@ -12,22 +12,13 @@ import openai
 import pytest
 
 from budget_tasks.errors import RetriesEnabled
-from budget_tasks.providers import (
-    Found,
-    NotFound,
-    Pending,
-    Unknowable,
-    anthropic_client,
-    lookup_anthropic_batch,
-    lookup_anthropic_message,
-    lookup_openai_chat,
-    lookup_openai_response,
-    openai_chat,
-    openai_client,
-    openai_response,
-    settle_after,
-)
+from budget_tasks.providers import Found, NotFound, Pending, Unknowable
+from budget_tasks.providers.anthropic import lookup_anthropic_batch, lookup_anthropic_message
+from budget_tasks.providers.clients import settle_after
+from budget_tasks.providers.openai import lookup_openai_chat, lookup_openai_response
+from budget_tasks.providers.registry import anthropic_client, openai_client
 from budget_tasks.testing import FakeProvider
+from tests.support.sdk_calls import openai_chat, openai_response
 
 PROMPT = [{"role": "user", "content": "What did the board decide?"}]
 WINDOW = timedelta(seconds=30)

@@ -33,8 +33,10 @@ from budget_tasks import (
 from budget_tasks.beat import reconcile_unknown
 from budget_tasks.config import close_ledgers
 from budget_tasks.errors import StepNotReplayable
-from budget_tasks.providers import estimates, openai_chat, openai_client, openai_response
+from budget_tasks.providers import estimates
+from budget_tasks.providers.registry import openai_client
 from budget_tasks.testing import FakeProvider, ManualClock
+from tests.support.sdk_calls import openai_chat, openai_response
 
 
 def request(text: str, tokens: int = 40) -> dict[str, Any]:

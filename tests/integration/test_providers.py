@@ -12,17 +12,11 @@ import openai
 import pytest
 
 from budget_tasks.errors import RetriesEnabled, StreamIncomplete
-from budget_tasks.providers import (
-    ErrorOutcome,
-    anthropic_client,
-    anthropic_message,
-    classify,
-    openai_chat,
-    openai_client,
-    openai_response,
-    require_no_retries,
-)
+from budget_tasks.providers import ErrorOutcome, classify
+from budget_tasks.providers.clients import require_no_retries
+from budget_tasks.providers.registry import anthropic_client, openai_client
 from budget_tasks.testing import FakeProvider
+from tests.support.sdk_calls import anthropic_message, openai_chat, openai_response
 
 # What the SDKs raise: their own errors, and (Anthropic streams) raw transport errors.
 PROVIDER_ERRORS = (openai.APIError, anthropic.APIError, httpx2.TransportError)

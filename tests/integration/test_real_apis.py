@@ -467,7 +467,7 @@ def test_a_message_batch_settles_at_the_batch_price_of_the_snapshots_that_answer
     from datetime import timedelta
 
     from budget_tasks.beat import reconcile_unknown
-    from budget_tasks.providers import anthropic_client
+    from budget_tasks.providers.registry import anthropic_client
 
     claude = guarded_anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
 
@@ -525,7 +525,7 @@ def test_two_ledgers_on_one_api_key_never_find_or_replay_each_others_calls(
     import openai
 
     from budget_tasks.beat import reconcile_unknown
-    from budget_tasks.providers import openai_client
+    from budget_tasks.providers.registry import openai_client
 
     lookups = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
     slow = guarded_openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
@@ -576,9 +576,9 @@ def test_a_found_answer_for_another_request_is_not_adopted(
     from datetime import timedelta
 
     from budget_tasks.beat import reconcile_unknown
-    from budget_tasks.providers import openai_client
-    from budget_tasks.providers.calls import LOOKUP_OPENAI_CHAT
     from budget_tasks.providers.openai import ATTEMPT_METADATA_KEY, REQUEST_METADATA_KEY
+    from budget_tasks.providers.registry import openai_client
+    from tests.support.sdk_calls import LOOKUP_OPENAI_CHAT
 
     client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
     pg_ledger.create_budget("team", 1_000_000)
@@ -617,7 +617,7 @@ def test_a_call_sent_without_a_timeout_is_never_declared_not_found(
 
     from budget_tasks.beat import reconcile_unknown
     from budget_tasks.ledger.records import NO_TIMEOUT_MS
-    from budget_tasks.providers import openai_client
+    from budget_tasks.providers.registry import openai_client
     from budget_tasks.testing import ManualClock
 
     unbounded = guarded_openai_client(base_url=fake.openai_base_url, api_key="x", timeout=None)
@@ -933,7 +933,8 @@ def test_an_openai_compatible_gateway_is_a_vendor_of_its_own_for_the_transport_a
     import openai
 
     from budget_tasks.beat import reconcile_unknown
-    from budget_tasks.providers import OpenAI, openai_client, registry
+    from budget_tasks.providers import OpenAI, registry
+    from budget_tasks.providers.registry import openai_client
     from budget_tasks.transport import guarded_http_client
 
     gateway = OpenAI("gateway", hosts=["localhost"], price_provider="openai")

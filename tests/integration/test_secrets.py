@@ -15,10 +15,11 @@ from celery import Celery
 from sqlalchemy import text
 
 from budget_tasks import BudgetTask, Ledger, UnusableApiKey
-from budget_tasks.providers import estimates, openai_chat
+from budget_tasks.providers import estimates
 from budget_tasks.testing import FakeProvider
 from budget_tasks.transport import guarded_openai_client
 from tests.support import Worker
+from tests.support.sdk_calls import openai_chat
 
 from ..services import pg_conninfo
 
@@ -180,7 +181,7 @@ def test_a_header_refused_inside_the_guarded_transport_releases_its_hold(
 def test_a_key_no_header_may_carry_is_refused_as_the_client_is_built(
     builder: str, key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from budget_tasks.providers import openai_client
+    from budget_tasks.providers.registry import openai_client
 
     build = guarded_openai_client if builder == "guarded" else openai_client
     with pytest.raises(UnusableApiKey) as refused:

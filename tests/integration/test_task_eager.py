@@ -26,8 +26,10 @@ from budget_tasks import (
 )
 from budget_tasks.errors import InvalidTransition, OperationInProgress
 from budget_tasks.ledger import CallLedger
-from budget_tasks.providers import estimates, openai_chat, openai_client
+from budget_tasks.providers import estimates
+from budget_tasks.providers.registry import openai_client
 from budget_tasks.testing import FakeProvider
+from tests.support.sdk_calls import openai_chat
 
 from .test_delivery_stateful import gone_owner
 

@@ -255,7 +255,8 @@ def test_the_main_attempt_of_a_zero_estimate_gives_out_no_key(
 ) -> None:
     """Nothing is reserved for it, so nothing may be sent under it: that is what lets a
     dead run's zero main attempt be released and the run go again."""
-    from budget_tasks.providers import openai_chat, openai_client
+    from budget_tasks.providers.registry import openai_client
+    from tests.support.sdk_calls import openai_chat
 
     plain = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
 
@@ -448,7 +449,7 @@ def test_a_call_reconciliation_found_is_replayed_to_the_sdk_as_the_task_built_it
     from datetime import timedelta
 
     from budget_tasks.beat import reconcile_unknown
-    from budget_tasks.providers import openai_client
+    from budget_tasks.providers.registry import openai_client
 
     slow = guarded_openai_client(base_url=fake.openai_base_url, api_key="x", timeout=1.0)
 
@@ -554,7 +555,7 @@ def test_an_anthropic_batch_is_held_until_it_ends_then_settled_at_what_it_billed
     from datetime import timedelta
 
     from budget_tasks.beat import reconcile_unknown
-    from budget_tasks.providers import anthropic_client
+    from budget_tasks.providers.registry import anthropic_client
 
     claude = guarded_anthropic_client(base_url=fake.url, api_key="x", timeout=5.0)
 
@@ -799,7 +800,7 @@ def test_a_timed_out_chat_call_through_the_guarded_client_is_found_by_beat(
     from datetime import timedelta
 
     from budget_tasks.beat import reconcile_unknown
-    from budget_tasks.providers import openai_client
+    from budget_tasks.providers.registry import openai_client
     from budget_tasks.transport import guarded_openai_client
 
     client = guarded_openai_client(

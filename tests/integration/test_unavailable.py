@@ -17,7 +17,7 @@ from budget_tasks import BudgetExceeded, BudgetTask, Ledger, LedgerUnavailable, 
 from budget_tasks.config import close_ledgers
 from budget_tasks.delivery import catch_up, owed
 from budget_tasks.ledger import CallLedger
-from budget_tasks.providers.calls import Sent
+from budget_tasks.providers.base import Sent
 from budget_tasks.testing import FakeProvider
 from budget_tasks.transport import guarded_anthropic_client
 from tests.support import FaultProxy

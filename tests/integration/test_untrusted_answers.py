@@ -18,10 +18,11 @@ from budget_tasks.beat import look_up, reconcile_unknown
 from budget_tasks.errors import UsageUnreadable
 from budget_tasks.hooks import Hooks, add_sink, remove_sink
 from budget_tasks.metrics import UNTRUSTED_ANSWERS
-from budget_tasks.providers import Unknowable, openai_client
-from budget_tasks.providers import openai_chat as call_openai_chat
+from budget_tasks.providers import Unknowable
 from budget_tasks.providers.estimates import openai_chat, openai_response
+from budget_tasks.providers.registry import openai_client
 from budget_tasks.transport import guarded_anthropic_client, guarded_openai_client
+from tests.support.sdk_calls import openai_chat as call_openai_chat
 
 from ..hostile_gateway import HostileGateway
 

@@ -17,7 +17,7 @@ from sqlalchemy import text
 
 from budget_tasks import BudgetExceeded, Ledger, OutcomeUnknown
 from budget_tasks.beat import reconcile_unknown
-from budget_tasks.providers import openai_client
+from budget_tasks.providers.registry import openai_client
 from budget_tasks.testing import FakeProvider
 from tests.support import wait_for
 

@@ -14,9 +14,10 @@ from typing import Any
 import openai
 
 from budget_tasks import BudgetTask, CallFacts
-from budget_tasks.providers import estimates, openai_chat, openai_client
-from budget_tasks.providers.calls import LOOKUP_OPENAI_CHAT
+from budget_tasks.providers import estimates
 from budget_tasks.providers.clients import client_timeout
+from budget_tasks.providers.registry import openai_client
+from tests.support.sdk_calls import LOOKUP_OPENAI_CHAT, openai_chat
 from workers.app import app
 from workers.tasks import BUDGET, MODEL, notify
 

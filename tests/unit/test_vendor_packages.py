@@ -57,3 +57,15 @@ def test_a_guarded_client_names_a_registered_vendor() -> None:
         guarded_client("nobody")
     client = guarded_client("openai", api_key="sk-test", base_url="http://127.0.0.1:9/v1")
     assert type(client).__name__ == "GuardedOpenAI" and client.max_retries == 0
+
+
+@pytest.mark.parametrize(
+    "name", ["openai_chat", "openai_response", "anthropic_message", "openai_client"]
+)
+def test_a_name_that_left_the_providers_package_says_where_to_go(name: str) -> None:
+    import budget_tasks.providers as providers
+
+    with pytest.raises(AttributeError, match=r"is gone: .*guarded_.*_client\(\).*self\.spend"):
+        getattr(providers, name)
+    with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
+        providers.nothing_here  # noqa: B018

@@ -1,4 +1,7 @@
-"""Guarded billable calls through the official SDKs.
+"""Billable calls through the official SDKs, metered under an attempt's key: the test
+harness's way to exercise a main call (``estimate_cost`` with ``self.attempt``) and
+the lookups that find such a call again. Users meter through the guarded clients or
+``spend()``; these helpers left the package with issue 42.
 
 Each call refuses a client whose SDK retries are on, sends the attempt key as the
 ``Idempotency-Key`` header, hands the provider's request id to ``on_request_id`` as
@@ -11,44 +14,28 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .. import _validate as check
-from .. import bypass
-from .._trust import Bound
-from ..errors import BudgetTasksError, StreamIncomplete
-from ..pricing import Estimate, Prices, Usage
-from .anthropic import usage as anthropic_usage
-from .anthropic.lookups import message_result
-from .base import Reported, as_json, request_digest
-from .clients import client_timeout, require_no_retries
-from .estimates import anthropic_message as estimate_message
-from .estimates import openai_chat as estimate_chat
-from .estimates import openai_response as estimate_response
-from .openai import usage as openai_usage
-from .openai.lookups import ATTEMPT_METADATA_KEY, REQUEST_METADATA_KEY, chat_result
+from budget_tasks import _validate as check
+from budget_tasks import bypass
+from budget_tasks._trust import Bound
+from budget_tasks.errors import BudgetTasksError, StreamIncomplete
+from budget_tasks.pricing import Estimate, Prices
+from budget_tasks.providers.anthropic import usage as anthropic_usage
+from budget_tasks.providers.anthropic.lookups import message_result
+from budget_tasks.providers.base import Reported, Sent, as_json, request_digest
+from budget_tasks.providers.clients import client_timeout, require_no_retries
+from budget_tasks.providers.estimates import anthropic_message as estimate_message
+from budget_tasks.providers.estimates import openai_chat as estimate_chat
+from budget_tasks.providers.estimates import openai_response as estimate_response
+from budget_tasks.providers.openai import usage as openai_usage
+from budget_tasks.providers.openai.lookups import (
+    ATTEMPT_METADATA_KEY,
+    REQUEST_METADATA_KEY,
+    chat_result,
+)
 
 RequestIdSink = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Sent:
-    """A completed billable call: what it returned, what it used and what it cost."""
-
-    provider: str
-    model: str
-    request_id: str | None
-    response_id: str | None
-    usage: Usage | None
-    cost: int | None
-    result: dict[str, Any]
-    #: the SDK's own response object; for a stream, the list of the SDK's own events
-    #: (chunks) in the order they came
-    response: Any = None
-    #: the most tokens the request allowed (what its usage is vetted against), where
-    #: its estimate could count them
-    bound: Bound | None = None
 
 
 class AttemptLike(Protocol):
@@ -349,16 +336,3 @@ def _read_anthropic_stream(events: Any) -> dict[str, Any]:
     if not finished or message_id is None:
         raise StreamIncomplete("anthropic", "no message_stop event")
     return {"id": message_id, "content": "".join(parts), "stop_reason": stop_reason}
-
-
-__all__ = [
-    "ATTEMPT_METADATA_KEY",
-    "AttemptLike",
-    "Sent",
-    "Usage",
-    "anthropic_message",
-    "chat_result",
-    "message_result",
-    "openai_chat",
-    "openai_response",
-]
