@@ -26,18 +26,10 @@ from . import _validate as check
 from . import bypass, wiring
 from ._redact import redact_handlers
 from .config import ledger_of
-from .delivery import (
-    AttemptScope,
-    Call,
-    Delivery,
-    DeliveryOptions,
-    OperationManager,
-    RetryLater,
-    current_scope,
-    replayable,
-    running,
-    running_scopes,
-)
+from .delivery.fates import replayable
+from .delivery.flow import Delivery, OperationManager, RetryLater
+from .delivery.options import DeliveryOptions
+from .delivery.scope import AttemptScope, Call, current_scope, running, running_scopes
 from .errors import (
     BudgetExceeded,
     BudgetFrozen,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import httpx2
 
-from ..delivery import Call
+from ..delivery.scope import Call
 from ..errors import BudgetTasksError, StreamIncomplete
 from ..providers.registry import Route
 from . import guard

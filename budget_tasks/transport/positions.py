@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from ..delivery import AttemptScope, current_scope
+from ..delivery.scope import AttemptScope, current_scope
 from ..errors import ParallelCallsUnlabelled
 
 _labels: ContextVar[tuple[str, ...]] = ContextVar("budget_tasks_call_labels", default=())

@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 
 import httpx2
 
-from ..delivery import AttemptScope, Call, current_scope, running_scopes
+from ..delivery.scope import AttemptScope, Call, current_scope, running_scopes
 from ..errors import ParallelCallsUnlabelled, UnguardedCall
 from . import guard
 from .positions import Positions, label_path, labels_open

@@ -27,7 +27,7 @@ import redis
 from celery import Celery
 
 from budget_tasks import Ledger
-from budget_tasks.delivery import PERSIST_DELAYS
+from budget_tasks.delivery.owed import PERSIST_DELAYS
 from budget_tasks.providers import estimates
 from budget_tasks.testing import FakeProvider
 from tests.support import worker_env

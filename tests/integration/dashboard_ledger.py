@@ -32,7 +32,8 @@ def _sent(
 
 
 def fill(ledger: Ledger, clock: ManualClock) -> None:
-    from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager
+    from budget_tasks.delivery.flow import Delivery, OperationManager
+    from budget_tasks.delivery.options import DeliveryOptions
 
     calls = ledger.calls
     ledger.create_budget("acme", 1_000_000, period="month")

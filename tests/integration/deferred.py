@@ -14,7 +14,9 @@ from multiprocessing.synchronize import Event
 from typing import Any
 
 from budget_tasks import Ledger
-from budget_tasks.delivery import AttemptScope, Delivery, DeliveryOptions, OperationManager, running
+from budget_tasks.delivery.flow import Delivery, OperationManager
+from budget_tasks.delivery.options import DeliveryOptions
+from budget_tasks.delivery.scope import AttemptScope, running
 from budget_tasks.transport import guarded_openai_client
 
 PROMPT = {

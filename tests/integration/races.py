@@ -13,7 +13,9 @@ from multiprocessing.synchronize import Event
 from typing import Any
 
 from budget_tasks import Ledger
-from budget_tasks.delivery import AttemptScope, Delivery, DeliveryOptions, OperationManager
+from budget_tasks.delivery.flow import Delivery, OperationManager
+from budget_tasks.delivery.options import DeliveryOptions
+from budget_tasks.delivery.scope import AttemptScope
 from budget_tasks.providers import estimates
 from budget_tasks.providers.registry import openai_client
 from tests.support.sdk_calls import openai_chat
@@ -116,7 +118,7 @@ AGENT_PROMPT = {
 def zero_estimate_agent(base_url: str) -> Any:
     """The Quick start's shape: estimate 0, the one call through the guarded client
     (a labelled attempt of its own, stored at the provider)."""
-    from budget_tasks.delivery import running
+    from budget_tasks.delivery.scope import running
     from budget_tasks.transport import guarded_openai_client
 
     client = guarded_openai_client(base_url=base_url, api_key="x", timeout=5.0)

@@ -585,7 +585,8 @@ def test_a_run_that_outlives_its_lease_while_beat_finds_its_call_returns_what_wa
     once (no second charge), its result does not replace the stored one, and it
     returns the stored answer: every delivery of the key returns the same value (the
     adopted answer, not the run's own shape; see docs/failures.md)."""
-    from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager
+    from budget_tasks.delivery.flow import Delivery, OperationManager
+    from budget_tasks.delivery.options import DeliveryOptions
 
     client = openai_client(base_url=fake.openai_base_url, api_key="x", timeout=5.0)
     pg_ledger.create_budget("team", 1_000_000)

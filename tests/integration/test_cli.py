@@ -482,7 +482,8 @@ def test_operations_list_show_and_reopen_a_failed_one(pg_url: str, pg_ledger: Le
     with its attempts and journal, reopened with a reason (recorded), and then run by
     its next delivery. An operation that did not fail, or that still holds money, is
     not reopened."""
-    from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager
+    from budget_tasks.delivery.flow import Delivery, OperationManager
+    from budget_tasks.delivery.options import DeliveryOptions
     from budget_tasks.ledger.leases import owner_id
 
     ledger = Ledger(pg_url)

@@ -11,7 +11,8 @@ import pytest
 from sqlalchemy import text
 
 from budget_tasks import Ledger
-from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager
+from budget_tasks.delivery.flow import Delivery, OperationManager
+from budget_tasks.delivery.options import DeliveryOptions
 
 from .test_cli import as_json, cli, ok
 

@@ -44,9 +44,11 @@ from hypothesis.stateful import (
 )
 from sqlalchemy import text
 
-from budget_tasks import Ledger, LedgerUnavailable, delivery
+from budget_tasks import Ledger, LedgerUnavailable
 from budget_tasks.beat import flag_stale_holds, reconcile_unknown
-from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager, RetryLater
+from budget_tasks.delivery import owed
+from budget_tasks.delivery.flow import Delivery, OperationManager, RetryLater
+from budget_tasks.delivery.options import DeliveryOptions
 from budget_tasks.delivery.scope import running
 from budget_tasks.errors import BudgetTasksError
 from budget_tasks.ledger.leases import owner_id, this_process
@@ -206,7 +208,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         #: attempts whose answer reached a run that lived on (none was killed after)
         self.answered: set[str] = set()
         self.beat_ran_last = False
-        delivery.forget(self.ledger.calls)  # an earlier example's process, and its tables, are gone
+        owed.forget(self.ledger.calls)  # an earlier example's process, and its tables, are gone
 
     def teardown(self) -> None:
         self.ledger.dispose()
@@ -460,7 +462,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     @invariant()
     def no_hold_is_left_without_a_run_or_a_reconciliation(self) -> None:
         holds = self.ledger.holds()
-        if self.beat_ran_last and not delivery.owes(self.ledger.calls):
+        if self.beat_ran_last and not owed.owes(self.ledger.calls):
             # beat adopts what dead runs left, and a live process has written what an
             # outage kept back: nothing reserved or sending remains
             assert {h.state for h in holds} <= {"unknown"}, holds
@@ -472,7 +474,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     def an_answer_a_live_run_received_is_settled_at_its_bill(self) -> None:
         """Whatever an outage kept back, a live process writes: once it has, no call
         whose answer it received is left open for reconciliation or an operator."""
-        if delivery.owes(self.ledger.calls):
+        if owed.owes(self.ledger.calls):
             return
         attempts = {a.key: a for a in self.ledger.attempts(keys=sorted(self.answered))}
         for key in self.answered:
@@ -505,7 +507,7 @@ class DeliveryMachine(RuleBasedStateMachine):
 def test_deliveries_beat_and_operators_interleaved(
     pg_url: str, pg_ledger: Ledger, fake: FakeProvider, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(delivery.owed, "PERSIST_DELAYS", (0.01,))  # an outage lasts the delivery
+    monkeypatch.setattr(owed, "PERSIST_DELAYS", (0.01,))  # an outage lasts the delivery
 
     class Machine(DeliveryMachine):
         pass

@@ -83,7 +83,8 @@ def test_spend_by_hour_and_day_and_since(ledger: Ledger, clock: ManualClock) -> 
 
 
 def test_operation_attempts_by_operation(ledger: Ledger) -> None:
-    from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager
+    from budget_tasks.delivery.flow import Delivery, OperationManager
+    from budget_tasks.delivery.options import DeliveryOptions
 
     ledger.create_budget("team", 1_000_000)
     manager = OperationManager(ledger.calls, DeliveryOptions(task="jobs.t"))

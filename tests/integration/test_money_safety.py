@@ -506,7 +506,7 @@ def test_a_refusal_after_a_reopen_keeps_it_and_the_task_runs_once_the_budget_fre
 def test_step_keys_of_labels_and_keys_with_separators_never_collide(
     app: Any, fake: FakeProvider
 ) -> None:
-    from budget_tasks.delivery import main_key, step_key
+    from budget_tasks.delivery.keys import main_key, step_key
 
     keys = {
         step_key("a:b", "c", 1),

@@ -18,7 +18,8 @@ import pytest
 
 from budget_tasks import Ledger, OutcomeUnknown
 from budget_tasks.beat import reconcile_unknown
-from budget_tasks.delivery import DeliveryOptions, OperationManager
+from budget_tasks.delivery.flow import OperationManager
+from budget_tasks.delivery.options import DeliveryOptions
 from budget_tasks.providers.registry import openai_client
 from budget_tasks.testing import FakeProvider, ManualClock
 

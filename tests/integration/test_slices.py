@@ -14,7 +14,8 @@ import pytest
 from sqlalchemy import func, select
 
 from budget_tasks import BudgetExceeded, BudgetFrozen, IdempotencyConflict, Ledger
-from budget_tasks.delivery import Delivery, DeliveryOptions, OperationManager
+from budget_tasks.delivery.flow import Delivery, OperationManager
+from budget_tasks.delivery.options import DeliveryOptions
 from budget_tasks.ledger.schema import budget_periods, budgets
 from budget_tasks.testing import ManualClock
 from tests.support import race

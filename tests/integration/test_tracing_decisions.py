@@ -18,7 +18,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from budget_tasks import Ledger, OutcomeUnknown
-from budget_tasks.delivery import AttemptScope, DeliveryOptions, OperationManager, RetryLater
+from budget_tasks.delivery.flow import OperationManager, RetryLater
+from budget_tasks.delivery.options import DeliveryOptions
+from budget_tasks.delivery.scope import AttemptScope
 from budget_tasks.hooks import add_sink, remove_sink
 from budget_tasks.testing import FakeProvider
 from budget_tasks.tracing import TracingHooks

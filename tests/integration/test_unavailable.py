@@ -15,7 +15,8 @@ from celery import Celery
 
 from budget_tasks import BudgetExceeded, BudgetTask, Ledger, LedgerUnavailable, OutcomeUnknown
 from budget_tasks.config import close_ledgers
-from budget_tasks.delivery import catch_up, owed
+from budget_tasks.delivery import owed
+from budget_tasks.delivery.owed import catch_up
 from budget_tasks.ledger import CallLedger
 from budget_tasks.providers.base import Sent
 from budget_tasks.testing import FakeProvider
