@@ -62,9 +62,9 @@ from benchmarks.ledger_bench import ADMIN_URL, _vacuumed, scratch_database  # no
 from budget_tasks import CallFacts, Ledger  # noqa: E402
 from budget_tasks._trust import Bound  # noqa: E402
 from budget_tasks.delivery.calls import CallPath, CallSite  # noqa: E402
-from budget_tasks.ledger import CallAdmission, CallAsk, CallEnd  # noqa: E402
 from budget_tasks.ledger.leases import owner_id  # noqa: E402
 from budget_tasks.ledger.operations import Decision, OperationStart  # noqa: E402
+from budget_tasks.ledger.records import CallAdmission, CallAsk, CallEnd  # noqa: E402
 from budget_tasks.providers import estimates  # noqa: E402
 from budget_tasks.providers.base import request_digest  # noqa: E402
 from budget_tasks.providers.openai import LOOKUP_CHAT  # noqa: E402

@@ -32,8 +32,8 @@ from ._trust import doubt
 from .config import ledger_of
 from .errors import BudgetTasksError
 from .hooks import hooks
-from .ledger import Attempt, Hold, Ledger, Purged, Resolved, Retained
-from .ledger.records import NO_TIMEOUT_MS, UNTRUSTED_LOOKUP
+from .ledger import Attempt, Hold, Ledger
+from .ledger.records import NO_TIMEOUT_MS, UNTRUSTED_LOOKUP, Purged, Resolved, Retained
 from .ledger.states import nothing_sent_under
 from .providers import Found, Lookup, LookupFacts, NotFound, Unknowable, registry
 from .providers.clients import DEFAULT_MARGIN, settle_after

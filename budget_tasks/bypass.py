@@ -33,13 +33,6 @@ from urllib.parse import urlsplit
 from .errors import UnmeteredConnection, mark_raised_by_transport
 
 __all__ = [
-    "SWITCH_ENV",
-    "UnmeteredConnection",
-    "forget",
-    "guarded",
-    "install",
-    "know",
-    "know_env",
     "unmetered",
 ]
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from .errors import BudgetTasksError
 from .hooks import hooks
-from .ledger import Attempt, Resolved
+from .ledger import Attempt
+from .ledger.records import Resolved
 
 
 class NeverSent(BudgetTasksError, ValueError):

@@ -300,4 +300,4 @@ def uninstall() -> None:
             _installed = None
 
 
-__all__ = ["DELIVER", "TracingHooks", "install", "uninstall"]
+__all__ = ["TracingHooks", "install", "uninstall"]

@@ -61,7 +61,8 @@ def price(
 ) -> None:
     """A model's rates in micro-USD per million tokens, as settlements price it (your
     own table, BUDGET_TASKS_PRICES, over the maintained prices)."""
-    from ..pricing import PriceContext, default_prices
+    from ..pricing import default_prices
+    from ..pricing.usage import PriceContext
 
     prices = default_prices()
     try:

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from ..ledger import Attempt, BudgetInfo, JournalEntry, Ledger
+from ..ledger import Attempt, BudgetInfo, Ledger
 from ..ledger.periods import Period, next_period_start
+from ..ledger.records import JournalEntry
 from .reconcile import by_hand
 
 #: The window a burn rate is measured over (clipped to the current period).

@@ -21,8 +21,8 @@ from ..errors import (
     LedgerUnavailable,
     StepNotReplayable,
 )
-from ..ledger import CallAdmission, CallAsk, CallLedger, Reservation
-from ..ledger.records import AttemptRef
+from ..ledger import CallLedger, Reservation
+from ..ledger.records import AttemptRef, CallAdmission, CallAsk
 from ..ledger.states import OPEN, AttemptState, nothing_sent_under
 from .keys import main_key, step_key
 from .options import DeliveryOptions

@@ -44,11 +44,11 @@ from ..errors import (
     StepNotReplayable,
 )
 from ..hooks import Hooks, hooks
-from ..ledger import CallAdmission, CallAsk, CallEnd, CallFacts, CallLedger
+from ..ledger import CallFacts, CallLedger
 from ..ledger.calls import FirstCall
 from ..ledger.leases import owner_id
 from ..ledger.operations import Decision, OperationStart, RunEnd
-from ..ledger.records import PURGED_ERROR, AttemptRef, SettledCall
+from ..ledger.records import PURGED_ERROR, AttemptRef, CallAdmission, CallAsk, CallEnd, SettledCall
 from ..ledger.states import OperationStatus
 from .calls import AnswerFound, CallPath, CallSite, GrantUnanswered, Moved, Opened, Unresolved
 from .fates import (

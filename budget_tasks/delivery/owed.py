@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BudgetTasksError, LedgerUnavailable
-from ..ledger import CallEnd, CallLedger
+from ..ledger import CallLedger
+from ..ledger.records import CallEnd
 from .fates import HoldFate
 from .scope import Recorded
 

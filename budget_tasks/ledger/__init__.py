@@ -3,26 +3,16 @@
 from .calls import CallLedger
 from .operator import Ledger
 from .oversight import OperationHistory
-from .periods import Period, Renewal
+from .periods import Period
 from .records import (
     Attempt,
     AuditFinding,
     Balance,
     BudgetInfo,
     BudgetReport,
-    CallAdmission,
-    CallAsk,
-    CallEnd,
     CallFacts,
     Hold,
-    JournalEntry,
-    OperationEvent,
-    PartitionInfo,
-    Purged,
     Reservation,
-    Resolved,
-    Retained,
-    SettledStats,
 )
 from .upkeep import Upkeep
 from .views import Views
@@ -33,24 +23,13 @@ __all__ = [
     "Balance",
     "BudgetInfo",
     "BudgetReport",
-    "CallAdmission",
-    "CallAsk",
-    "CallEnd",
     "CallFacts",
     "CallLedger",
     "Hold",
-    "JournalEntry",
     "Ledger",
-    "OperationEvent",
     "OperationHistory",
-    "PartitionInfo",
     "Period",
-    "Purged",
-    "Renewal",
     "Reservation",
-    "Resolved",
-    "Retained",
-    "SettledStats",
     "Upkeep",
     "Views",
 ]

@@ -8,26 +8,18 @@ to a whole minor unit; estimates are upper bounds (:mod:`~budget_tasks.pricing.r
 """
 
 from .maintained import MaintainedPrices
-from .prices import Prices, Pricing, default_prices, set_default_prices
-from .rates import MESSAGE_OVERHEAD_TOKENS, REQUEST_OVERHEAD_TOKENS, Rates
-from .table import ModelPrice, PriceTable, load_prices, parse_prices
-from .usage import STANDARD, Estimate, PriceContext, Usage
+from .prices import Prices, default_prices, set_default_prices
+from .table import ModelPrice, PriceTable, load_prices
+from .usage import Estimate, Usage
 
 __all__ = [
-    "MESSAGE_OVERHEAD_TOKENS",
-    "REQUEST_OVERHEAD_TOKENS",
-    "STANDARD",
     "Estimate",
     "MaintainedPrices",
     "ModelPrice",
-    "PriceContext",
     "PriceTable",
     "Prices",
-    "Pricing",
-    "Rates",
     "Usage",
     "default_prices",
     "load_prices",
-    "parse_prices",
     "set_default_prices",
 ]

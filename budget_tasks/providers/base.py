@@ -24,7 +24,8 @@ from typing import Any, Protocol
 from .. import bypass
 from .._trust import Bound
 from ..errors import RetriesEnabled, UnusableApiKey, UsageUnreadable
-from ..pricing import STANDARD, Estimate, PriceContext, Prices, Usage, default_prices
+from ..pricing import Estimate, Prices, Usage, default_prices
+from ..pricing.usage import STANDARD, PriceContext
 from .lookups import Lookup, Unknowable
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from .anthropic.estimates import batch as anthropic_batch
 from .anthropic.estimates import message as anthropic_message
-from .bounds import TOOLS_OVERHEAD_TOKENS
 from .openai.estimates import chat as openai_chat
 from .openai.estimates import completions as openai_completions
 from .openai.estimates import embeddings as openai_embeddings
@@ -15,7 +14,6 @@ from .openai.estimates import response as openai_response
 from .openai.estimates import speech as openai_speech
 
 __all__ = [
-    "TOOLS_OVERHEAD_TOKENS",
     "anthropic_batch",
     "anthropic_message",
     "openai_chat",

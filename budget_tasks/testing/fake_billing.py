@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from ..pricing import PriceContext, Usage
+from ..pricing import Usage
+from ..pricing.usage import PriceContext
 
 #: What the fake bills for one image (or screenshot, or document page) in a request,
 #: for the tool-use prompt a provider adds when a request carries tools (Anthropic

@@ -65,7 +65,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from .. import bypass
-from ..pricing import PriceContext, Prices, Usage, default_prices
+from ..pricing import Prices, Usage, default_prices
+from ..pricing.usage import PriceContext
 from . import fake_answers as answers
 from . import fake_wire
 from .fake_billing import (

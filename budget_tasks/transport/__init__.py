@@ -30,7 +30,6 @@ client was built with ``allow_unguarded=True``. Parallel calls inside ``run`` (t
 """
 
 from ..errors import ParallelCallsUnlabelled
-from .async_ import AsyncGuardedTransport
 from .clients import (
     guarded_anthropic_client,
     guarded_async_anthropic_client,
@@ -42,11 +41,8 @@ from .clients import (
 )
 from .positions import call_label
 from .scopes import LabelsLost, ManyRuns
-from .sync import GuardedTransport
 
 __all__ = [
-    "AsyncGuardedTransport",
-    "GuardedTransport",
     "LabelsLost",
     "ManyRuns",
     "ParallelCallsUnlabelled",

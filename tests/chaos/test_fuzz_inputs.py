@@ -31,9 +31,10 @@ from budget_tasks import BudgetTask, BudgetTasksError, Ledger
 from budget_tasks import _validate as check
 from budget_tasks import cli as cli_module
 from budget_tasks.config import LEDGER_URL_ENV
-from budget_tasks.ledger import CallAsk
+from budget_tasks.ledger.records import CallAsk
 from budget_tasks.ledger.states import ATTEMPT_REASONS, HOLDING_STATES
-from budget_tasks.pricing import Usage, default_prices, parse_prices
+from budget_tasks.pricing import Usage, default_prices
+from budget_tasks.pricing.table import parse_prices
 from budget_tasks.providers import estimates
 
 pytestmark = pytest.mark.chaos

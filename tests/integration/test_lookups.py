@@ -13,9 +13,12 @@ import pytest
 
 from budget_tasks.errors import RetriesEnabled
 from budget_tasks.providers import Found, NotFound, Pending, Unknowable
-from budget_tasks.providers.anthropic import lookup_anthropic_batch, lookup_anthropic_message
+from budget_tasks.providers.anthropic.lookups import (
+    lookup_anthropic_batch_total,
+    lookup_anthropic_message,
+)
 from budget_tasks.providers.clients import settle_after
-from budget_tasks.providers.openai import lookup_openai_chat, lookup_openai_response
+from budget_tasks.providers.openai.lookups import lookup_openai_chat, lookup_openai_response
 from budget_tasks.providers.registry import anthropic_client, openai_client
 from budget_tasks.testing import FakeProvider
 from tests.support.sdk_calls import openai_chat, openai_response
@@ -213,7 +216,9 @@ def test_a_response_whose_id_is_gone_or_unknown_is_unknowable(oai: Any) -> None:
     )
 
 
-def test_anthropic_batch_pending_found_and_errored(fake: FakeProvider, claude: Any) -> None:
+def test_anthropic_batch_pending_then_found_at_what_its_succeeded_requests_billed(
+    fake: FakeProvider, claude: Any
+) -> None:
     batch = claude.messages.batches.create(
         requests=[
             {
@@ -227,21 +232,16 @@ def test_anthropic_batch_pending_found_and_errored(fake: FakeProvider, claude: A
         ],
         extra_headers={"x-fake-work-seconds": "1"},
     )
-    args = {
-        "model": "claude-haiku-4-5",
-        "batch_id": batch.id,
-        "sent_at": LONG_AGO,
-        "settle_after": WINDOW,
-    }
-    assert isinstance(lookup_anthropic_batch(claude, custom_id="ok", **args), Pending)
+    args = {"batch_id": batch.id, "sent_at": LONG_AGO, "settle_after": WINDOW}
+    assert isinstance(lookup_anthropic_batch_total(claude, **args), Pending)
     time.sleep(1.1)
-    found = lookup_anthropic_batch(claude, custom_id="ok", **args)
+    found = lookup_anthropic_batch_total(claude, **args)
     assert isinstance(found, Found)
+    # the errored request is not billed: the total is the one that succeeded
     assert found.actual == fake.state()["billed_total"] > 0
-    assert isinstance(lookup_anthropic_batch(claude, custom_id="bad", **args), NotFound)
-    assert isinstance(lookup_anthropic_batch(claude, custom_id="absent", **args), NotFound)
+    assert (found.result["succeeded"], found.result["not_billed"]) == (1, 1)
     missing = {**args, "batch_id": "msgbatch_nope"}  # created, then deleted: may have billed
-    assert isinstance(lookup_anthropic_batch(claude, custom_id="ok", **missing), Unknowable)
+    assert isinstance(lookup_anthropic_batch_total(claude, **missing), Unknowable)
 
 
 def test_anthropic_messages_are_unknowable() -> None:
@@ -260,11 +260,9 @@ def test_lookups_refuse_clients_with_retries(fake: FakeProvider) -> None:
             settle_after=WINDOW,
         )
     with pytest.raises(RetriesEnabled):
-        lookup_anthropic_batch(
+        lookup_anthropic_batch_total(
             anthropic.Anthropic(base_url=fake.url, api_key="x"),
-            model="m",
             batch_id="b",
-            custom_id="c",
             sent_at=LONG_AGO,
             settle_after=WINDOW,
         )

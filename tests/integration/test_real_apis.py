@@ -576,7 +576,7 @@ def test_a_found_answer_for_another_request_is_not_adopted(
     from datetime import timedelta
 
     from budget_tasks.beat import reconcile_unknown
-    from budget_tasks.providers.openai import ATTEMPT_METADATA_KEY, REQUEST_METADATA_KEY
+    from budget_tasks.providers.openai.lookups import ATTEMPT_METADATA_KEY, REQUEST_METADATA_KEY
     from budget_tasks.providers.registry import openai_client
     from tests.support.sdk_calls import LOOKUP_OPENAI_CHAT
 
@@ -878,7 +878,8 @@ def test_a_plain_sdk_client_inside_run_is_refused_before_it_connects(
 
     import openai
 
-    from budget_tasks.bypass import UnmeteredConnection, unmetered
+    from budget_tasks.bypass import unmetered
+    from budget_tasks.errors import UnmeteredConnection
 
     def plain(self: BudgetTask) -> str:
         if kind == "sync":

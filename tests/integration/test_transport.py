@@ -400,7 +400,7 @@ def test_litellm_through_the_guarded_client_is_metered_and_replays_and_refused_w
     bill unmetered: its connection is refused when it opens (the ``litellm`` extra)."""
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
     litellm = pytest.importorskip("litellm")
-    from budget_tasks.bypass import UnmeteredConnection
+    from budget_tasks.errors import UnmeteredConnection
 
     guarded = app.openai
 

@@ -6,18 +6,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from budget_tasks.errors import EstimateRefused, UnknownModelPrice
-from budget_tasks.pricing import (
-    MESSAGE_OVERHEAD_TOKENS,
-    REQUEST_OVERHEAD_TOKENS,
-    ModelPrice,
-    PriceContext,
-    PriceTable,
-    Pricing,
-    Usage,
-    default_prices,
-    load_prices,
-    parse_prices,
-)
+from budget_tasks.pricing import ModelPrice, PriceTable, Usage, default_prices, load_prices
+from budget_tasks.pricing.prices import Pricing
+from budget_tasks.pricing.rates import MESSAGE_OVERHEAD_TOKENS, REQUEST_OVERHEAD_TOKENS
+from budget_tasks.pricing.table import parse_prices
+from budget_tasks.pricing.usage import PriceContext
 
 TABLE = PriceTable(
     version="test-1",

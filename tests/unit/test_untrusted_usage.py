@@ -96,7 +96,8 @@ def test_an_answer_naming_a_cheaper_model_than_the_request_is_priced_at_the_requ
 
 def test_your_own_table_refuses_a_dearer_tier_it_has_no_rate_for() -> None:
     from budget_tasks.errors import UnknownModelPrice
-    from budget_tasks.pricing import PriceContext, parse_prices
+    from budget_tasks.pricing.table import parse_prices
+    from budget_tasks.pricing.usage import PriceContext
 
     table = parse_prices(
         {"version": "contract", "models": {"gpt-4o": {"input": 1_000_000, "output": 2_000_000}}}

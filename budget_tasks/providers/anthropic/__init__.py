@@ -17,7 +17,6 @@ from ..lookups import Lookup, Unknowable
 from . import estimates
 from . import usage as usage_of
 from .lookups import (
-    lookup_anthropic_batch,
     lookup_anthropic_batch_total,
     lookup_anthropic_message,
 )
@@ -132,9 +131,4 @@ class Anthropic(Vendor):
         return Unknowable(f"{self.name} has no lookup named {facts.lookup!r}")
 
 
-__all__ = [
-    "Anthropic",
-    "lookup_anthropic_batch",
-    "lookup_anthropic_batch_total",
-    "lookup_anthropic_message",
-]
+__all__ = ["Anthropic"]

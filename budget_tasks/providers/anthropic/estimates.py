@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import EstimateRefused
-from ...pricing import STANDARD, Estimate, PriceContext, Prices, default_prices
+from ...pricing import Estimate, Prices, default_prices
+from ...pricing.usage import STANDARD, PriceContext
 from ..bounds import (
     Parts,
     check_fields,

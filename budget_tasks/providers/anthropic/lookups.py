@@ -9,7 +9,7 @@ from typing import Any
 from ...pricing import Prices, Usage
 from ..base import as_json
 from ..clients import require_no_retries
-from ..lookups import Found, Lookup, NotFound, Pending, Unknowable, status_of
+from ..lookups import Found, Lookup, Pending, Unknowable, status_of
 from . import usage as usage_of
 
 
@@ -28,41 +28,6 @@ def message_result(message: Any) -> dict[str, Any]:
 def lookup_anthropic_message(**_: Any) -> Lookup:
     """Anthropic's Messages API keeps no record to ask: the hold waits for an operator."""
     return Unknowable("the Anthropic Messages API has no lookup; resolve the hold by hand")
-
-
-def lookup_anthropic_batch(
-    client: Any,
-    *,
-    model: str,
-    batch_id: str,
-    custom_id: str,
-    sent_at: datetime,
-    settle_after: timedelta | None,
-    now: datetime | None = None,
-    prices: Prices | None = None,
-) -> Lookup:
-    """One request of an Anthropic Message Batch, by batch id and custom_id."""
-    require_no_retries(client)
-    try:
-        batch = client.messages.batches.retrieve(batch_id)
-        if batch.processing_status != "ended":
-            return Pending(f"batch {batch_id} is {batch.processing_status}")
-        for item in client.messages.batches.results(batch_id):
-            if item.custom_id != custom_id:
-                continue
-            if item.result.type != "succeeded":
-                return NotFound(f"batch request {custom_id} {item.result.type}: not billed")
-            message = item.result.message
-            reported = usage_of.message(message, {"model": model}, batch=True)
-            if reported is None:
-                return Pending(f"batch request {custom_id} has no usage")
-            actual = reported.cost(prices, "anthropic", sent_at)
-            return Found(actual, reported.usage, message_result(message))
-    except Exception as exc:
-        if status_of(exc) == 404:
-            return _gone(batch_id)
-        return Pending(f"lookup failed: {type(exc).__name__}: {exc}")
-    return NotFound(f"batch {batch_id} has no request {custom_id}")
 
 
 def _gone(batch_id: str) -> Unknowable:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...pricing import STANDARD, PriceContext, Usage
+from ...pricing import Usage
+from ...pricing.usage import STANDARD, PriceContext
 from ..base import Part, Reported, count_of, field_of, usage_object
 
 #: Every leaf of the SDK's usage types, and how it is priced or why it needs no price

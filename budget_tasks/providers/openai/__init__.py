@@ -340,10 +340,4 @@ class OpenAI(Vendor):
         return Unknowable(f"{self.name} has no lookup named {facts.lookup!r}")
 
 
-__all__ = [
-    "ATTEMPT_METADATA_KEY",
-    "REQUEST_METADATA_KEY",
-    "OpenAI",
-    "lookup_openai_chat",
-    "lookup_openai_response",
-]
+__all__ = ["OpenAI"]
