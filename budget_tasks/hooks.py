@@ -130,34 +130,35 @@ class Hooks:
         """A beat job ended with ``counts`` (what it did, by name), or raised ``error``."""
 
 
-_sinks: list[Hooks] = []
+#: replaced whole, never changed in place: every event reads it without a lock
+_sinks: tuple[Hooks, ...] = ()
 _sinks_lock = threading.Lock()
 
 
 def add_sink(sink: Hooks) -> Hooks:
     """Start telling ``sink`` about every event in this process (once per sink)."""
+    global _sinks
     with _sinks_lock:
         if sink not in _sinks:
-            _sinks.append(sink)
+            _sinks = (*_sinks, sink)
     return sink
 
 
 def remove_sink(sink: Hooks) -> None:
+    global _sinks
     with _sinks_lock:
-        if sink in _sinks:
-            _sinks.remove(sink)
+        _sinks = tuple(s for s in _sinks if s is not sink)
 
 
 def sinks() -> tuple[Hooks, ...]:
-    with _sinks_lock:
-        return tuple(_sinks)
+    return _sinks
 
 
 class _Fanout(Hooks):
     """Tells every sink; a sink's failure is logged, never raised into the flow."""
 
     def _tell(self, event: str, facts: dict[str, Any]) -> None:
-        for sink in sinks():
+        for sink in _sinks:
             try:
                 getattr(sink, event)(**facts)
             except Exception:

@@ -185,7 +185,7 @@ class OperationManager:
             site, start, opened = self._start(d, estimate, facts, failure)
         except _Replayed as replayed:
             return replayable(d.key, replayed.result)
-        assert start.call is not None and opened is not None
+        assert site is not None and start.call is not None and opened is not None
         return self._run(d, self._scope(d, site, start.call, opened))
 
     def _start(
@@ -195,11 +195,11 @@ class OperationManager:
         facts: CallFacts | None,
         failure: Exception | None,
         first: FirstCall | None = None,
-    ) -> tuple[CallSite, OperationStart, Opened | None]:
+    ) -> tuple[CallSite | None, OperationStart, Opened | None]:
         """Admit the run and open its main call: where it sits, what the admission
         found (``start.first``: ``first``'s admission, where it was made with the
-        run's) and what was opened (None: the run was admitted with ``first`` and no
-        main attempt). Raises _Replayed, or what stops the run."""
+        run's) and what was opened (both None: the run was admitted with ``first`` and
+        no main attempt). Raises _Replayed, or what stops the run."""
         for round_ in range(MAX_REREADS):
             start = self._admit(d, estimate, facts, first if round_ == 0 else None)
             self._decided(d, start)
@@ -208,8 +208,7 @@ class OperationManager:
             if start.call is None and start.first is not None:
                 assert estimate == 0  # a main call that reserves nothing needs no attempt
                 self.told.decided(d.key, "admitted", None, 0)
-                here = CallAdmission(start.operation_id)
-                return self._main_site(d, self._main_ask(d, 0, facts), here), start, None
+                return None, start, None
             if estimate is None and failure is None:
                 estimate, facts, failure = self._estimate(d)
             if failure is not None:
@@ -274,7 +273,7 @@ class OperationManager:
         if opened is None:
             scope.admitted_as(None, start.operation_id, reason="first", next_reason=None)
         else:
-            assert start.call is not None
+            assert site is not None and start.call is not None
             scope.admitted_as(
                 opened.key,
                 start.operation_id,

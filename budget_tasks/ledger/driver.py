@@ -254,8 +254,10 @@ class Cursor:
         return first
 
     def _execute(self, statement: str, params: Mapping[str, Any]) -> None:
-        sql = self.driver.sql(statement)
-        if self._first_statement():
+        driver = self.driver
+        sql = driver._sql.get(statement) or driver.sql(statement)
+        if self._first:
+            self._first = False
             try:
                 self.raw.execute(sql, params)
                 return

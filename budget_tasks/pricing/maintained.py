@@ -7,6 +7,7 @@ integer minor units here, rounded up."""
 from __future__ import annotations
 
 import warnings
+from bisect import bisect_left
 from datetime import UTC, datetime
 from decimal import ROUND_CEILING, Decimal
 from typing import Any
@@ -38,6 +39,9 @@ class MaintainedPrices(Estimating):
         #: (model, provider) -> what the snapshot says: its lookup matches the model's
         #: name against every model of the provider, on every call otherwise
         self._models: dict[tuple[str, str | None], tuple[Any, Any]] = {}
+        #: the prices in force (by their values) -> (those prices, their tier starts, rates
+        #: by tier): every estimate and settlement of a model asks again for the same few
+        self._rated: dict[tuple[int, ...], tuple[Any, list[int], dict[int, Rates]]] = {}
 
     def _model(self, model: str, provider: str | None) -> tuple[Any, Any]:
         found = self._models.get((model, provider))
@@ -80,40 +84,20 @@ class MaintainedPrices(Estimating):
         ``input_tokens`` input tokens fall in."""
         _, info = self._model(model, provider)
         prices = info.get_prices(context.at or datetime.now(UTC), context.as_genai() or None)
-
-        def rate(key: str, per: int = PER_MILLION) -> int | None:
-            value = getattr(prices, key, None)
-            if value is None:
-                return None
-            if hasattr(value, "tiers"):
-                chosen = value.base
-                for tier in reversed(value.tiers):
-                    if input_tokens > tier.start:
-                        chosen = tier.price
-                        break
-                value = chosen
-            # dollars per ``per`` units -> minor units per million units (or per unit)
-            return _ceil_minor(Decimal(value) * PER_MILLION / per)
-
-        plain_input, output = rate("input_mtok"), rate("output_mtok")
-        if plain_input is None or output is None:
-            # priced per image, per second or per request only: not by the token
-            plain_input = plain_input or 0
-            output = output or 0
-        per_search = rate("web_searches_kcount", 1000)
-        return Rates(
-            input=plain_input,
-            output=max(output, rate("output_reasoning_mtok") or 0),
-            cached_input=rate("cache_read_mtok"),
-            cache_write=rate("cache_write_mtok"),
-            cache_write_1h=rate("cache_write_1h_mtok"),
-            input_audio=rate("input_audio_mtok"),
-            input_image=rate("input_image_mtok"),
-            output_audio=rate("output_audio_mtok"),
-            output_image=rate("output_image_mtok"),
-            web_search=None if per_search is None else -(-per_search // PER_MILLION),
-            input_character=rate("input_mchars"),
-        )
+        # a context's prices are a fresh copy each time, of the snapshot's own values: the
+        # values say which prices these are (kept with them, so no id is reused)
+        which = tuple([id(value) for value in vars(prices).values()])
+        kept = self._rated.get(which)
+        if kept is None:
+            if len(self._rated) >= 1024:
+                self._rated.clear()
+            kept = self._rated[which] = (prices, _tier_starts(prices), {})
+        # the tier is how many tier starts the input is past
+        tier = bisect_left(kept[1], input_tokens)
+        found = kept[2].get(tier)
+        if found is None:
+            found = kept[2][tier] = _rates_of(prices, input_tokens)
+        return found
 
     def cost(
         self,
@@ -152,3 +136,49 @@ def genai_usage(usage: Usage) -> dict[str, int]:
         "input_characters": usage.input_characters,
     }
     return {k: v for k, v in keys.items() if v}
+
+
+def _tier_starts(prices: Any) -> list[int]:
+    """Where any of ``prices``' long-context tiers start, in order."""
+    return sorted(
+        {tier.start for value in vars(prices).values() for tier in getattr(value, "tiers", ())}
+    )
+
+
+def _rates_of(prices: Any, input_tokens: int) -> Rates:
+    """``prices`` (genai-prices' for one model and context) as this ledger's rates, in
+    the tier ``input_tokens`` falls in."""
+
+    def rate(key: str, per: int = PER_MILLION) -> int | None:
+        value = getattr(prices, key, None)
+        if value is None:
+            return None
+        if hasattr(value, "tiers"):
+            chosen = value.base
+            for tier in reversed(value.tiers):
+                if input_tokens > tier.start:
+                    chosen = tier.price
+                    break
+            value = chosen
+        # dollars per ``per`` units -> minor units per million units (or per unit)
+        return _ceil_minor(Decimal(value) * PER_MILLION / per)
+
+    plain_input, output = rate("input_mtok"), rate("output_mtok")
+    if plain_input is None or output is None:
+        # priced per image, per second or per request only: not by the token
+        plain_input = plain_input or 0
+        output = output or 0
+    per_search = rate("web_searches_kcount", 1000)
+    return Rates(
+        input=plain_input,
+        output=max(output, rate("output_reasoning_mtok") or 0),
+        cached_input=rate("cache_read_mtok"),
+        cache_write=rate("cache_write_mtok"),
+        cache_write_1h=rate("cache_write_1h_mtok"),
+        input_audio=rate("input_audio_mtok"),
+        input_image=rate("input_image_mtok"),
+        output_audio=rate("output_audio_mtok"),
+        output_image=rate("output_image_mtok"),
+        web_search=None if per_search is None else -(-per_search // PER_MILLION),
+        input_character=rate("input_mchars"),
+    )

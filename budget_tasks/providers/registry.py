@@ -63,6 +63,10 @@ class UnknownVendor(BudgetTasksError, LookupError):
     vendor: str
 
 
+#: How many decided routes a registry keeps.
+_ROUTES_KEPT = 1024
+
+
 class Registry:
     """Vendors by name and by host (see the module)."""
 
@@ -70,6 +74,8 @@ class Registry:
         self._lock = threading.Lock()
         self._vendors: dict[str, Vendor] = {}
         self._hosts: dict[str, Vendor] = {}
+        #: routes decided, by request: every guarded call asks again for the same few
+        self._routes: dict[tuple[str, str, str, str | None], Route] = {}
         for vendor in vendors:
             self.register(vendor)
 
@@ -85,6 +91,7 @@ class Registry:
             self._vendors[vendor.name] = vendor
             for host in vendor.hosts:
                 self._hosts[host.lower()] = vendor
+            self._routes = {}
         # its endpoints are known provider endpoints: opened unguarded, they are refused
         for host in vendor.hosts:
             bypass.know(f"https://{host}")
@@ -98,6 +105,7 @@ class Registry:
             for host in old.hosts if old is not None else ():
                 if self._hosts.get(host.lower()) is old:
                     del self._hosts[host.lower()]
+            self._routes = {}
 
     def vendor(self, name: str) -> Vendor:
         try:
@@ -119,6 +127,17 @@ class Registry:
 
     def route(self, method: str, host: str, path: str, vendor: str | None = None) -> Route:
         """Metered, free or refused (see the module)."""
+        request = (method, host, path, vendor)
+        routes = self._routes
+        found = routes.get(request)
+        if found is None:
+            found = self._decide(method, host, path, vendor)
+            if len(routes) >= _ROUTES_KEPT:  # paths with ids are many: start again
+                routes.clear()
+            routes[request] = found
+        return found
+
+    def _decide(self, method: str, host: str, path: str, vendor: str | None) -> Route:
         if method.upper() != "POST":
             return Route(Kind.FREE, f"a {method.upper()} bills nothing")
         chosen = self.vendor(vendor) if vendor else self._hosts.get(host.lower())

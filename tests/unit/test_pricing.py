@@ -142,6 +142,17 @@ def test_a_long_context_request_is_priced_at_its_tier() -> None:
     assert est.amount >= -(-(est.input_tokens * long.input + 10 * long.output) // MILLION)
 
 
+def test_the_tier_starts_just_past_its_boundary_whatever_was_asked_before() -> None:
+    from budget_tasks.pricing.maintained import MaintainedPrices
+
+    prices = MaintainedPrices()  # its rates are kept by tier: ask across the boundary
+    rates = [
+        prices.rates("claude-sonnet-4-5", provider="anthropic", input_tokens=n).input
+        for n in (200_001, 200_000, 0, 200_001, 10**7)
+    ]
+    assert rates[1] == rates[2] and rates[0] == rates[3] == rates[4] == 2 * rates[1]
+
+
 def test_a_model_is_looked_up_in_its_own_provider_only() -> None:
     prices = default_prices()
     assert prices.knows("gpt-4o-mini", "openai")
