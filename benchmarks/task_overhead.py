@@ -43,7 +43,9 @@ ADMIN_URL = os.environ.get(
 )
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 REDIS_DB = 10
-TARGET = 0.85
+#: Issue 42's target on the Quick start's path (a guarded SDK call, two commits per run);
+#: the older 0.85 was set for the call helpers' path, which left the package.
+TARGET = 0.75
 RESULT_TIMEOUT = 300.0
 
 
