@@ -52,7 +52,9 @@ def budget() -> None:
     "--rollover-ceiling",
     type=int,
     default=None,
-    help="The most a rolled-over period may open with (minor units); default: no ceiling.",
+    # the ledger's DEFAULT_ROLLOVER_MULTIPLE, written out: the CLI imports no ledger
+    # to print its help (a test holds the two together)
+    help="The most a rolled-over period may open with (minor units); default: 3x the cap.",
 )
 @click.option(
     "--escrow",

@@ -9,6 +9,7 @@ import click
 
 from ..config import LEDGER_URL_ENV
 from ._common import (
+    CommandError,
     _ledger_url,
     main,
 )
@@ -52,6 +53,13 @@ def fake_provider(host: str, port: int, kind: bool) -> None:
 def demo(ledger_url: str | None, broker_url: str | None, concurrency: int) -> None:
     """Run Celery workers against two tenants' budgets, kill one mid-call, time one
     out, reconcile both; exit 1 if an invariant broke."""
+    try:
+        import openai  # noqa: F401  - the demo's workers call through it
+    except ImportError:
+        raise CommandError(
+            "the demo's workers call the fake provider through the official openai SDK, "
+            "which is not installed here: pip install 'budget-tasks[openai]'"
+        ) from None
     from ..demo.scenario import run as run_scenario
 
     if not run_scenario(ledger_url, broker_url, concurrency=concurrency, echo=click.echo):

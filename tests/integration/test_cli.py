@@ -468,6 +468,11 @@ def test_every_option_of_budget_create_says_what_it_does_and_budget_help_names_s
         line = next(line for line in done.stdout.splitlines() if line.strip().startswith(option))
         described = done.stdout.split(option, 1)[1].split("\n  --", 1)[0]
         assert len(described.split()) > 3, (option, line)
+    # the ceiling a rollover budget gets when none is given, as the ledger applies it
+    from budget_tasks.ledger.periods import DEFAULT_ROLLOVER_MULTIPLE
+
+    ceiling = " ".join(done.stdout.split("--rollover-ceiling", 1)[1].split("\n  --", 1)[0].split())
+    assert f"default: {DEFAULT_ROLLOVER_MULTIPLE}x the cap" in ceiling, ceiling
     group = subprocess.run(
         [sys.executable, "-m", "budget_tasks.cli", "budget", "--help"],
         capture_output=True,
@@ -622,3 +627,21 @@ def test_a_sliced_budget_is_made_shown_and_resliced(backend_url: str) -> None:
     refused = cli(backend_url, "budget", "set-slices", "hot", "0")
     assert refused.returncode != 0
     assert "slices must be" in refused.stderr
+
+
+def test_the_demo_without_the_openai_sdk_says_so_in_one_line() -> None:
+    # the package installed without its openai extra: the SDK cannot be imported
+    without_sdk = (
+        "import runpy, sys; sys.modules['openai'] = None; "
+        "sys.argv = ['budget-tasks', 'demo']; "
+        "runpy.run_module('budget_tasks.cli', run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", without_sdk], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done
+    assert done.stderr.strip().splitlines() == [
+        "error: the demo's workers call the fake provider through the official openai SDK, "
+        "which is not installed here: pip install 'budget-tasks[openai]'"
+    ]
+    assert done.stdout == ""  # nothing ran: no worker, no ledger
