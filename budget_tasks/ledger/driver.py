@@ -254,10 +254,8 @@ class Cursor:
         return first
 
     def _execute(self, statement: str, params: Mapping[str, Any]) -> None:
-        driver = self.driver
-        sql = driver._sql.get(statement) or driver.sql(statement)
-        if self._first:
-            self._first = False
+        sql = self.driver.sql(statement)
+        if self._first_statement():
             try:
                 self.raw.execute(sql, params)
                 return

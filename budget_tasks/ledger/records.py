@@ -202,14 +202,10 @@ class CallAsk:
     def __post_init__(self) -> None:
         check.text(self.budget, "budget name", max_length=check.MAX_NAME_LENGTH)
         check.money(self.amount)
-        if self.fingerprint is not None:
-            check.text(self.fingerprint, "fingerprint")
-        if self.price_version is not None:
-            check.text(self.price_version, "price_version", max_length=64)
-        if self.label is not None:
-            check.text(self.label, "label", max_length=100)
-        if self.step is not None:
-            check.text(self.step, "step")
+        check.optional_text(self.fingerprint, "fingerprint")
+        check.optional_text(self.price_version, "price_version", max_length=64)
+        check.optional_text(self.label, "label", max_length=100)
+        check.optional_text(self.step, "step")
         if (self.label is None) != (self.step is None):
             raise ValueError("a labelled call names both its label and its step")
 

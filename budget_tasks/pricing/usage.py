@@ -36,9 +36,7 @@ class Usage:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if type(value) is not int or value < 0:  # the checks' own messages say why
-                check.count(value, f.name)
+            check.count(getattr(self, f.name), f.name)
         if self.reasoning_tokens + self.output_audio_tokens + self.output_image_tokens > (
             self.output_tokens
         ):

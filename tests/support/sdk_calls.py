@@ -28,6 +28,7 @@ from budget_tasks.providers.clients import client_timeout, require_no_retries
 from budget_tasks.providers.estimates import anthropic_message as estimate_message
 from budget_tasks.providers.estimates import openai_chat as estimate_chat
 from budget_tasks.providers.estimates import openai_response as estimate_response
+from budget_tasks.providers.openai import LOOKUP_CHAT, LOOKUP_RESPONSES
 from budget_tasks.providers.openai import usage as openai_usage
 from budget_tasks.providers.openai.lookups import (
     ATTEMPT_METADATA_KEY,
@@ -62,8 +63,8 @@ class AttemptLike(Protocol):
 
 
 #: Names of the lookups that can find a call again (see budget_tasks.providers.lookups).
-LOOKUP_OPENAI_CHAT = "openai.chat"
-LOOKUP_OPENAI_RESPONSES = "openai.responses"
+LOOKUP_OPENAI_CHAT = LOOKUP_CHAT
+LOOKUP_OPENAI_RESPONSES = LOOKUP_RESPONSES
 LOOKUP_ANTHROPIC_MESSAGES = "anthropic.messages"
 #: A whole Anthropic Message Batch, by its id: settled when it has ended.
 LOOKUP_ANTHROPIC_BATCH = "anthropic.batch"
