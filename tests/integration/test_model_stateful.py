@@ -603,7 +603,6 @@ def test_the_ledger_equals_its_model_on_every_path(
         ),
     )
     print(f"{path}: {dict(sorted(SEEN.items()))}")
-    # what the rarer rules reached: a run that never got there checked nothing of them
     # What the rarer rules reached: a run that never got there checked nothing of them.
     # A run of 30 trees reaches each most times, not every time (hypothesis' draws
     # vary): the long run asserts them; the default run prints them.

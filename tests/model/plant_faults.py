@@ -3,8 +3,8 @@ tests that should catch each: the audit behind ``docs/mutations.md``'s second ta
 
     .venv/bin/python -m tests.model.plant_faults [NUMBER ...]
 
-Each fault is one string replacement in ``budget_tasks/ledger/functions.py``, where two
-or more features meet. The file is restored after each run, also on an interrupt. A
+Each fault is one string replacement in a function's text (``budget_tasks/ledger/sql/``),
+where two or more features meet. The file is restored after each run, also on an interrupt. A
 fault is caught when the tests named beside it fail; the test that freezes the
 functions' text (``test_migrations``) is not among them: it would catch every change
 without saying which rule broke. Prints one line a fault, and exits 1 if one survived.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FUNCTIONS = ROOT / "budget_tasks" / "ledger" / "functions.py"
+SQL = ROOT / "budget_tasks" / "ledger" / "sql"
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", "--timeout=0"]
 #: The PostgreSQL function path of the tests that run on every path.
 ON_FUNCTIONS = "pg-functions or postgres or not (pg-statements or sqlite)"
@@ -32,6 +32,8 @@ class Fault:
     old: str
     new: str
     tests: tuple[str, ...]
+    #: how often the text occurs: the escrowed take is written twice, before and after a draw
+    times: int = 1
 
 
 FAULTS = (
@@ -42,6 +44,7 @@ FAULTS = (
         "              AND NOT EXISTS (\n",
         "AND NOT EXISTS (\n",
         ("tests/integration/test_escrow.py", "tests/integration/test_model_stateful.py"),
+        times=2,
     ),
     Fault(
         18,
@@ -50,6 +53,7 @@ FAULTS = (
         "a.cap - a.spent - a.held - a.granted",
         "a.cap - a.spent - a.held",
         ("tests/integration/test_escrow.py", "tests/integration/test_model_stateful.py"),
+        times=2,
     ),
     Fault(
         19,
@@ -86,8 +90,17 @@ FAULTS = (
     Fault(
         22,
         "A frozen parent stops no admission in its subtree (freeze with parents)",
+        "            -- statements.ADMIT\n"
+        "            UPDATE budget_periods SET held = held + a_amount\n"
+        "            WHERE id = hold\n"
+        "              AND (cap - spent - held - granted) >= a_amount\n"
+        "              AND closed_at IS NULL\n"
         "              AND budget_id IN (SELECT id FROM budgets WHERE NOT frozen);",
-        "              ;",
+        "            -- statements.ADMIT\n"
+        "            UPDATE budget_periods SET held = held + a_amount\n"
+        "            WHERE id = hold\n"
+        "              AND (cap - spent - held - granted) >= a_amount\n"
+        "              AND closed_at IS NULL;",
         ("tests/integration/test_ledger.py", "tests/integration/test_model_stateful.py"),
     ),
     Fault(
@@ -110,11 +123,13 @@ FAULTS = (
 
 def plant(fault: Fault) -> bool:
     """Plant one fault, run its tests on the function path; True if they caught it."""
-    original = FUNCTIONS.read_text()
-    if original.count(fault.old) != 1:
-        raise SystemExit(f"fault {fault.number}: its text is not in functions.py once")
+    holding = [f for f in sorted(SQL.glob("*.sql")) if fault.old in f.read_text()]
+    if len(holding) != 1 or holding[0].read_text().count(fault.old) != fault.times:
+        raise SystemExit(f"fault {fault.number}: its text is not in one function {fault.times}x")
+    (target,) = holding
+    original = target.read_text()
     try:
-        FUNCTIONS.write_text(original.replace(fault.old, fault.new))
+        target.write_text(original.replace(fault.old, fault.new))
         run = subprocess.run(
             [*PYTEST, "-k", ON_FUNCTIONS, *fault.tests],
             cwd=ROOT,
@@ -123,7 +138,7 @@ def plant(fault: Fault) -> bool:
             check=False,
         )
     finally:
-        FUNCTIONS.write_text(original)
+        target.write_text(original)
     failed = [
         line.split(" ", 2)[1] for line in run.stdout.splitlines() if line.startswith("FAILED ")
     ]
