@@ -15,7 +15,7 @@ from typing import IO, Any
 
 import click
 
-from .._display import age
+from .._display import age, amount, usd
 from ..config import LEDGER_URL_ENV, LEDGER_URL_SETTING
 
 STALE_AFTER_SETTING = "budget_stale_after"
@@ -35,6 +35,35 @@ class CommandError(click.ClickException):
 
     def show(self, file: IO[Any] | None = None) -> None:
         click.echo(f"error: {_safe(self.format_message())}", file=file, err=True)
+
+
+class Amount(click.ParamType[int]):
+    """Money as a person types it: ``50usd``, ``$0.25`` or whole micro-USD."""
+
+    name = "amount"
+
+    def __init__(self, *, signed: bool = False) -> None:
+        self.signed = signed
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return "USD|MICROS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return amount(str(value), signed=self.signed)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+AMOUNT = Amount()
+SIGNED_AMOUNT = Amount(signed=True)
+
+
+def _usd(micros: int | None) -> str | None:
+    """A table's money cell: dollars (``--json`` keeps micro-USD)."""
+    return None if micros is None else usd(micros)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -69,6 +98,8 @@ def _load_app(spec: str) -> Any:
 def _app_setting(ctx: click.Context, name: str) -> Any:
     """A setting of the ``-A`` app (None without ``-A`` or if unset)."""
     app = ctx.find_root().obj
+    if app is not None and not hasattr(app, "conf"):
+        app = getattr(app, "app", None)  # under `celery -A app budget`: Celery's CLIContext
     if app is None:
         return None
     try:
@@ -123,9 +154,15 @@ note_option = click.option("--note", default=None, help="Why (recorded in the jo
 def open_ledger(url: str) -> Any:
     """The ledger at ``url``; a SQLite file that is not there is an error, not created
     (only ``db upgrade`` makes one)."""
-    from sqlalchemy.engine import make_url
-
     from ..ledger import Ledger
+
+    refuse_missing_sqlite(url)
+    return Ledger(url)
+
+
+def refuse_missing_sqlite(url: str) -> None:
+    """A SQLite file that is not there is an error: only ``db upgrade`` makes one."""
+    from sqlalchemy.engine import make_url
 
     try:
         parsed = make_url(url)
@@ -139,7 +176,6 @@ def open_ledger(url: str) -> Any:
                 f"no ledger database at {path}: create it with "
                 f"`budget-tasks db upgrade --ledger-url {url}`"
             )
-    return Ledger(url)
 
 
 def _frozen_by(budgets: Sequence[Any]) -> dict[str, str | None]:

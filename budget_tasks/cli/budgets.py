@@ -6,11 +6,13 @@ import click
 
 from . import _common
 from ._common import (
+    AMOUNT,
     _emit,
     _frozen_by,
     _frozen_text,
     _plain,
     _table,
+    _usd,
     by_option,
     json_option,
     ledger_url_option,
@@ -27,7 +29,9 @@ def budget() -> None:
 @budget.command("create")
 @ledger_url_option
 @click.argument("name")
-@click.option("--cap", type=int, required=True, help="Minor units (micro-USD) per period.")
+@click.option(
+    "--cap", type=AMOUNT, required=True, help="Per period: dollars (50usd) or micro-USD (50000000)."
+)
 @click.option(
     "--period",
     type=click.Choice(["none", "day", "week", "month"]),
@@ -50,11 +54,11 @@ def budget() -> None:
 )
 @click.option(
     "--rollover-ceiling",
-    type=int,
+    type=AMOUNT,
     default=None,
     # the ledger's DEFAULT_ROLLOVER_MULTIPLE, written out: the CLI imports no ledger
     # to print its help (a test holds the two together)
-    help="The most a rolled-over period may open with (minor units); default: 3x the cap.",
+    help="The most a rolled-over period may open with (dollars or micro-USD); default: 3x the cap.",
 )
 @click.option(
     "--escrow",
@@ -98,7 +102,7 @@ def budget_create(
         slices=slices,
     )
     per = ", no period" if info.period == "none" else f" per {info.period}"
-    _emit(as_json, info, lambda: f"created budget {info.name}: cap {info.cap}{per}")
+    _emit(as_json, info, lambda: f"created budget {info.name}: cap {_usd(info.cap)}{per}")
 
 
 @budget.command("list")
@@ -117,7 +121,7 @@ def budget_list(ledger_url: str, as_json: bool) -> None:
             [
                 [
                     b.name,
-                    b.cap,
+                    _usd(b.cap),
                     b.period,
                     b.renewal,
                     b.parent,
@@ -162,10 +166,10 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
                     if info.period == "none"
                     else f"period from {bal.period_start.isoformat()}"
                 )
-                + f": cap {bal.cap}, spent {bal.spent}, held {bal.held}, "
-                + (f"unused grants below {bal.granted}, " if bal.granted else "")
-                + (f"drawn {bal.drawn}, " if info.escrow else "")
-                + f"available {bal.available}",
+                + f": cap {_usd(bal.cap)}, spent {_usd(bal.spent)}, held {_usd(bal.held)}, "
+                + (f"unused grants below {_usd(bal.granted)}, " if bal.granted else "")
+                + (f"drawn {_usd(bal.drawn)}, " if info.escrow else "")
+                + f"available {_usd(bal.available)}",
                 f"open holds: {len(holds)}",
             ]
         ),
@@ -210,7 +214,9 @@ def budget_unfreeze(
 @budget.command("set-cap")
 @ledger_url_option
 @click.argument("name")
-@click.option("--cap", type=int, required=True, help="The new cap per period (minor units).")
+@click.option(
+    "--cap", type=AMOUNT, required=True, help="The new cap per period: dollars or micro-USD."
+)
 @note_option
 @by_option
 @json_option
@@ -221,7 +227,7 @@ def budget_set_cap(
     ledger = _common.open_ledger(ledger_url)
     before = ledger.budget(name).cap
     info = ledger.set_cap(name, cap, note=note, actor=by)
-    _emit(as_json, info, lambda: f"budget {name}: cap {before} -> {info.cap}")
+    _emit(as_json, info, lambda: f"budget {name}: cap {_usd(before)} -> {_usd(info.cap)}")
 
 
 @budget.command("set-slices")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
+from . import _common
 from ._common import (
     CommandError,
     _first_line,
@@ -37,3 +40,54 @@ def db_upgrade(ledger_url: str, revision: str) -> None:
     except AlembicError as exc:  # e.g. an unknown --revision
         raise CommandError(_first_line(exc)) from exc
     click.echo(f"ledger schema at revision {at}")
+
+
+def _revision(ledger_url: str) -> str | None:
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    from .. import migrations
+
+    try:
+        return migrations.current(ledger_url)
+    except (OperationalError, InterfaceError) as exc:
+        raise CommandError(
+            f"cannot reach the ledger database: {_first_line(exc.orig or exc)}"
+        ) from exc
+
+
+@db.command("current")
+@ledger_url_option
+def db_current(ledger_url: str) -> None:
+    """The ledger's schema revision, and this release's."""
+    from .. import migrations
+
+    _common.refuse_missing_sqlite(ledger_url)
+    at, head = _revision(ledger_url), migrations.head()
+    if at is None:
+        click.echo(
+            f"ledger schema not migrated (this release: {head}): run budget-tasks db upgrade"
+        )
+    elif at == head:
+        click.echo(f"ledger schema at revision {at} (head)")
+    else:
+        click.echo(f"ledger schema at revision {at}; this release's head is {head}")
+
+
+@db.command("check")
+@ledger_url_option
+def db_check(ledger_url: str) -> None:
+    """Exit 0 if the ledger's schema is at this release's head, else 1 (for a deploy
+    step: run `budget-tasks db upgrade` first)."""
+    from .. import migrations
+
+    _common.refuse_missing_sqlite(ledger_url)
+    at, head = _revision(ledger_url), migrations.head()
+    if at == head:
+        click.echo(f"ledger schema at head ({head})")
+        return
+    click.echo(
+        f"ledger schema at {at or 'no revision'}, not this release's head {head}: "
+        "run budget-tasks db upgrade",
+        err=True,
+    )
+    sys.exit(1)

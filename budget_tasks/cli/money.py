@@ -9,7 +9,9 @@ import click
 
 from . import _common
 from ._common import (
+    AMOUNT,
     DEFAULT_STALE_AFTER_S,
+    SIGNED_AMOUNT,
     STALE_AFTER_ENV,
     STALE_AFTER_SETTING,
     CommandError,
@@ -20,6 +22,7 @@ from ._common import (
     _plain,
     _short,
     _table,
+    _usd,
     by_option,
     json_option,
     ledger_url_option,
@@ -30,7 +33,12 @@ from ._common import (
 @main.command()
 @ledger_url_option
 @click.argument("attempt")
-@click.option("--delta", type=int, required=True, help="Minor units, + charges more, - refunds.")
+@click.option(
+    "--delta",
+    type=SIGNED_AMOUNT,
+    required=True,
+    help="Dollars (1.25usd) or micro-USD: + charges more, - refunds.",
+)
 @click.option("--reason", required=True, help="Why (recorded in the journal).")
 @click.option("--ref", default=None, help="The provider's reference: the same ref applies once.")
 @by_option
@@ -53,7 +61,7 @@ def adjust(
         {**_plain(after), "applied": applied},
         lambda: (
             f"{attempt}: {'adjusted by' if applied else 'already adjusted (ref seen):'} "
-            f"{delta:+d} ({reason})"
+            f"{'+' if delta >= 0 else ''}{_usd(delta)} ({reason})"
         ),
     )
 
@@ -89,8 +97,21 @@ def _stale_age(ctx: click.Context, param: click.Parameter, value: float | None) 
     f"else -A's {STALE_AFTER_SETTING}, else {DEFAULT_STALE_AFTER_S:.0f}).",
 )
 @click.option("--budget", "budget_name", default=None, help="Only this budget's holds.")
+@click.option(
+    "--all",
+    "show_all",
+    is_flag=True,
+    help="Holds of 0 too (a task's main attempt whose calls each reserve their own).",
+)
 @json_option
-def holds(ledger_url: str, stale: bool, age: float, budget_name: str | None, as_json: bool) -> None:
+def holds(
+    ledger_url: str,
+    stale: bool,
+    age: float,
+    budget_name: str | None,
+    show_all: bool,
+    as_json: bool,
+) -> None:
     """Money still held, oldest first, with its age."""
     ledger = _common.open_ledger(ledger_url)
     if budget_name is not None:
@@ -106,6 +127,8 @@ def holds(ledger_url: str, stale: bool, age: float, budget_name: str | None, as_
             for h in ledger.holds(states=("sending", "unknown"), budget=budget_name)
             if h.flagged_at is not None or h.age >= limit
         ]
+    if not show_all:
+        found = [h for h in found if h.amount != 0]
     _emit(
         as_json,
         found,
@@ -116,7 +139,7 @@ def holds(ledger_url: str, stale: bool, age: float, budget_name: str | None, as_
                     h.key,
                     h.budget,
                     h.state,
-                    h.amount,
+                    _usd(h.amount),
                     _age(h.age),
                     h.request_id,
                     "yes" if h.flagged_at else "no",
@@ -132,9 +155,9 @@ def holds(ledger_url: str, stale: bool, age: float, budget_name: str | None, as_
 @click.argument("attempt")
 @click.option(
     "--actual",
-    type=int,
+    type=AMOUNT,
     required=True,
-    help="What the provider charged, in minor units (0: it charged nothing).",
+    help="What the provider charged: dollars (0.04usd) or micro-USD (0: nothing).",
 )
 @click.option("--note", required=True, help="Why: recorded in the journal.")
 @by_option
@@ -154,7 +177,7 @@ def resolve(
     before, done, after = resolution.before, resolution.done, resolution.after
 
     def text() -> str:
-        line = f"{attempt}: {before.state} -> {after.state}, charged {after.actual}"
+        line = f"{attempt}: {before.state} -> {after.state}, charged {_usd(after.actual)}"
         if not done.applied:
             line += " (already so: nothing changed)"
         if done.operation is not None:
@@ -195,7 +218,7 @@ def actions(ledger_url: str, budget_name: str | None, limit: int, as_json: bool)
                     e.kind,
                     e.budget,
                     e.attempt,
-                    e.spent_delta,
+                    _usd(e.spent_delta),
                     _short(e.note),
                 ]
                 for e in done
@@ -233,7 +256,7 @@ def audit(ledger_url: str, full: bool, as_json: bool) -> None:
             else _table(
                 ["budget", "period", "counter", "recorded", "journal"],
                 [
-                    [f.budget, f.period_start.date(), f.counter, f.recorded, f.journal]
+                    [f.budget, f.period_start.date(), f.counter, _usd(f.recorded), _usd(f.journal)]
                     for f in findings
                 ],
             )

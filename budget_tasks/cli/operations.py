@@ -11,6 +11,7 @@ from ._common import (
     _emit,
     _short,
     _table,
+    _usd,
     by_option,
     json_option,
     ledger_url_option,
@@ -36,13 +37,14 @@ def operations() -> None:
 )
 @json_option
 def operations_list(ledger_url: str, status: str | None, limit: int, as_json: bool) -> None:
-    """Operations, the most recently changed first."""
+    """Operations, the most recently changed first. "unfinished runs" counts runs
+    that took the lease and never recorded their end (killed workers): 0 once it ends."""
     found = _common.open_ledger(ledger_url).operations(status=status, limit=limit)
     _emit(
         as_json,
         found,
         lambda: _table(
-            ["operation", "status", "task", "runs", "deliveries", "replays", "error"],
+            ["operation", "status", "task", "unfinished runs", "deliveries", "replays", "error"],
             [
                 [o.key, o.status, o.task, o.runs, o.deliveries, o.replays, _short(o.error)]
                 for o in found
@@ -76,7 +78,7 @@ def operations_show(ledger_url: str, key: str, as_json: bool) -> None:
             _table(
                 ["attempt", "state", "reason", "amount", "actual", "request id"],
                 [
-                    [a.key, a.state, a.reason, a.amount, a.actual, a.request_id]
+                    [a.key, a.state, a.reason, _usd(a.amount), _usd(a.actual), a.request_id]
                     for a in history.attempts
                 ],
             )
@@ -86,7 +88,14 @@ def operations_show(ledger_url: str, key: str, as_json: bool) -> None:
             _table(
                 ["attempt", "budget", "kind", "held", "spent", "note"],
                 [
-                    [e.attempt, e.budget, e.kind, e.held_delta, e.spent_delta, _short(e.note)]
+                    [
+                        e.attempt,
+                        e.budget,
+                        e.kind,
+                        _usd(e.held_delta),
+                        _usd(e.spent_delta),
+                        _short(e.note),
+                    ]
                     for e in history.journal
                 ],
             )

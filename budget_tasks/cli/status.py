@@ -12,6 +12,7 @@ from ._common import (
     _frozen_by,
     _frozen_suffix,
     _table,
+    _usd,
     json_option,
     ledger_url_option,
     main,
@@ -50,11 +51,11 @@ def status(ledger_url: str, as_json: bool) -> None:
             [
                 [
                     r["budget"] + _frozen_suffix(r["budget"], r["frozen_by"]),
-                    r["cap"],
-                    r["spent"],
-                    r["held"],
-                    r["granted"],
-                    r["available"],
+                    _usd(r["cap"]),
+                    _usd(r["spent"]),
+                    _usd(r["held"]),
+                    _usd(r["granted"]),
+                    _usd(r["available"]),
                     _age(r["oldest_hold"]),
                 ]
                 for r in rows

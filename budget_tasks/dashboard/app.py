@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, RedirectRespons
 from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 
-from .._display import age
+from .._display import age, amount, usd
 from ..errors import (
     BudgetTasksError,
     LedgerUnavailable,
@@ -43,7 +43,7 @@ MAX_HOURS = 31 * 24
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1", "testserver")
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
-TEMPLATES.env.filters["usd"] = charts.usd
+TEMPLATES.env.filters["usd"] = usd
 TEMPLATES.env.filters["age"] = age
 TEMPLATES.env.filters["q"] = lambda text: quote(str(text), safe="")
 
@@ -248,12 +248,16 @@ def check_write(request: Request, given_token: str | None) -> None:
 
 
 def do_resolve(
-    ledger: Ledger, key: str, actual_text: str, note: str, by: str | None
+    ledger: Ledger, key: str, actual_given: object, note: str, by: str | None
 ) -> dict[str, Any]:
-    try:
-        actual = int(actual_text)
-    except ValueError as exc:
-        raise ValueError(f"actual must be an integer of minor units, not {actual_text!r}") from exc
+    # JSON's integer is micro-USD, as the API's; text is as a person types it: dollars
+    # (0.04usd, $0.04) or whole micro-USD
+    if isinstance(actual_given, int) and not isinstance(actual_given, bool):
+        actual = actual_given
+    elif isinstance(actual_given, str):
+        actual = amount(actual_given)
+    else:
+        raise ValueError(f"actual must be micro-USD or an amount such as 0.04usd: {actual_given!r}")
     if not note.strip():
         raise ValueError("a note is required: it is recorded in the journal")
     done = resolve_outcome(ledger, key, actual, note, by or None)
@@ -289,7 +293,7 @@ async def resolve_form(request: Request) -> Response:
         form.get("note", ""),
         form.get("by"),
     )
-    message = f"{key}: {done['from']} -> {done['state']}, charged {done['actual']}"
+    message = f"{key}: {done['from']} -> {done['state']}, charged {usd(done['actual'])}"
     if not done["applied"]:
         message += " (already so: nothing changed)"
     query = urlencode({"key": key, "done": message})
@@ -330,7 +334,7 @@ async def api_resolve(request: Request) -> Response:
         do_resolve,
         _ledger(request),
         body.get("attempt") or "",
-        body.get("actual") or "",
+        body.get("actual", ""),
         body.get("note") or "",
         body.get("by"),
     )

@@ -6,16 +6,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from .._display import usd
+
 WIDTH, HEIGHT, PAD = 720, 220, 36
-
-
-def usd(micros: int | None) -> str:
-    """Micro-USD as dollars, exactly (no float on the way)."""
-    if micros is None:
-        return "-"
-    sign = "-" if micros < 0 else ""
-    whole, frac = divmod(abs(micros), 1_000_000)
-    return f"{sign}${whole:,}.{frac:06d}"
 
 
 def bar(row: dict[str, Any]) -> dict[str, Any]:

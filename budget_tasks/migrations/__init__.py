@@ -44,3 +44,12 @@ def current(url: str) -> str | None:
             return MigrationContext.configure(conn).get_current_revision()
     finally:
         engine.dispose()
+
+
+def head() -> str:
+    """The newest revision this release ships."""
+    from alembic.script import ScriptDirectory
+
+    found = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    assert found is not None  # the package ships its migrations
+    return found

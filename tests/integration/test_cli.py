@@ -127,10 +127,11 @@ def test_freeze_and_bad_input_exit_non_zero_with_a_clear_message(
     ok(pg_url, "budget", "unfreeze", "acme")
     for args, message in [
         (("budget", "show", "nope"), "unknown budget 'nope'"),
-        (("budget", "create", "x", "--cap", "-5"), "must not be negative"),
+        (("budget", "create", "x", "--cap", "-5"), "the amount cannot be negative"),
         (("budget", "create", "acme", "--cap", "5"), "already exists"),
         (("resolve", "nope", "--actual", "1", "--note", "x"), "unknown attempt 'nope'"),
-        (("budget", "create", "y", "--cap", "1.5"), "is not a valid integer"),
+        (("budget", "create", "y", "--cap", "1.5"), "'1.5' is not an amount: give dollars"),
+        (("budget", "create", "y", "--cap", "0.0000001usd"), "finer than a micro-dollar"),
     ]:
         done = cli(pg_url, *args)
         assert done.returncode == 2, (args, done.stdout, done.stderr)
@@ -147,7 +148,8 @@ def test_caps_corrections_and_freezes_from_the_cli(pg_url: str, pg_ledger: Ledge
     pg_ledger.calls.settle("call-1", 600)
     raised = as_json(pg_url, "budget", "set-cap", "acme", "--cap", "2000", "--note", "Q4 deal")
     assert (raised["name"], raised["cap"]) == ("acme", 2000)
-    assert "cap 2000 -> 600" in ok(pg_url, "budget", "set-cap", "acme", "--cap", "600")
+    # dollars typed and shown; micro-USD typed too, and kept in --json
+    assert "cap $0.002 -> $0.0006" in ok(pg_url, "budget", "set-cap", "acme", "--cap", "$0.0006")
     below = cli(pg_url, "budget", "set-cap", "acme", "--cap", "599")
     assert below.returncode == 2 and below.stderr.count("\n") == 1
     assert "spent and holds 600" in below.stderr and "freeze it" in below.stderr
@@ -340,16 +342,16 @@ def test_stale_holds_use_the_configured_age_and_what_beat_flagged(
 
 
 def test_a_budget_without_a_period_says_so(pg_url: str, pg_ledger: Ledger) -> None:
-    assert command("budget", "create", "plain", "--cap", "5", "--ledger-url", pg_url).stdout == (
-        "created budget plain: cap 5, no period\n"
-    )
+    made = command("budget", "create", "plain", "--cap", "5usd", "--ledger-url", pg_url)
+    assert made.stdout == "created budget plain: cap $5.00, no period\n"
     assert command("budget", "show", "plain", "--ledger-url", pg_url).stdout == (
-        "budget plain (no period)\nall time: cap 5, spent 0, held 0, available 5\nopen holds: 0\n"
+        "budget plain (no period)\nall time: cap $5.00, spent $0.00, held $0.00, available $5.00\n"
+        "open holds: 0\n"
     )
     daily = command(
         "budget", "create", "daily", "--cap", "5", "--period", "day", "--ledger-url", pg_url
     )
-    assert daily.stdout == "created budget daily: cap 5 per day\n"
+    assert daily.stdout == "created budget daily: cap $0.000005 per day\n"
     shown = command("budget", "show", "daily", "--ledger-url", pg_url).stdout.splitlines()
     assert shown[0] == "budget daily (period day, renewal reset)"
     assert shown[1].startswith("period from 20")
@@ -607,10 +609,10 @@ def test_an_escrowed_budget_is_made_and_its_grants_shown(backend_url: str) -> No
     Ledger(backend_url).calls.reserve("crew", "k1", 10)
     shown = ok(backend_url, "budget", "show", "crew")
     assert "parent org, escrow" in shown
-    assert "held 10, drawn 100, available 490" in shown
+    assert "held $0.00001, drawn $0.0001, available $0.00049" in shown
     # the parent shows its tenant's hold; what the grant holds unused is available
     shown = ok(backend_url, "budget", "show", "org")
-    assert "held 10, unused grants below 90, available 790" in shown
+    assert "held $0.00001, unused grants below $0.00009, available $0.00079" in shown
     rows = {r["budget"]: r for r in as_json(backend_url, "status")}
     assert (rows["org"]["held"], rows["org"]["granted"], rows["org"]["available"]) == (10, 90, 790)
     assert (rows["crew"]["drawn"], rows["crew"]["held"]) == (100, 10)

@@ -121,7 +121,7 @@ def test_budgets_show_spent_held_available_burn_and_overruns(web: TestClient) ->
         ("held", "10.0"),
         ("available", "76.0"),
     ]
-    assert "$0.056000" in page and "before the period ends" in page
+    assert "$0.056" in page and "before the period ends" in page
 
 
 def test_holds_worklist_attempt_and_operations(web: TestClient) -> None:
@@ -219,7 +219,7 @@ def test_resolving_from_the_page_writes_what_the_cli_writes(
     )
     assert done.status_code == 303, done.text
     page = web.get(done.headers["location"]).text
-    assert "claude-1: unknown -&gt; settled, charged 37000" in page
+    assert "claude-1: unknown -&gt; settled, charged $0.037" in page
     # the CLI's resolve of its twin writes the same rows
     filled.calls.reserve("acme-support", "claude-9", 40_000)
     filled.calls.mark_sending("claude-9")
