@@ -5,26 +5,37 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-from-pyproject
+# the demo needs the package and the openai SDK only: no dev tools, no other extras
+DEMO_STAMP := $(VENV)/.installed-for-demo
 
-.PHONY: demo test lint pytest bench model-long install clean
+.PHONY: demo test lint docs pytest bench model-long install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,openai,anthropic,langchain,litellm,dashboard,otel]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,docs,openai,anthropic,langchain,litellm,dashboard,otel]'
+	touch $(STAMP) $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e '.[openai]'
+	touch $(DEMO_STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/budget-tasks demo
 
-test: lint pytest
+test: lint docs pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# the site, strict: a broken link, anchor or page fails it
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest
@@ -44,4 +55,4 @@ model-long: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider tests/integration/test_model_stateful.py -k sqlite
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site

@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 def quick_start() -> tuple[list[str], str, list[str]]:
     """The Quick start's setup lines, its ``jobs.py`` and its run lines, as written."""
     text = README.read_text()
-    section = text[text.index("## Quick start") : text.index("### Testing your own tasks")]
+    section = text[text.index("## Quick start") : text.index("<!-- --8<-- [end:quick-start]")]
     blocks = re.findall(r"```(bash|python)\n(.*?)```", section, re.S)
     assert [kind for kind, _ in blocks] == ["bash", "python", "bash"], "the section changed"
     setup, code, run = (body for _, body in blocks)
@@ -218,21 +218,23 @@ class Background:
 def offline_command() -> str:
     """The command the Quick start names for running offline."""
     text = README.read_text()
-    section = text[text.index("## Quick start") : text.index("### Testing your own tasks")]
+    section = text[text.index("## Quick start") : text.index("<!-- --8<-- [end:quick-start]")]
     found = re.search(r"Run `([^`]+)` in another terminal and\s+export", section)
     assert found, "the Quick start no longer says how to run offline"
     return found.group(1)
 
 
-def readme_testing_section() -> str:
-    """The Testing section's two examples, in one module beside ``jobs.py`` as the
-    section says (with the imports it names)."""
+def testing_examples() -> str:
+    """The README's test module beside ``jobs.py``, with the worker example that
+    docs/testing.md adds to it ("Both examples can sit in the same module")."""
     text = README.read_text()
-    section = text[text.index("### Testing your own tasks") : text.index("## Your SDK code")]
-    assert "`from jobs import app, summarize`" in section and "`import pytest`" in section
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 2, "the section changed"
-    return "import pytest\nfrom jobs import app, summarize\n\n\n" + "\n\n".join(blocks)
+    section = text[text.index("### Testing your own tasks") : text.index("## The CLI in brief")]
+    [eager] = re.findall(r"```python\n(.*?)```", section, re.S)
+    page = (ROOT / "docs" / "testing.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert blocks[0] == eager, "docs/testing.md's first example is the README's"
+    assert "Both examples can sit in the same module" in page
+    return eager + "\n\n" + blocks[1]
 
 
 def fake_requests(base: str) -> list[dict[str, object]]:
@@ -272,12 +274,15 @@ def test_the_quick_start_offline_as_written_then_its_tests_then_the_demo(
     worker = beat = None
     try:
         for line in setup:
-            if line.startswith("pip install"):
-                assert line == 'pip install "budget-tasks[openai]"'
-                continue  # done by the venv fixture, from the wheel just built
+            if line.startswith("createdb "):
+                # the ledger's own database: the test's scratch one stands in for it
+                assert line == "createdb -h 127.0.0.1 -U postgres budget_tasks", line
+                continue
             if line.startswith("export "):
                 name, value = line.removeprefix("export ").split("=", 1)
                 assert value, line
+                if name == "BUDGET_TASKS_LEDGER_URL":  # the database createdb made
+                    assert value.endswith("@127.0.0.1:5432/budget_tasks"), value
                 # the ledger: the test's database; the key: what the fake printed
                 env[name] = {"BUDGET_TASKS_LEDGER_URL": ledger_url, **offline}[name]
                 continue
@@ -311,7 +316,7 @@ def test_the_quick_start_offline_as_written_then_its_tests_then_the_demo(
 
         # the Testing section's module beside jobs.py, with the venv's own pytest, in
         # this shell (which exports the deployment's broker and the fake's URL and key)
-        (home / "test_jobs.py").write_text(readme_testing_section())
+        (home / "test_jobs.py").write_text(testing_examples())
         served_before = len(fake_requests(offline["OPENAI_BASE_URL"].removesuffix("/v1")))
         out = run("python -m pytest -q -p no:cacheprovider test_jobs.py", home, env)
         assert "2 passed" in out, out

@@ -88,8 +88,8 @@ def test_every_variable_the_readme_lists_sets_its_setting_in_any_app(
     its own settings as the CLI does, so beat, the worker and the CLI agree."""
     from budget_tasks.wiring import ENV_SETTINGS
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    table = readme[readme.index("| Environment variable |") :].split("\n\n")[0]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    table = page[page.index("| Environment variable |") :].split("\n\n")[0]
     listed = {
         (m.group(1), m.group(2))
         for m in re.finditer(r"^\| `(BUDGET_TASKS_[A-Z_]+)` \| `(budget_[a-z_]+)` \|", table, re.M)
