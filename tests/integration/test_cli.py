@@ -647,3 +647,98 @@ def test_the_demo_without_the_openai_sdk_says_so_in_one_line() -> None:
         "which is not installed here: pip install 'budget-tasks[openai]'"
     ]
     assert done.stdout == ""  # nothing ran: no worker, no ledger
+
+
+# -- issue 43: the front door -------------------------------------------------------------
+
+
+def test_db_current_and_check_say_where_the_schema_is(tmp_path: Path) -> None:
+    from budget_tasks import migrations
+
+    head = migrations.head()
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    assert "no ledger database" in one_line_error(command("db", "current", "--ledger-url", url))
+    behind = f"{int(head) - 1:04d}"
+    command("db", "upgrade", "--revision", behind, "--ledger-url", url)
+    shown = command("db", "current", "--ledger-url", url)
+    assert shown.returncode == 0
+    assert shown.stdout == f"ledger schema at revision {behind}; this release's head is {head}\n"
+    checked = command("db", "check", "--ledger-url", url)
+    assert checked.returncode == 1 and checked.stdout == ""
+    assert f"not this release's head {head}: run budget-tasks db upgrade" in checked.stderr
+    command("db", "upgrade", "--ledger-url", url)
+    assert command("db", "current", "--ledger-url", url).stdout == (
+        f"ledger schema at revision {head} (head)\n"
+    )
+    checked = command("db", "check", "--ledger-url", url)
+    assert (checked.returncode, checked.stdout) == (0, f"ledger schema at head ({head})\n")
+
+
+def test_db_check_on_a_database_never_migrated_exits_1(pg_url: str) -> None:
+    with scratch_database("bt_never") as url:
+        checked = command("db", "check", "--ledger-url", url)
+        assert checked.returncode == 1
+        assert "at no revision, not this release's head" in checked.stderr
+        shown = command("db", "current", "--ledger-url", url).stdout
+        assert shown.startswith("ledger schema not migrated")
+
+
+def test_celery_runs_the_cli_as_its_budget_sub_command(
+    tmp_path: Path, pg_url: str, pg_ledger: Ledger
+) -> None:
+    """`celery -A myapp budget ...` through Celery's own entry point: the ledger from the
+    app's budget_ledger_url, the library's errors one line and exit 2."""
+    write_app(tmp_path, pg_url)
+    pg_ledger.create_budget("via-celery", 2_500_000)
+    celery = str(Path(sys.executable).with_name("celery"))
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "BUDGET_TASKS_LEDGER_URL"}
+        return subprocess.run(
+            [celery, "-A", "myapp", "budget", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env=env,
+            check=False,
+        )
+
+    shown = run("status")
+    assert shown.returncode == 0, shown.stderr
+    assert "via-celery  $2.50" in shown.stdout
+    shown_json = json.loads(run("budget", "show", "via-celery", "--json").stdout)
+    assert shown_json["budget"]["cap"] == 2_500_000
+    missing = run("budget", "show", "nope")
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == ["error: unknown budget 'nope'"]
+
+
+def test_holds_leave_out_holds_of_zero_unless_all(pg_url: str, pg_ledger: Ledger) -> None:
+    pg_ledger.create_budget("acme", 10_000)
+    pg_ledger.calls.reserve("acme", "main-0", 0)
+    pg_ledger.calls.reserve("acme", "call-1", 1)  # one micro-dollar: the least shown
+    listed = ok(pg_url, "holds")
+    assert "call-1" in listed and "$0.000001" in listed and "main-0" not in listed
+    everything = ok(pg_url, "holds", "--all")
+    assert "main-0" in everything and "call-1" in everything
+    assert [h["key"] for h in as_json(pg_url, "holds", "--all")] == ["main-0", "call-1"]
+
+
+def test_money_is_typed_in_dollars_or_micro_usd_and_the_two_agree(
+    pg_url: str, pg_ledger: Ledger
+) -> None:
+    ok(pg_url, "budget", "create", "in-dollars", "--cap", "12.345678usd")
+    ok(pg_url, "budget", "create", "in-micros", "--cap", "12345678")
+    ok(pg_url, "budget", "create", "quoted", "--cap", "$12.345678")
+    caps = {b["name"]: b["cap"] for b in as_json(pg_url, "budget", "list")}
+    assert caps == {"in-dollars": 12_345_678, "in-micros": 12_345_678, "quoted": 12_345_678}
+    assert "$12.345678" in ok(pg_url, "status")
+    pg_ledger.calls.reserve("in-dollars", "k", 1_000_000)
+    pg_ledger.calls.mark_sending("k")
+    pg_ledger.calls.mark_unknown("k", "timeout")
+    done = ok(pg_url, "resolve", "k", "--actual", "0.75usd", "--note", "invoice")
+    assert "charged $0.75" in done
+    assert pg_ledger.attempt("k").actual == 750_000
+    fixed = ok(pg_url, "adjust", "k", "--delta", "-0.25usd", "--reason", "credit", "--ref", "c1")
+    assert "-$0.25" in fixed and pg_ledger.balance("in-dollars").spent == 500_000
