@@ -24,7 +24,8 @@ from ._common import (
 @json_option
 def status(ledger_url: str, as_json: bool) -> None:
     """Every budget's current period: cap, spent and held (the budgets below it
-    included), granted (held unused by escrowed budgets below), available, oldest hold."""
+    included), granted (held unused by escrowed budgets below), available, usable (what
+    it can admit now: no more than its parents can give), oldest hold."""
     ledger = _common.open_ledger(ledger_url)
     frozen_by = _frozen_by(ledger.budgets())
     rows = [
@@ -34,6 +35,7 @@ def status(ledger_url: str, as_json: bool) -> None:
             "spent": r.spent,
             "held": r.held,
             "available": r.available,
+            "usable": r.usable,
             "oldest_hold": r.oldest_hold,
             "frozen": r.frozen,
             "frozen_by": frozen_by.get(r.budget),
@@ -47,7 +49,7 @@ def status(ledger_url: str, as_json: bool) -> None:
         as_json,
         rows,
         lambda: _table(
-            ["budget", "cap", "spent", "held", "granted", "available", "oldest hold"],
+            ["budget", "cap", "spent", "held", "granted", "available", "usable", "oldest hold"],
             [
                 [
                     r["budget"] + _frozen_suffix(r["budget"], r["frozen_by"]),
@@ -56,6 +58,7 @@ def status(ledger_url: str, as_json: bool) -> None:
                     _usd(r["held"]),
                     _usd(r["granted"]),
                     _usd(r["available"]),
+                    _usd(r["usable"]),
                     _age(r["oldest_hold"]),
                 ]
                 for r in rows

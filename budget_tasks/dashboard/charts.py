@@ -12,18 +12,24 @@ WIDTH, HEIGHT, PAD = 720, 220, 36
 
 
 def bar(row: dict[str, Any]) -> dict[str, Any]:
-    """A budget's bar: spent, held and available (the budgets below it included; what
-    they hold of their grants unused is available), in percent of the larger of its
-    cap and what it used (an overrun passes the cap mark), and where the cap mark
-    stands."""
+    """A budget's bar: spent, held (the budgets below it included), then what is
+    available in three parts: granted to the escrowed budgets below and held there
+    unused (an admission takes it back), what it can admit, and what its parents
+    cannot give it now; in percent of the larger of its cap and what it used (an
+    overrun passes the cap mark), and where the cap mark stands."""
     used = row["spent"] + row["held"]
     scale = max(row["cap"], used, 1)
+    available = max(row["available"], 0)
+    granted = min(row.get("granted", 0), available)
+    usable = min(row.get("usable", available), available)
     segments = []
     x = 0.0
     for kind, amount in (
         ("spent", row["spent"]),
         ("held", row["held"]),
-        ("available", max(row["available"], 0)),
+        ("granted", min(granted, usable)),
+        ("available", usable - min(granted, usable)),
+        ("blocked", available - usable),
     ):
         width = 100.0 * amount / scale
         if width > 0:

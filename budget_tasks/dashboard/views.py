@@ -113,6 +113,7 @@ def budgets_view(ledger: Ledger) -> list[dict[str, Any]]:
                 "held": r.held,
                 "granted": r.granted,
                 "available": r.available,
+                "usable": r.usable,
                 "frozen": r.frozen,
                 "oldest_hold_s": None
                 if r.oldest_hold is None

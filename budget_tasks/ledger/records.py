@@ -300,6 +300,10 @@ class BudgetReport:
     #: held unused by the escrowed budgets below, and drawn from the ancestors (see Balance)
     granted: int = 0
     drawn: int = 0
+    #: what it can still admit: its available, and no more than its parent can (whose
+    #: available counts the grants below it held unused: an admission takes them back);
+    #: 0 under a freeze here or above, never negative. Tenants share their parent's room.
+    usable: int = 0
 
 
 @dataclass(frozen=True, slots=True)

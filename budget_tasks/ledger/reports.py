@@ -3,6 +3,7 @@ a parent's figures rolled up from the escrowed budgets under it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -412,4 +413,26 @@ def report(store: Store) -> list[BudgetReport]:
                 drawn=drawn,
             )
         )
-    return out
+    return _with_usable(out, [r.id for r in rows if r.slice_of is None], parents)
+
+
+def _with_usable(
+    reports: list[BudgetReport], ids: list[int], parents: Mapping[int, int]
+) -> list[BudgetReport]:
+    """Each report with what it can still admit: its available, and no more than its
+    parent can (whose available counts the unused grants below it: an admission takes
+    them back); 0 under a freeze anywhere above."""
+    by_id = dict(zip(ids, reports, strict=True))
+    usable: dict[int, int] = {}
+
+    def of(budget_id: int) -> int:
+        if budget_id not in usable:
+            usable[budget_id] = 0  # a cycle (never made) reads as nothing to admit
+            own, parent = by_id[budget_id], parents.get(budget_id)
+            found = 0 if own.frozen else own.available
+            if parent in by_id:
+                found = min(found, of(parent))
+            usable[budget_id] = max(found, 0)
+        return usable[budget_id]
+
+    return [dataclasses.replace(r, usable=of(i)) for i, r in zip(ids, reports, strict=True)]

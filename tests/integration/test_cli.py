@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from budget_tasks import Ledger
+from budget_tasks import BudgetExceeded, Ledger
 from budget_tasks.testing import ManualClock
 
 from ..services import scratch_database
@@ -742,3 +742,36 @@ def test_money_is_typed_in_dollars_or_micro_usd_and_the_two_agree(
     assert pg_ledger.attempt("k").actual == 750_000
     fixed = ok(pg_url, "adjust", "k", "--delta", "-0.25usd", "--reason", "credit", "--ref", "c1")
     assert "-$0.25" in fixed and pg_ledger.balance("in-dollars").spent == 500_000
+
+
+@pytest.mark.parametrize("escrow", [False, True], ids=["plain", "escrow"])
+def test_a_tenant_shows_what_its_parent_lets_it_admit_and_exactly_that_is_admitted(
+    pg_url: str, pg_ledger: Ledger, escrow: bool
+) -> None:
+    """Two tenants of 2,000,000 under a parent of 3,000,000: once one spent 1,500,000
+    the other's own available stays near 2,000,000, but it can admit only what the
+    parent has left, and `status` says so."""
+    pg_ledger.create_budget("org", 3_000_000)
+    for tenant in ("t1", "t2"):
+        pg_ledger.create_budget(tenant, 2_000_000, parent="org", escrow=escrow)
+    calls = pg_ledger.calls
+    calls.reserve("t1", "k1", 1_500_000)
+    calls.mark_sending("k1")
+    calls.settle("k1", 1_500_000)
+    calls.reserve("t2", "k2", 100)
+    rows = {r["budget"]: r for r in as_json(pg_url, "status")}
+    assert rows["org"]["spent"] == 1_500_000 and rows["org"]["held"] == 100  # rolled up
+    assert (rows["t2"]["available"], rows["t2"]["usable"]) == (1_999_900, 1_499_900)
+    assert rows["t1"]["usable"] == 500_000  # its own cap is the tighter
+    assert "$1.4999" in ok(pg_url, "status")
+    with pytest.raises(BudgetExceeded):
+        calls.reserve("t2", "one-more", 1_499_901)
+    calls.reserve("t2", "exactly", 1_499_900)
+    assert {r["budget"]: r["usable"] for r in as_json(pg_url, "status")} == {
+        "org": 0,
+        "t1": 0,
+        "t2": 0,
+    }
+    calls.release("exactly", "not sent")
+    pg_ledger.freeze("org")  # a frozen parent admits nothing below it
+    assert {r["budget"]: r["usable"] for r in as_json(pg_url, "status")}["t2"] == 0

@@ -508,6 +508,7 @@ class Combined(RuleBasedStateMachine):
             row = report[self.real(name)]
             assert (row.cap, row.spent, row.held, row.available, row.period_start) == shown, name
             assert row.frozen == self.model.budget(name).frozen
+            assert row.usable == self.model.usable(name), name
             assert row.overrun == self.model.figures(name, want.period_start)[2], name
             assert bal.granted >= 0  # what grants below hold unused
             if rendered:  # what Prometheus scrapes, and what `budget-tasks status` prints

@@ -213,6 +213,20 @@ class LedgerModel:
             raise UnknownBudget(name)
         return self.budgets[name]
 
+    def usable(self, name: str) -> int:
+        """What one admission on ``name`` could take now: the least available along its
+        chain (an ancestor's counts the grants below it held unused, which an admission
+        takes back); 0 if any of the chain is frozen."""
+        chain, at = [], self.budget(name)
+        while True:
+            chain.append(at)
+            if at.parent is None:
+                break
+            at = self.budget(at.parent)
+        if any(b.frozen for b in chain):
+            return 0
+        return max(min(self.balance(b.name).available for b in chain), 0)
+
     def chain(self, name: str) -> list[Budget]:
         """Rule (the chain): a budget and its ancestors, the budget first."""
         found = [self.budget(name)]
