@@ -36,12 +36,19 @@ from budget_tasks import Ledger
 from tests.support import wait_for
 
 from ..demo_output import check_embedded_demo
-from ..services import REDIS_HOST, REDIS_PORT, check_postgres, check_redis, scratch_database
+from ..services import (
+    REDIS_HOST,
+    REDIS_PORT,
+    check_postgres,
+    check_redis,
+    redis_db,
+    scratch_database,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 RECONCILED = re.compile(r"Task budget_tasks\.reconcile_unknown\[.*\] succeeded")
-REDIS_DBS = (10, 11)  # broker, results: apart from the other tests' db 9
+REDIS_DBS = (redis_db("first hour: broker"), redis_db("first hour: results"))
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 

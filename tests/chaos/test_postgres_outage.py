@@ -33,12 +33,12 @@ from budget_tasks.testing import FakeProvider
 from tests.support import worker_env
 
 from ..integration.worker_tasks import fixed_request
-from ..services import REDIS_HOST, REDIS_PORT, check_redis
+from ..services import REDIS_HOST, REDIS_PORT, check_redis, redis_db
 from ..workers import Worker
 from .invariants import attempt_rows, check_all
 from .pg_cluster import PgCluster, pg_cluster  # noqa: F401
 
-REDIS_DB = 11  # this module's database on the shared Redis; flushed before each test
+REDIS_DB = redis_db("chaos: postgres outage")  # flushed before each test
 TASK = "tests.fixed_cost"  # calls the provider once, charged exactly its estimate
 WARMUP = 6  # tasks run before the load, one per pool process (2 workers x 3)
 TASKS = 40  # then this many, one every SEND_INTERVAL

@@ -36,12 +36,12 @@ from budget_tasks.testing import FakeProvider
 from tests.support import FaultProxy, worker_env
 
 from ..chaos.conftest import celery_client
-from ..services import REDIS_HOST, REDIS_PORT, check_redis, missing
+from ..services import REDIS_HOST, REDIS_PORT, check_redis, missing, redis_db
 from ..workers import ROOT, Worker
 
 HOST_TASKS = "tests.hosts.host_tasks"
 BEAT_READY = "beat: Starting..."
-REDIS_DB = 14  # the hosts suite's database on the shared Redis; flushed before each test
+REDIS_DB = redis_db("hosts")  # flushed before each test
 #: What every host runs with: Redis hands an unacknowledged message to another host
 #: after 3 s, and a host looks for such messages every second.
 SETTINGS = {

@@ -17,10 +17,10 @@ from budget_tasks.testing import FakeProvider
 from tests.support import worker_env
 
 from ..hostile_gateway import HostileGateway
-from ..services import REDIS_HOST, REDIS_PORT, check_redis
+from ..services import REDIS_HOST, REDIS_PORT, check_redis, redis_db
 from ..workers import Worker
 
-REDIS_DB = 9  # the tests' own database on the shared Redis; flushed before each test
+REDIS_DB = redis_db("integration")  # flushed before each test
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ..services import check_postgres, check_redis
+from ..services import check_postgres, check_redis, redis_db
 
 ROOT = Path(__file__).resolve().parents[2]
-REDIS_DB = 13  # not 10 (a full `make bench`), 9, 11 or 12 (other tests)
+REDIS_DB = redis_db("benchmarks smoke")
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 

@@ -15,7 +15,7 @@ from budget_tasks import Ledger
 
 from ..conftest import empty_ledger_tables
 from ..demo_output import DEMO_CLAIMS
-from ..services import REDIS_HOST, REDIS_PORT, check_redis
+from ..services import REDIS_HOST, REDIS_PORT, check_redis, redis_db
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,11 +35,11 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 def test_demo_against_postgres_and_redis_leaves_a_ledger_that_audits_clean(pg_url: str) -> None:
     check_redis()
-    redis.Redis(REDIS_HOST, REDIS_PORT, db=12).flushdb()
+    redis.Redis(REDIS_HOST, REDIS_PORT, db=redis_db("demo")).flushdb()
     empty_ledger_tables(pg_url)
     ledger = Ledger(pg_url)
     ledger.create_budget("acme", 1_000)  # taken: the demo makes its own budgets beside it
-    broker = f"redis://{REDIS_HOST}:{REDIS_PORT}/12"
+    broker = f"redis://{REDIS_HOST}:{REDIS_PORT}/{redis_db('demo')}"
     done = cli("demo", "--ledger-url", pg_url, "--broker-url", broker)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
