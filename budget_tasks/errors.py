@@ -51,7 +51,7 @@ class LedgerUnavailable(LedgerError):
     Fail closed: without a committed reservation there is no permission to send.
     """
 
-    template = "ledger unavailable, nothing may be sent: {detail}"
+    template = "ledger unavailable: {detail}"
     detail: str
 
 

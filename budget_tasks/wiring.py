@@ -85,6 +85,7 @@ def settings_from_environment(environ: Mapping[str, str] | None = None) -> dict[
 
 #: kombu's own default visibility timeout for Redis (seconds).
 REDIS_VISIBILITY_DEFAULT = 3600.0
+VISIBILITY_ENV = "BUDGET_TASKS_VISIBILITY_TIMEOUT"
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "sentinel://")
 
 
@@ -204,11 +205,18 @@ def startup_problems(app: Celery, base: type) -> list[str]:
         visibility = float(options.get("visibility_timeout", REDIS_VISIBILITY_DEFAULT))
         longest = max(budget_tasks, key=lambda t: t.lease_seconds)
         if visibility < longest.lease_seconds:
+            # name the setting this worker took it from, not one the user never wrote
+            where = (
+                f"env {VISIBILITY_ENV}"
+                if os.environ.get(VISIBILITY_ENV)
+                else f"broker_transport_options['visibility_timeout'] (or env {VISIBILITY_ENV}"
+                ", which budget_tasks.configure(app) reads)"
+            )
             problems.append(
                 f"the Redis visibility timeout ({visibility:g} s) is shorter than "
                 f"{longest.name}'s lease ({longest.lease_seconds:g} s): Redis will redeliver "
-                "messages still running, each redelivery waits on the lease; raise "
-                "broker_transport_options['visibility_timeout'] above the longest lease"
+                f"messages still running, each redelivery waits on the lease; raise {where} "
+                "above the longest lease"
             )
     return problems
 

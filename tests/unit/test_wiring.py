@@ -54,7 +54,9 @@ def test_configure_after_the_config_was_read_still_merges() -> None:
     assert set(app.conf.beat_schedule) == set(BEAT_SCHEDULE)
 
 
-def test_a_visibility_timeout_shorter_than_a_lease_is_a_problem() -> None:
+def test_a_visibility_timeout_shorter_than_a_lease_is_a_problem(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     app = Celery("vt", set_as_current=False, broker="redis://127.0.0.1:6379/0")
     # longer than any lease of the shared tasks other test modules registered in every
     # app of this process (the check names the app's longest lease)
@@ -69,6 +71,11 @@ def test_a_visibility_timeout_shorter_than_a_lease_is_a_problem() -> None:
     problems = startup_problems(app, BudgetTask)
     assert len(problems) == 1
     assert f"visibility timeout ({lease - 1:g} s) is shorter than {job.name}'s" in problems[0]
+    # it names the setting the app set (and the variable that would set it)
+    assert "raise broker_transport_options['visibility_timeout'] (or env " in problems[0]
+    monkeypatch.setenv("BUDGET_TASKS_VISIBILITY_TIMEOUT", f"{lease - 1:g}")
+    [from_env] = startup_problems(app, BudgetTask)
+    assert "raise env BUDGET_TASKS_VISIBILITY_TIMEOUT above the longest lease" in from_env
     app.conf.broker_transport_options = {"visibility_timeout": lease}
     assert startup_problems(app, BudgetTask) == []  # exactly the lease is enough
     app.close()
