@@ -31,7 +31,7 @@ from celery.utils.dispatch import Signal
 from ._trust import doubt
 from .config import ledger_of
 from .errors import BudgetTasksError
-from .hooks import hooks
+from .hooks import RECONCILE_OUTCOMES, hooks
 from .ledger import Attempt, Hold, Ledger
 from .ledger.records import NO_TIMEOUT_MS, UNTRUSTED_LOOKUP, Purged, Resolved, Retained
 from .ledger.states import nothing_sent_under
@@ -155,14 +155,7 @@ def reconcile_unknown(
 
     An attempt that moved meanwhile (an operator, a late run) keeps what they wrote:
     one failure never stops the others."""
-    counts = {
-        "found": 0,
-        "not_found": 0,
-        "pending": 0,
-        "unknowable": 0,
-        "untrusted": 0,
-        "failed": 0,
-    }
+    counts = dict.fromkeys(RECONCILE_OUTCOMES, 0)
     for key in ledger.upkeep.mark_orphans_unknown():
         log.warning("attempt %s was left sending by a run that is gone: now unknown", key)
     for attempt in ledger.upkeep.claim_unknown(limit=limit):

@@ -15,6 +15,13 @@ from typing import Any
 log = logging.getLogger("budget_tasks.hooks")
 
 
+#: What a refusal's ``reason`` may be, a reconciliation's ``outcome``, and who found an
+#: answer untrusted (``by``): the labels the metrics keep, each known before its first event.
+DENIAL_REASONS = ("exceeded", "frozen")
+RECONCILE_OUTCOMES = ("found", "not_found", "pending", "unknowable", "untrusted", "failed")
+UNTRUSTED_BY = ("task", "reconcile")
+
+
 class Hooks:
     """No-op base class of every sink: override the events you want."""
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -23,7 +23,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .config import ledger_of
-from .hooks import Hooks, add_sink
+from .hooks import DENIAL_REASONS, RECONCILE_OUTCOMES, UNTRUSTED_BY, Hooks, add_sink
 
 log = logging.getLogger("budget_tasks.metrics")
 
@@ -69,7 +69,10 @@ class PrometheusHooks(Hooks):
     """The hooks sink that keeps the counters above."""
 
     def admitted(self, *, budget: str, attempt: str, amount: int) -> None:
-        ADMISSIONS.labels(budget).inc()
+        # a reservation of money: a task's main attempt of 0 (its calls each reserve
+        # their own) would count every task twice
+        if amount > 0:
+            ADMISSIONS.labels(budget).inc()
 
     def denied(self, *, budget: str, reason: str, amount: int) -> None:
         DENIALS.labels(budget, reason).inc()
@@ -98,6 +101,26 @@ class PrometheusHooks(Hooks):
 
 #: The one Prometheus sink of this process: importing this module starts counting.
 SINK = add_sink(PrometheusHooks())
+for _outcome in RECONCILE_OUTCOMES:
+    RECONCILIATIONS.labels(_outcome)  # 0, not "no data", before the first lookup
+
+#: The budgets whose labelled counters this process has made (at 0).
+_LABELLED: set[str] = set()
+
+
+def label_budgets(budgets: Iterable[str]) -> None:
+    """Make each budget's labelled counters at 0, so that a healthy install's panels
+    (overruns, denials, untrusted answers) read 0, not "no data"."""
+    for budget in budgets:
+        if budget in _LABELLED:
+            continue
+        for counter in (ADMISSIONS, OVERRUNS, STALE_HOLDS, ACTUAL_TO_ESTIMATE):
+            counter.labels(budget)
+        for reason in DENIAL_REASONS:
+            DENIALS.labels(budget, reason)
+        for by in UNTRUSTED_BY:
+            UNTRUSTED_ANSWERS.labels(budget, by)
+        _LABELLED.add(budget)
 
 
 class LedgerCollector(Collector):
@@ -121,6 +144,11 @@ class LedgerCollector(Collector):
                 ),
                 ("available", "cap - spent - held in the current period"),
                 (
+                    "usable",
+                    "What one admission could take now: available, no more than the "
+                    "parents can give; 0 under a freeze",
+                ),
+                (
                     "granted",
                     "Held unused as grants by the escrowed budgets below in the current period "
                     "(part of available), in minor units",
@@ -135,8 +163,19 @@ class LedgerCollector(Collector):
             )
         }
         # One set-based query for every budget: a scrape costs the same at 10 or 10,000.
-        for row in self.ledger.report():
-            for name in ("cap", "spent", "held", "available", "overrun", "granted", "drawn"):
+        rows = self.ledger.report()
+        label_budgets(row.budget for row in rows)
+        for row in rows:
+            for name in (
+                "cap",
+                "spent",
+                "held",
+                "available",
+                "usable",
+                "overrun",
+                "granted",
+                "drawn",
+            ):
                 gauges[name].add_metric([row.budget], getattr(row, name))
             age = 0.0 if row.oldest_hold is None else row.oldest_hold.total_seconds()
             gauges["oldest_hold_seconds"].add_metric([row.budget], age)
@@ -185,6 +224,10 @@ def registry_for(ledger: Any) -> CollectorRegistry:
         ):
             registry.register(collector)
     registry.register(LedgerCollector(ledger))
+    try:  # the budgets' counters at 0 from the first scrape (each scrape adds new ones)
+        label_budgets(row.budget for row in ledger.report())
+    except Exception as exc:  # the ledger down at start: the first scrapes make them
+        log.warning("budget-tasks metrics: budgets not labelled at start: %s", exc)
     return registry
 
 

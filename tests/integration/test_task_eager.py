@@ -360,7 +360,7 @@ def test_an_unreachable_ledger_means_no_send(fake: FakeProvider) -> None:
     def call(self: BudgetTask) -> int:
         return openai_chat(client, key=self.attempt.key, **request("hello")).cost or 0
 
-    with pytest.raises(LedgerUnavailable, match="^ledger unavailable: connection failed"):
+    with pytest.raises(LedgerUnavailable, match=r"^ledger unavailable: connection failed"):
         call.delay().get()
     assert fake.served() == []
 

@@ -40,7 +40,7 @@ def test_unreachable_database_refuses_every_call() -> None:
     ]
     for call in calls:
         # a report's outage says nothing of sending: it sends nothing either way
-        with pytest.raises(LedgerUnavailable, match="^ledger unavailable: ") as raised:
+        with pytest.raises(LedgerUnavailable, match=r"^ledger unavailable: ") as raised:
             call()
         assert "sent" not in str(raised.value)
 

@@ -290,6 +290,14 @@ def test_metrics_scraped_from_a_worker_match_the_ledger(
     assert value("budget_tasks_actual_to_estimate_ratio_sum", budget="metered") == 6.0
     for name in ("cap", "spent", "held", "available"):
         assert value(f"budget_tasks_{name}", budget="metered") == getattr(bal, name), name
+    assert value("budget_tasks_usable", budget="metered") == max(bal.available, 0)
+    # the counters no event touched yet read 0 (a healthy install's panels show 0, not
+    # "no data"): made for the budget at the first scrape, and for every outcome
+    assert value("budget_tasks_overruns_total", budget="metered") == 0
+    assert value("budget_tasks_denials_total", budget="metered", reason="frozen") == 0
+    assert value("budget_tasks_untrusted_answers_total", budget="metered", by="task") == 0
+    assert value("budget_tasks_stale_holds_total", budget="metered") == 0
+    assert value("budget_tasks_reconciliations_total", outcome="unknowable") == 0
     assert bal.spent == 6 * each
     assert len(requests_for(fake, "fixed:", pg_ledger)) == 6
 
