@@ -26,8 +26,8 @@ from functools import cache
 from typing import Any, TypeVar
 
 from celery import shared_task
-from celery.utils.dispatch import Signal
 
+from . import signals
 from ._trust import doubt
 from .config import ledger_of
 from .errors import BudgetTasksError
@@ -40,9 +40,10 @@ from .providers.clients import DEFAULT_MARGIN, settle_after
 
 log = logging.getLogger("budget_tasks.beat")
 
-#: Sent once per hold when it is flagged stale, with ``hold=`` (a Hold). Connect an
-#: alert to it: ``@stale_hold.connect def page(sender, hold, **kw): ...``
-stale_hold = Signal(name="budget_tasks.stale_hold")
+#: Sent once per hold when it is flagged stale, with ``hold=`` (a Hold), by the signals
+#: sink (:mod:`budget_tasks.signals`, where the others are). Connect an alert to it:
+#: ``@stale_hold.connect def page(sender, hold, **kw): ...``
+stale_hold = signals.stale_hold
 
 
 Clients = Callable[[str], Any]
@@ -63,8 +64,7 @@ def flag_stale_holds(ledger: Ledger, older_than: timedelta) -> list[Hold]:
             hold.request_id,
             hold.age,
         )
-        hooks.stale(hold=hold)
-        stale_hold.send(sender="flag_stale_holds", hold=hold)
+        hooks.stale(hold=hold)  # the signals sink sends stale_hold
     return flagged
 
 

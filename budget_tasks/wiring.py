@@ -106,6 +106,7 @@ def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
     from . import (
         beat,  # noqa: F401  (registers the beat jobs as shared tasks)
         metrics,
+        signals,  # noqa: F401  (its sink sends Celery signals: denied, replayed, ...)
     )
 
     defaults = dict(DELIVERY_DEFAULTS)

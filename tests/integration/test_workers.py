@@ -15,7 +15,7 @@ import pytest
 from celery import Celery
 from sqlalchemy import text
 
-from budget_tasks import BudgetExceeded, Ledger, OutcomeUnknown
+from budget_tasks import BudgetExceeded, BudgetFrozen, Ledger, OutcomeUnknown
 from budget_tasks.beat import reconcile_unknown
 from budget_tasks.providers.registry import openai_client
 from budget_tasks.testing import FakeProvider
@@ -672,3 +672,48 @@ def test_retention_through_a_real_worker_archives_a_month_past_the_window(
     assert "journal_y2025m03" in {
         p.name for p in pg_ledger.upkeep.retention(None) if p.state == "archived"
     }
+
+
+def test_a_worker_sends_celery_signals_for_denied_replayed_and_unknown(
+    client: Celery,
+    start_worker: Callable[..., Worker],
+    fake: FakeProvider,
+    pg_ledger: Ledger,
+    tmp_path: Path,
+) -> None:
+    """Receivers connected in the worker's own modules, as a user's alert would be."""
+    import json
+
+    from budget_tasks.providers import estimates
+
+    from .worker_tasks import fixed_request
+
+    received = tmp_path / "signals.jsonl"
+    each = estimates.openai_chat(fixed_request(2)).amount
+    pg_ledger.create_budget("signalled", 10_000_000)
+    start_worker(BUDGET_TASKS_BUDGET="signalled", BUDGET_TASKS_TEST_SIGNALS=str(received))
+    assert client.send_task("tests.fixed_cost", args=[1]).get(timeout=60)
+    assert client.send_task("tests.fixed_cost", args=[1]).get(timeout=60)  # a replay
+    with pytest.raises(Exception, match="fake 500"):  # a 5xx: the call may have billed
+        client.send_task(
+            "tests.agent_steps", args=["signals"], kwargs={"faults": {"one": "status=500"}}
+        ).get(timeout=60)
+    pg_ledger.freeze("signalled")
+    with pytest.raises(BudgetFrozen):
+        client.send_task("tests.fixed_cost", args=[2]).get(timeout=60)
+    lines = [json.loads(line) for line in received.read_text().splitlines()]
+    by_signal = {line["signal"]: line for line in lines}
+    assert sorted(line["signal"] for line in lines) == [
+        "budget_denied",
+        "delivery_replayed",
+        "outcome_unknown",
+    ]
+    denied = by_signal["budget_denied"]
+    assert (denied["sender"], denied["reason"], denied["amount"]) == (
+        "signalled",
+        "frozen",
+        str(each),
+    )
+    assert by_signal["delivery_replayed"]["task"] == "tests.fixed_cost"
+    assert by_signal["outcome_unknown"]["task"] == "tests.agent_steps"
+    assert by_signal["outcome_unknown"]["attempt"].startswith("steps:signals:one")

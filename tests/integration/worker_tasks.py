@@ -402,3 +402,24 @@ def own_client_summary(self: BudgetTask, document_id: str, text: str) -> str:
         logging.getLogger("tests.own_client").exception("the summary call failed")
         raise
     return str(sent.result["content"])
+
+
+#: Where the workers write the budget-tasks signals they received (one JSON line each),
+#: when a test names a file: the receivers are connected in the worker, as a user's are.
+SIGNALS_FILE = os.environ.get("BUDGET_TASKS_TEST_SIGNALS")
+if SIGNALS_FILE:
+    import json
+
+    from budget_tasks import signals
+
+    def _record(name: str) -> Any:
+        def receiver(sender: Any = None, **facts: Any) -> None:
+            facts.pop("signal", None)
+            line = {"signal": name, "sender": str(sender), **{k: str(v) for k, v in facts.items()}}
+            with open(str(SIGNALS_FILE), "a") as out:
+                out.write(json.dumps(line) + "\n")
+
+        return receiver
+
+    for _name in ("budget_denied", "delivery_replayed", "outcome_unknown"):
+        getattr(signals, _name).connect(_record(_name), weak=False)
