@@ -69,7 +69,7 @@ class TracingHooks(Hooks):
         # a proxy until the app sets a provider: spans go to whichever it sets later
         self._tracer = trace.get_tracer("budget_tasks", tracer_provider=tracer_provider)
         #: (attempt, send) -> its call's span, ended maybe in another thread (a stream)
-        self._calls: dict[tuple[str, int], Span] = {}
+        self._calls: dict[tuple[str, int], tuple[Span, bool]] = {}
         self._calls_lock = threading.Lock()
 
     # -- spans made current: a delivery, a beat job --------------------------------------
@@ -185,17 +185,23 @@ class TracingHooks(Hooks):
             "budget_tasks.send": send,
             "budget_tasks.estimate": amount,
         }
-        if system is not None:
-            attributes["gen_ai.provider.name"] = attributes["gen_ai.system"] = system
-        if operation_name is not None:
-            attributes["gen_ai.operation.name"] = operation_name
-        if model is not None:
-            attributes["gen_ai.request.model"] = model
+        # An SDK that draws its own GenAI span for the call (Anthropic's does) is the
+        # call's span: ours, inside it, carries the money only, or every token total
+        # that sums gen_ai.usage counts the call twice.
+        inside_sdk = _is_gen_ai(trace.get_current_span())
+        if not inside_sdk:
+            if system is not None:
+                attributes["gen_ai.provider.name"] = attributes["gen_ai.system"] = system
+            if operation_name is not None:
+                attributes["gen_ai.operation.name"] = operation_name
+            if model is not None:
+                attributes["gen_ai.request.model"] = model
         # the conventions' span name: "{gen_ai.operation.name} {gen_ai.request.model}"
-        name = " ".join(p for p in (operation_name, model) if p) or "budget_tasks.call"
+        words = () if inside_sdk else (operation_name, model)
+        name = " ".join(p for p in words if p) or "budget_tasks.call"
         span = self._tracer.start_span(name, kind=SpanKind.CLIENT, attributes=attributes)
         with self._calls_lock:
-            self._calls[(attempt, send)] = span
+            self._calls[(attempt, send)] = (span, inside_sdk)
 
     def call_ended(
         self,
@@ -211,22 +217,27 @@ class TracingHooks(Hooks):
         response_id: str | None = None,
     ) -> None:
         with self._calls_lock:
-            span = self._calls.pop((attempt, send), None)
-        if span is None:
+            found = self._calls.pop((attempt, send), None)
+        if found is None:
             return
+        span, inside_sdk = found
         attributes: dict[str, Any] = {"budget_tasks.call.outcome": outcome}
+        gen_ai: dict[str, Any] = {}
         if system is not None:
-            attributes["gen_ai.provider.name"] = attributes["gen_ai.system"] = system
+            gen_ai["gen_ai.provider.name"] = gen_ai["gen_ai.system"] = system
         if model is not None:
-            attributes["gen_ai.response.model"] = model
+            gen_ai["gen_ai.response.model"] = model
         if response_id is not None:
-            attributes["gen_ai.response.id"] = response_id
+            gen_ai["gen_ai.response.id"] = response_id
+        if usage is not None:
+            gen_ai.update(_usage_attributes(usage))
+        if inside_sdk:  # the SDK's span says these: ours keeps them under its own names
+            gen_ai = {f"budget_tasks.{k.removeprefix('gen_ai.')}": v for k, v in gen_ai.items()}
+        attributes.update(gen_ai)
         if request_id is not None:
             attributes["budget_tasks.request_id"] = request_id
         if actual is not None:
             attributes["budget_tasks.actual"] = actual
-        if usage is not None:
-            attributes.update(_usage_attributes(usage))
         span.set_attributes(attributes)
         if outcome in ("unknown", "untrusted"):
             span.set_status(Status(StatusCode.ERROR, outcome))
@@ -259,6 +270,13 @@ class TracingHooks(Hooks):
 
     def untrusted(self, *, budget: str, attempt: str, reason: str, by: str) -> None:
         self._event("untrusted", budget=budget, attempt=attempt, reason=reason)
+
+
+def _is_gen_ai(span: Any) -> bool:
+    """Whether ``span`` is a GenAI call's own span (an SDK's), by the conventions'
+    operation attribute. A span this process cannot read is not one."""
+    attributes = getattr(span, "attributes", None) or {}
+    return "gen_ai.operation.name" in attributes
 
 
 def _usage_attributes(usage: Mapping[str, int]) -> dict[str, int]:

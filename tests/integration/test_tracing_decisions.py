@@ -97,3 +97,82 @@ def test_a_delivery_that_finds_a_live_lease_is_in_progress(
     assert inner.parent is not None and inner.parent.span_id == outer.context.span_id
     assert attrs(outer)["budget_tasks.decision"] == "admitted"
     assert attrs(outer)["budget_tasks.outcome"] == "ok"
+
+
+def test_inside_the_anthropic_sdks_own_span_ours_keeps_the_money_and_not_the_tokens(
+    exporter: InMemorySpanExporter, pg_ledger: Ledger, fake: FakeProvider, pg_url: str
+) -> None:
+    """The Anthropic SDK draws its own GenAI span around the request; ours, inside it,
+    says what the call reserved and cost, its tokens under budget_tasks.usage: a sum
+    of gen_ai.usage over the trace counts the call once."""
+    from celery import Celery
+
+    from budget_tasks import BudgetTask
+    from budget_tasks.transport import guarded_anthropic_client
+
+    sdk_spans = TracerProvider()
+    sdk_spans.add_span_processor(SimpleSpanProcessor(exporter))
+    claude = guarded_anthropic_client(
+        base_url=fake.url,
+        api_key="sk-test",
+        timeout=10,
+        open_telemetry={"tracer_provider": sdk_spans},
+    )
+    pg_ledger.create_budget("team", 10_000_000)
+    app = Celery("sdk-span", set_as_current=False)
+    app.conf.update(task_always_eager=True, task_eager_propagates=True, budget_ledger_url=pg_url)
+
+    @app.task(base=BudgetTask, bind=True, budget="team", estimate_cost=lambda: 0)
+    def ask(self: BudgetTask) -> str:
+        return str(
+            claude.messages.create(
+                model="claude-3-5-haiku-latest",
+                max_tokens=64,
+                messages=[{"role": "user", "content": "one line on tides"}],
+            ).id
+        )
+
+    ask.delay().get()
+    spans = exporter.get_finished_spans()
+    [sdk] = [s for s in spans if s.name == "anthropic.messages.create"]
+    [ours] = named(spans, "budget_tasks.call")
+    assert ours.parent is not None and ours.parent.span_id == sdk.context.span_id
+    billed = fake.state()["requests"][-1]["usage"]
+    assert attrs(sdk)["gen_ai.usage.input_tokens"] == billed["input_tokens"] > 0
+    assert not any(k.startswith("gen_ai.") for k in attrs(ours))
+    assert attrs(ours)["budget_tasks.usage.output_tokens"] == billed["output_tokens"]
+    assert attrs(ours)["budget_tasks.actual"] == pg_ledger.balance("team").spent > 0
+    total = sum(attrs(s).get("gen_ai.usage.output_tokens", 0) for s in spans)
+    assert total == billed["output_tokens"]  # once, not twice
+
+
+def test_a_quick_start_run_refused_at_its_first_call_is_traced_denied(
+    exporter: InMemorySpanExporter, pg_ledger: Ledger, fake: FakeProvider, pg_url: str
+) -> None:
+    from celery import Celery
+
+    from budget_tasks import BudgetExceeded, BudgetTask
+    from budget_tasks.transport import guarded_openai_client
+
+    client = guarded_openai_client(base_url=fake.openai_base_url, api_key="sk-test", timeout=10)
+    pg_ledger.create_budget("tiny", 10)
+    app = Celery("denied-span", set_as_current=False)
+    app.conf.update(task_always_eager=True, task_eager_propagates=True, budget_ledger_url=pg_url)
+
+    @app.task(base=BudgetTask, bind=True, budget="tiny", estimate_cost=lambda: 0)
+    def ask(self: BudgetTask) -> str:
+        return str(
+            client.chat.completions.create(
+                model="gpt-4o-mini",
+                max_completion_tokens=50,
+                messages=[{"role": "user", "content": "hi"}],
+            ).id
+        )
+
+    with pytest.raises(BudgetExceeded):
+        ask.delay().get()
+    spans = exporter.get_finished_spans()
+    [deliver] = named(spans, "budget_tasks.deliver")
+    assert attrs(deliver)["budget_tasks.decision"] == "denied"
+    assert [s.name for s in spans if s.name.startswith("chat")] == []  # nothing sent
+    assert fake.served() == []
