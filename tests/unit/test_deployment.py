@@ -17,12 +17,26 @@ import yaml
 from budget_tasks.wiring import ENV_SETTINGS, ENV_TRANSPORT
 
 ROOT = Path(__file__).resolve().parents[2]
-APP_SERVICES = ("migrate", "fake-provider", "worker", "beat")
+APP_SERVICES = ("migrate", "fake-provider", "worker", "beat", "dashboard")
+#: The services that use the ledger, and those that call (or look up) the providers.
+LEDGER_USERS = ("migrate", "worker", "beat", "dashboard")
+PROVIDER_USERS = ("worker", "beat")
+#: Each credential of the env file, and the only services given it.
+CREDENTIALS = {
+    "POSTGRES_PASSWORD": {"postgres", *LEDGER_USERS},  # the ledger URL is made from it
+    "OPENAI_API_KEY": set(PROVIDER_USERS),
+    "ANTHROPIC_API_KEY": set(PROVIDER_USERS),
+    "BUDGET_TASKS_DASHBOARD_TOKEN": {"dashboard"},
+    "FLOWER_BASIC_AUTH": {"flower"},
+    "GF_SECURITY_ADMIN_PASSWORD": {"grafana"},
+}
 
 
 def _defaults(text: str) -> str:
     """The file as compose reads it with none of its variables set: each
-    ``${NAME:-default}`` is its default."""
+    ``${NAME:-default}`` is its default, and a required ``${NAME:?why}`` reads
+    ``<NAME>``."""
+    text = re.sub(r"\$\{([A-Z_]+):\?[^}]*\}", r"<\1>", text)
     return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
 
 
@@ -66,18 +80,22 @@ def test_environment_uses_the_names_the_code_reads(compose: dict[str, Any]) -> N
     # each vendor's SDK variables, read through its attributes (Vendor.client, bypass)
     read |= set(re.findall(r"(?:key|token|base_url)_env = \"([A-Z_]+)\"", source))
     read |= set(ENV_SETTINGS) | set(ENV_TRANSPORT)  # read by configure(app)
+    read |= {"BUDGET_TASKS_DASHBOARD_TOKEN"}  # read through the TOKEN_ENV constant
     for name in APP_SERVICES:
-        env = {**example_env(), **compose["services"][name]["environment"]}
-        env.pop("POSTGRES_PASSWORD")  # the database's, for its service
-        env.pop("FLOWER_BASIC_AUTH")  # Flower's
-        env.pop("GF_SECURITY_ADMIN_PASSWORD")  # Grafana's
-        unknown = set(env) - read - {"OPENAI_API_KEY", "PYTHONPATH"}
+        env = compose["services"][name]["environment"]
+        unknown = set(env) - read - {"PYTHONPATH"}
         assert not unknown, (name, unknown)
-        assert env["BUDGET_TASKS_LEDGER_URL"].startswith("postgresql+psycopg://")
+        if name in LEDGER_USERS:
+            url = env["BUDGET_TASKS_LEDGER_URL"]
+            assert url == "postgresql+psycopg://budget:<POSTGRES_PASSWORD>@postgres:5432/budget"
         assert env["CELERY_BROKER_URL"].startswith("redis://")
         assert int(env["BUDGET_TASKS_VISIBILITY_TIMEOUT"]) > int(
             env["BUDGET_TASKS_PROVIDER_TIMEOUT"]
         )
+    for name in PROVIDER_USERS:  # the fake provider unless the env file names the APIs
+        env = compose["services"][name]["environment"]
+        assert env["OPENAI_BASE_URL"] == "http://fake-provider:8089/v1"
+        assert env["ANTHROPIC_BASE_URL"] == "http://fake-provider:8089"
 
 
 def example_env() -> dict[str, str]:
@@ -90,17 +108,24 @@ def example_env() -> dict[str, str]:
 def test_no_credential_is_inline_and_every_port_listens_on_loopback(
     compose: dict[str, Any],
 ) -> None:
-    """The compose file holds no password or key: each service that needs one reads
-    the env file (kept out of git; its example lists every credential); what it
-    publishes (metrics: budget names and spend; Flower: task arguments and results)
-    listens on 127.0.0.1 only; Flower refuses to start without a login."""
+    """The compose file holds no password or key: each comes from the env file (kept
+    out of git; its example lists every credential), and each service is given only
+    the credentials it uses (the fake provider none, Flower only its login); what it
+    publishes (the dashboard, metrics: budget names and spend; Flower: task arguments
+    and results) listens on 127.0.0.1 only; Flower refuses to start without a login."""
     services = compose["services"]
     raw = (ROOT / "docker-compose.yml").read_text()
-    for secret in ("POSTGRES_PASSWORD:", "OPENAI_API_KEY:", "sk-", "budget:budget@"):
+    for secret in ("sk-", "budget:budget@", "change-me", "env_file"):
         assert secret not in raw, secret
-    for name in (*APP_SERVICES, "postgres", "flower"):
-        assert services[name]["env_file"] == ["budget-tasks.env"], name
-    assert {"POSTGRES_PASSWORD", "BUDGET_TASKS_LEDGER_URL", "OPENAI_API_KEY"} <= set(example_env())
+    for credential, users in CREDENTIALS.items():
+        given = {
+            name
+            for name, service in services.items()
+            if f"<{credential}>" in str(service.get("environment", {}))
+            or credential in dict(service.get("environment", {}))
+        }
+        assert given == users, credential
+    assert set(CREDENTIALS) <= set(example_env())
     assert "budget-tasks.env" in (ROOT / ".gitignore").read_text().splitlines()
     published = [(name, p) for name, svc in services.items() for p in svc.get("ports", [])]
     assert published, "the metrics and Flower are published"
@@ -165,7 +190,7 @@ def test_the_image_copies_what_the_services_run() -> None:
                 copied.add(source)
     # the reference app the services run from /app, and what budget_tasks/ links to
     assert {"celeryconfig.py", "workers", "budget_tasks"} <= copied
-    assert 'pip install ".[openai,anthropic]"' in dockerfile
+    assert 'pip install ".[openai,anthropic,dashboard]"' in dockerfile
 
 
 def test_compose_runs_your_own_module_and_restarts_its_services() -> None:
@@ -185,7 +210,7 @@ def test_compose_runs_your_own_module_and_restarts_its_services() -> None:
         assert services[name]["command"][1:3] == ["-A", "workers.app"]
     assert raw.count("-A ${CELERY_APP:-workers.app}") == 1  # the health check
     assert raw.count('"-A", "${CELERY_APP:-workers.app}"') == 2  # worker, beat
-    for name in ("postgres", "redis", "fake-provider", "worker", "beat"):
+    for name in ("postgres", "redis", "fake-provider", "worker", "beat", "dashboard"):
         assert services[name]["restart"] == "unless-stopped", name
     assert services["migrate"]["restart"] == "no"  # a one-shot job
 
