@@ -125,3 +125,11 @@ def test_every_cli_command_in_the_docs_parses(page: str, monkeypatch: pytest.Mon
             parse(main, words[1:])
         elif words[:2] == ["celery", "-A"] and words[3:4] == ["budget"]:
             parse(budget, words[4:])
+
+
+def test_the_wheel_the_readme_installs_is_the_one_this_version_builds() -> None:
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    named = re.findall(r"budget_tasks-([0-9][^-]*)-py3-none-any\.whl", README)
+    assert named and set(named) == {version}
