@@ -864,10 +864,30 @@ LOCK_MONTH_PERIODS = f"SELECT id FROM budget_periods WHERE {_IN_MONTH} ORDER BY 
 #: there: in a chain of mixed periods (a day under a month), an attempt admitted in a
 #: later month holds money on its parent's period in this one.
 MONTH_BLOCKERS = f"""
-WITH month_attempts AS (
+WITH RECURSIVE up(budget_id, ancestor_id) AS (
+    SELECT id, parent_id FROM budgets WHERE parent_id IS NOT NULL
+    UNION
+    SELECT up.budget_id, b.parent_id FROM up JOIN budgets b ON b.id = up.ancestor_id
+    WHERE b.parent_id IS NOT NULL
+),
+month_attempts AS (
     SELECT a.id, a.state, a.operation_id FROM attempts a
     WHERE a.period_id IN (SELECT id FROM budget_periods WHERE {_IN_MONTH})
        OR a.id IN (SELECT attempt_id FROM journal WHERE {_IN_MONTH})
+       -- An escrowed budget's hold is journalled in its own period only, but its late
+       -- overrun draws from the ancestors' periods that contain that period: those
+       -- periods' months are the attempt's too. (A containing period starts in the
+       -- month only if the attempt's own period starts within a month of its end.)
+       OR a.id IN (
+        SELECT x.id FROM attempts x
+        JOIN budget_periods tp ON tp.id = x.period_id
+        JOIN up ON up.budget_id = tp.budget_id
+        JOIN budgets anc ON anc.id = up.ancestor_id AND anc.period <> 'none'
+        WHERE tp.period_start >= :start AND tp.period_start < :end + interval '31 days'
+          AND date_trunc(anc.period, tp.period_start AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+              >= :start
+          AND date_trunc(anc.period, tp.period_start AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+              < :end)
 )
 SELECT
     (SELECT COUNT(*) FROM budget_periods WHERE {_IN_MONTH} AND closed_at IS NULL),

@@ -181,6 +181,33 @@ def test_a_correction_of_an_attempt_whose_parents_month_left_is_refused_not_halv
     assert pg.audit() == [] and pg.audit(full=True) == []
 
 
+def test_an_escrowed_tenants_open_hold_keeps_the_month_its_parents_period_began_in(
+    pg: Ledger, nov_clock: ManualClock, tmp_path: Path
+) -> None:
+    """Found by the model test's 100,000-step run: an escrowed day tenant's hold is
+    journalled in its own December day only, but a late overrun draws the rest from its
+    parent's week of 30 November. Retention archived November while the hold was still
+    unknown; the settlement then had nowhere to write. November now waits for it."""
+    pg.upkeep.make_partitions(ahead=3)
+    nov_clock.advance(datetime(2026, 12, 5, 12, tzinfo=UTC) - nov_clock())  # a Saturday
+    pg.create_budget("org", 1_000, period="week")
+    pg.create_budget("team", 1_000, period="day", parent="org", escrow=True)
+    pg.calls.reserve("team", "k", 10)
+    pg.calls.mark_sending("k")
+    pg.calls.mark_unknown("k", "timed out")
+    nov_clock.advance(days=40)  # 14 January
+    for name in ("org", "team"):
+        pg.upkeep.open_period(name)  # every earlier period closes
+    done = pg.upkeep.retain(timedelta(days=35), archive_to=tmp_path)
+    assert "journal_y2026m11" not in done.archived, done
+    assert any("holding money" in why for why in done.blocked["journal_y2026m11"])
+    pg.resolve_attempt("k", 80, note="the provider bill", by="operator")  # past its grant
+    assert period_figures(pg, "team", "2026-12-05") == (80, 0)
+    done = pg.upkeep.retain(timedelta(days=35), archive_to=tmp_path)
+    assert "journal_y2026m11" in done.archived, done
+    assert pg.audit() == [] and pg.audit(full=True) == []
+
+
 # -- escrow with rollover ----------------------------------------------------------------
 
 
