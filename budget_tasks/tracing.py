@@ -189,13 +189,8 @@ class TracingHooks(Hooks):
         # call's span: ours, inside it, carries the money only, or every token total
         # that sums gen_ai.usage counts the call twice.
         inside_sdk = _is_gen_ai(trace.get_current_span())
-        if not inside_sdk:
-            if system is not None:
-                attributes["gen_ai.provider.name"] = attributes["gen_ai.system"] = system
-            if operation_name is not None:
-                attributes["gen_ai.operation.name"] = operation_name
-            if model is not None:
-                attributes["gen_ai.request.model"] = model
+        described = {"gen_ai.operation.name": operation_name, "gen_ai.request.model": model}
+        attributes.update(_gen_ai(inside_sdk, system, described))
         # the conventions' span name: "{gen_ai.operation.name} {gen_ai.request.model}"
         words = () if inside_sdk else (operation_name, model)
         name = " ".join(p for p in words if p) or "budget_tasks.call"
@@ -222,18 +217,13 @@ class TracingHooks(Hooks):
             return
         span, inside_sdk = found
         attributes: dict[str, Any] = {"budget_tasks.call.outcome": outcome}
-        gen_ai: dict[str, Any] = {}
-        if system is not None:
-            gen_ai["gen_ai.provider.name"] = gen_ai["gen_ai.system"] = system
-        if model is not None:
-            gen_ai["gen_ai.response.model"] = model
-        if response_id is not None:
-            gen_ai["gen_ai.response.id"] = response_id
+        answered: dict[str, Any] = {
+            "gen_ai.response.model": model,
+            "gen_ai.response.id": response_id,
+        }
         if usage is not None:
-            gen_ai.update(_usage_attributes(usage))
-        if inside_sdk:  # the SDK's span says these: ours keeps them under its own names
-            gen_ai = {f"budget_tasks.{k.removeprefix('gen_ai.')}": v for k, v in gen_ai.items()}
-        attributes.update(gen_ai)
+            answered.update(_usage_attributes(usage))
+        attributes.update(_gen_ai(inside_sdk, system, answered))
         if request_id is not None:
             attributes["budget_tasks.request_id"] = request_id
         if actual is not None:
@@ -270,6 +260,16 @@ class TracingHooks(Hooks):
 
     def untrusted(self, *, budget: str, attempt: str, reason: str, by: str) -> None:
         self._event("untrusted", budget=budget, attempt=attempt, reason=reason)
+
+
+def _gen_ai(inside_sdk: bool, system: str | None, found: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's GenAI attributes that are known (the provider's two names among them);
+    inside an SDK's own GenAI span, which says them, under ``budget_tasks.`` instead."""
+    named = {"gen_ai.provider.name": system, "gen_ai.system": system, **found}
+    known = {k: v for k, v in named.items() if v is not None}
+    if not inside_sdk:
+        return known
+    return {f"budget_tasks.{k.removeprefix('gen_ai.')}": v for k, v in known.items()}
 
 
 def _is_gen_ai(span: Any) -> bool:

@@ -6,7 +6,7 @@ against the fake provider, the SDK's in-memory exporter."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -99,15 +99,31 @@ def test_a_delivery_that_finds_a_live_lease_is_in_progress(
     assert attrs(outer)["budget_tasks.outcome"] == "ok"
 
 
+def quick_start_task(ledger_url: str, budget: str, call: Callable[[], Any]) -> Any:
+    """The Quick start's shape in eager mode: estimate 0, ``call`` (a guarded SDK call)
+    its only billable request."""
+    from celery import Celery
+
+    from budget_tasks import BudgetTask
+
+    app = Celery("quick-start-span", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True, task_eager_propagates=True, budget_ledger_url=ledger_url
+    )
+
+    @app.task(base=BudgetTask, bind=True, budget=budget, estimate_cost=lambda: 0)
+    def ask(self: BudgetTask) -> str:
+        return str(call().id)
+
+    return ask
+
+
 def test_inside_the_anthropic_sdks_own_span_ours_keeps_the_money_and_not_the_tokens(
     exporter: InMemorySpanExporter, pg_ledger: Ledger, fake: FakeProvider, pg_url: str
 ) -> None:
     """The Anthropic SDK draws its own GenAI span around the request; ours, inside it,
     says what the call reserved and cost, its tokens under budget_tasks.usage: a sum
     of gen_ai.usage over the trace counts the call once."""
-    from celery import Celery
-
-    from budget_tasks import BudgetTask
     from budget_tasks.transport import guarded_anthropic_client
 
     sdk_spans = TracerProvider()
@@ -119,19 +135,15 @@ def test_inside_the_anthropic_sdks_own_span_ours_keeps_the_money_and_not_the_tok
         open_telemetry={"tracer_provider": sdk_spans},
     )
     pg_ledger.create_budget("team", 10_000_000)
-    app = Celery("sdk-span", set_as_current=False)
-    app.conf.update(task_always_eager=True, task_eager_propagates=True, budget_ledger_url=pg_url)
-
-    @app.task(base=BudgetTask, bind=True, budget="team", estimate_cost=lambda: 0)
-    def ask(self: BudgetTask) -> str:
-        return str(
-            claude.messages.create(
-                model="claude-3-5-haiku-latest",
-                max_tokens=64,
-                messages=[{"role": "user", "content": "one line on tides"}],
-            ).id
-        )
-
+    ask = quick_start_task(
+        pg_url,
+        "team",
+        lambda: claude.messages.create(
+            model="claude-3-5-haiku-latest",
+            max_tokens=64,
+            messages=[{"role": "user", "content": "one line on tides"}],
+        ),
+    )
     ask.delay().get()
     spans = exporter.get_finished_spans()
     [sdk] = [s for s in spans if s.name == "anthropic.messages.create"]
@@ -149,25 +161,20 @@ def test_inside_the_anthropic_sdks_own_span_ours_keeps_the_money_and_not_the_tok
 def test_a_quick_start_run_refused_at_its_first_call_is_traced_denied(
     exporter: InMemorySpanExporter, pg_ledger: Ledger, fake: FakeProvider, pg_url: str
 ) -> None:
-    from celery import Celery
-
-    from budget_tasks import BudgetExceeded, BudgetTask
+    from budget_tasks import BudgetExceeded
     from budget_tasks.transport import guarded_openai_client
 
     client = guarded_openai_client(base_url=fake.openai_base_url, api_key="sk-test", timeout=10)
     pg_ledger.create_budget("tiny", 10)
-    app = Celery("denied-span", set_as_current=False)
-    app.conf.update(task_always_eager=True, task_eager_propagates=True, budget_ledger_url=pg_url)
-
-    @app.task(base=BudgetTask, bind=True, budget="tiny", estimate_cost=lambda: 0)
-    def ask(self: BudgetTask) -> str:
-        return str(
-            client.chat.completions.create(
-                model="gpt-4o-mini",
-                max_completion_tokens=50,
-                messages=[{"role": "user", "content": "hi"}],
-            ).id
-        )
+    ask = quick_start_task(
+        pg_url,
+        "tiny",
+        lambda: client.chat.completions.create(
+            model="gpt-4o-mini",
+            max_completion_tokens=50,
+            messages=[{"role": "user", "content": "hi"}],
+        ),
+    )
 
     with pytest.raises(BudgetExceeded):
         ask.delay().get()
