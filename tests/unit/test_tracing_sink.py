@@ -137,5 +137,5 @@ def test_the_library_works_without_the_extra() -> None:
     out = subprocess.run(
         [sys.executable, "-c", WITHOUT_OTEL], capture_output=True, text=True, check=True
     ).stdout.splitlines()
-    assert out[0] == "['PrometheusHooks']"
+    assert out[0] == "['PrometheusHooks', 'SignalHooks']"  # no tracing sink
     assert "pip install 'budget-tasks[otel]'" in out[1]
