@@ -104,6 +104,7 @@ def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
     serves metrics when ``budget_metrics_port`` is set, and draws OpenTelemetry spans
     when the ``otel`` extra is installed (see ``BUDGET_TASKS_OTEL``). Returns ``app``."""
     from . import (
+        _sqla_broker,
         beat,  # noqa: F401  (registers the beat jobs as shared tasks)
         metrics,
         signals,  # noqa: F401  (its sink sends Celery signals: denied, replayed, ...)
@@ -124,6 +125,9 @@ def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
         for key, value in from_env.items():
             conf[key] = value
         _transport_from_environment(conf)
+        # the embedded SQLite broker (the demo, the reference app's defaults) needs a
+        # session per thread; Redis and RabbitMQ are left as they are
+        _sqla_broker.install_for(conf.broker_url)
         schedule = dict(BEAT_SCHEDULE)
         schedule.update(conf.beat_schedule or {})
         conf.beat_schedule = schedule

@@ -10,9 +10,6 @@ from pathlib import Path
 from celery import Celery
 
 from budget_tasks import configure
-from budget_tasks.demo import broker
-
-broker.install()  # the embedded broker's channel: a session per thread (see its module)
 
 # celeryconfig.py sits beside workers/ at the project's top level; the wheel ships both
 # under budget_tasks.reference. Imported by name, not held: a fresh load of the app
@@ -22,7 +19,8 @@ settings = importlib.import_module(f"{_top}.celeryconfig" if _top else "celeryco
 app = Celery("workers", include=[f"{__package__}.tasks"])
 app.config_from_object(settings)
 # the beat jobs and their schedule, at-least-once delivery, every BUDGET_TASKS_*
-# variable, and the metrics server when BUDGET_TASKS_METRICS_PORT is set
+# variable, the metrics server when BUDGET_TASKS_METRICS_PORT is set, and the embedded
+# SQLite broker's session per thread when that is the broker
 configure(app)
 
 if not all(

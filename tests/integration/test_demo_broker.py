@@ -1,4 +1,4 @@
-"""The demo's embedded broker under two threads of one worker process: the main thread
+"""The embedded SQLite broker under two threads of one worker process: the main thread
 takes messages while another puts messages back (what the pool's result handler does
 for a killed process's message under acks_late)."""
 
@@ -11,7 +11,7 @@ from queue import Empty
 import pytest
 from kombu import Connection
 
-from budget_tasks.demo import broker
+from budget_tasks import _sqla_broker as broker
 
 PUTS = 300
 
@@ -66,3 +66,19 @@ def test_a_message_put_back_by_another_thread_is_never_lost(
     errors, taken = _race(f"sqla+sqlite:///{tmp_path}/broker.db")
     assert errors == []
     assert sorted(taken) == list(range(PUTS))  # each taken once, none lost
+
+
+def test_configure_installs_it_only_for_that_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery import Celery
+    from kombu.transport import sqlalchemy as sqla
+
+    from budget_tasks import configure
+
+    before = sqla.Channel.session
+    monkeypatch.setattr(sqla.Channel, "session", before)  # undone after
+    redis_app = configure(Celery("r", set_as_current=False, broker="redis://127.0.0.1:1/0"))
+    redis_app.conf.broker_url  # noqa: B018 - reading the config wires the app
+    assert sqla.Channel.session is before
+    sqlite_app = configure(Celery("s", set_as_current=False, broker="sqla+sqlite:///x.db"))
+    sqlite_app.conf.broker_url  # noqa: B018
+    assert sqla.Channel.session is not before

@@ -1,5 +1,6 @@
-"""The demo's embedded broker (kombu's SQLAlchemy transport on SQLite), with a database
-session per thread.
+"""kombu's SQLAlchemy transport (the embedded broker of the demo and the reference
+app's defaults, on SQLite) with a database session per thread; ``configure(app)``
+installs it when the app's broker is that transport.
 
 kombu's channel keeps one session for every thread. In a prefork worker the main
 thread polls the queue while the pool's result handler thread puts back the message
@@ -28,3 +29,11 @@ def _session_of_this_thread(channel: Any) -> Any:
 def install() -> None:
     """Give every channel of kombu's SQLAlchemy transport a session per thread."""
     sqla.Channel.session = property(_session_of_this_thread)  # type: ignore[assignment,method-assign]
+
+
+def install_for(broker_url: object) -> bool:
+    """Install it if ``broker_url`` names kombu's SQLAlchemy transport; True if so."""
+    if not str(broker_url or "").startswith("sqla+"):
+        return False
+    install()
+    return True
