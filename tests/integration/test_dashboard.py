@@ -208,7 +208,7 @@ def test_resolving_from_the_page_writes_what_the_cli_writes(
         "/resolve",
         data={
             "attempt": "claude-1",
-            "actual": "37000",
+            "actual": "0.037usd",  # dollars, as a person types them; the CLI below: micro-USD
             "note": "invoice 7",
             "by": "alice",
             "token": TOKEN,
