@@ -116,18 +116,19 @@ def test_the_page_shows_budgets_bars_and_holds_and_resolves_one_unknown_outcome(
     assert chart[0] == 1 and chart[1] > 600 and chart[2] == 4
     browser.screenshot(tmp_path / "spend.png")
 
-    # resolve claude-2 (a budget without a parent: one journal entry) through its form
+    # resolve claude-2 (a budget without a parent: one journal entry) through its form,
+    # its actual typed in dollars
     browser.open(f"{served}/")
     before = journal_rows(pg_ledger)
     form = "document.querySelector('tr.work[data-attempt=\"claude-2\"] form.resolve')"
     browser.evaluate(
         f"(() => {{ const f = {form};"
-        " f.actual.value = '12000'; f.note.value = 'invoice 42'; f.by.value = 'alice';"
+        " f.actual.value = '0.012usd'; f.note.value = 'invoice 42'; f.by.value = 'alice';"
         f" f.token.value = {json.dumps(TOKEN)}; f.requestSubmit(); }})()"
     )
     browser.wait_for("location.pathname === '/attempt' && document.readyState === 'complete'")
     assert browser.evaluate("document.getElementById('state').textContent") == "settled"
-    assert "claude-2: unknown -> settled, charged 12000" in browser.evaluate(
+    assert "claude-2: unknown -> settled, charged $0.012" in browser.evaluate(
         "document.getElementById('done').textContent"
     )
     browser.screenshot(tmp_path / "resolved.png")
