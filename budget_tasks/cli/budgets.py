@@ -143,7 +143,14 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
     ledger = _common.open_ledger(ledger_url)
     info, bal, holds = ledger.budget(name), ledger.balance(name), ledger.holds(budget=name)
     frozen_by = _frozen_by(ledger.budgets())[name]
-    data = {"budget": {**_plain(info), "frozen_by": frozen_by}, "balance": bal, "holds": holds}
+    # what it can admit now, its parents' room counted (the report's figure)
+    usable = next((r.usable for r in ledger.report() if r.budget == name), bal.available)
+    data = {
+        "budget": {**_plain(info), "frozen_by": frozen_by},
+        "balance": bal,
+        "usable": usable,
+        "holds": holds,
+    }
     _emit(
         as_json,
         data,
@@ -169,7 +176,8 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
                 + f": cap {_usd(bal.cap)}, spent {_usd(bal.spent)}, held {_usd(bal.held)}, "
                 + (f"unused grants below {_usd(bal.granted)}, " if bal.granted else "")
                 + (f"drawn {_usd(bal.drawn)}, " if info.escrow else "")
-                + f"available {_usd(bal.available)}",
+                + f"available {_usd(bal.available)}"
+                + (f", usable {_usd(usable)}" if usable != bal.available else ""),
                 f"open holds: {len(holds)}",
             ]
         ),

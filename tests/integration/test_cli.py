@@ -763,6 +763,10 @@ def test_a_tenant_shows_what_its_parent_lets_it_admit_and_exactly_that_is_admitt
     assert rows["org"]["spent"] == 1_500_000 and rows["org"]["held"] == 100  # rolled up
     assert (rows["t2"]["available"], rows["t2"]["usable"]) == (1_999_900, 1_499_900)
     assert rows["t1"]["usable"] == 500_000  # its own cap is the tighter
+    shown = ok(pg_url, "budget", "show", "t2")
+    assert "available $1.9999, usable $1.4999" in shown
+    assert as_json(pg_url, "budget", "show", "t2")["usable"] == 1_499_900
+    assert ", usable" not in ok(pg_url, "budget", "show", "t1")  # said only where it differs
     assert "$1.4999" in ok(pg_url, "status")
     with pytest.raises(BudgetExceeded):
         calls.reserve("t2", "one-more", 1_499_901)
