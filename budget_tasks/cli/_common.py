@@ -15,7 +15,7 @@ from typing import IO, Any
 
 import click
 
-from .._display import age, amount, usd
+from .._display import age, amount
 from ..config import LEDGER_URL_ENV, LEDGER_URL_SETTING
 
 STALE_AFTER_SETTING = "budget_stale_after"
@@ -59,11 +59,6 @@ class Amount(click.ParamType[int]):
 
 AMOUNT = Amount()
 SIGNED_AMOUNT = Amount(signed=True)
-
-
-def _usd(micros: int | None) -> str | None:
-    """A table's money cell: dollars (``--json`` keeps micro-USD)."""
-    return None if micros is None else usd(micros)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from .._display import usd
 from . import _common
 from ._common import (
     AMOUNT,
@@ -12,7 +13,6 @@ from ._common import (
     _frozen_text,
     _plain,
     _table,
-    _usd,
     by_option,
     json_option,
     ledger_url_option,
@@ -102,7 +102,7 @@ def budget_create(
         slices=slices,
     )
     per = ", no period" if info.period == "none" else f" per {info.period}"
-    _emit(as_json, info, lambda: f"created budget {info.name}: cap {_usd(info.cap)}{per}")
+    _emit(as_json, info, lambda: f"created budget {info.name}: cap {usd(info.cap)}{per}")
 
 
 @budget.command("list")
@@ -121,7 +121,7 @@ def budget_list(ledger_url: str, as_json: bool) -> None:
             [
                 [
                     b.name,
-                    _usd(b.cap),
+                    usd(b.cap),
                     b.period,
                     b.renewal,
                     b.parent,
@@ -173,11 +173,11 @@ def budget_show(ledger_url: str, name: str, as_json: bool) -> None:
                     if info.period == "none"
                     else f"period from {bal.period_start.isoformat()}"
                 )
-                + f": cap {_usd(bal.cap)}, spent {_usd(bal.spent)}, held {_usd(bal.held)}, "
-                + (f"unused grants below {_usd(bal.granted)}, " if bal.granted else "")
-                + (f"drawn {_usd(bal.drawn)}, " if info.escrow else "")
-                + f"available {_usd(bal.available)}"
-                + (f", usable {_usd(usable)}" if usable != bal.available else ""),
+                + f": cap {usd(bal.cap)}, spent {usd(bal.spent)}, held {usd(bal.held)}, "
+                + (f"unused grants below {usd(bal.granted)}, " if bal.granted else "")
+                + (f"drawn {usd(bal.drawn)}, " if info.escrow else "")
+                + f"available {usd(bal.available)}"
+                + (f", usable {usd(usable)}" if usable != bal.available else ""),
                 f"open holds: {len(holds)}",
             ]
         ),
@@ -235,7 +235,7 @@ def budget_set_cap(
     ledger = _common.open_ledger(ledger_url)
     before = ledger.budget(name).cap
     info = ledger.set_cap(name, cap, note=note, actor=by)
-    _emit(as_json, info, lambda: f"budget {name}: cap {_usd(before)} -> {_usd(info.cap)}")
+    _emit(as_json, info, lambda: f"budget {name}: cap {usd(before)} -> {usd(info.cap)}")
 
 
 @budget.command("set-slices")

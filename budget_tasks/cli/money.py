@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import click
 
+from .._display import usd
 from . import _common
 from ._common import (
     AMOUNT,
@@ -22,7 +23,6 @@ from ._common import (
     _plain,
     _short,
     _table,
-    _usd,
     by_option,
     json_option,
     ledger_url_option,
@@ -61,7 +61,7 @@ def adjust(
         {**_plain(after), "applied": applied},
         lambda: (
             f"{attempt}: {'adjusted by' if applied else 'already adjusted (ref seen):'} "
-            f"{'+' if delta >= 0 else ''}{_usd(delta)} ({reason})"
+            f"{'+' if delta >= 0 else ''}{usd(delta)} ({reason})"
         ),
     )
 
@@ -139,7 +139,7 @@ def holds(
                     h.key,
                     h.budget,
                     h.state,
-                    _usd(h.amount),
+                    usd(h.amount),
                     _age(h.age),
                     h.request_id,
                     "yes" if h.flagged_at else "no",
@@ -177,7 +177,7 @@ def resolve(
     before, done, after = resolution.before, resolution.done, resolution.after
 
     def text() -> str:
-        line = f"{attempt}: {before.state} -> {after.state}, charged {_usd(after.actual)}"
+        line = f"{attempt}: {before.state} -> {after.state}, charged {usd(after.actual)}"
         if not done.applied:
             line += " (already so: nothing changed)"
         if done.operation is not None:
@@ -218,7 +218,7 @@ def actions(ledger_url: str, budget_name: str | None, limit: int, as_json: bool)
                     e.kind,
                     e.budget,
                     e.attempt,
-                    _usd(e.spent_delta),
+                    usd(e.spent_delta),
                     _short(e.note),
                 ]
                 for e in done
@@ -256,7 +256,7 @@ def audit(ledger_url: str, full: bool, as_json: bool) -> None:
             else _table(
                 ["budget", "period", "counter", "recorded", "journal"],
                 [
-                    [f.budget, f.period_start.date(), f.counter, _usd(f.recorded), _usd(f.journal)]
+                    [f.budget, f.period_start.date(), f.counter, usd(f.recorded), usd(f.journal)]
                     for f in findings
                 ],
             )

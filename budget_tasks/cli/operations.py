@@ -6,12 +6,12 @@ import json
 
 import click
 
+from .._display import usd
 from . import _common
 from ._common import (
     _emit,
     _short,
     _table,
-    _usd,
     by_option,
     json_option,
     ledger_url_option,
@@ -78,7 +78,7 @@ def operations_show(ledger_url: str, key: str, as_json: bool) -> None:
             _table(
                 ["attempt", "state", "reason", "amount", "actual", "request id"],
                 [
-                    [a.key, a.state, a.reason, _usd(a.amount), _usd(a.actual), a.request_id]
+                    [a.key, a.state, a.reason, usd(a.amount), usd(a.actual), a.request_id]
                     for a in history.attempts
                 ],
             )
@@ -92,8 +92,8 @@ def operations_show(ledger_url: str, key: str, as_json: bool) -> None:
                         e.attempt,
                         e.budget,
                         e.kind,
-                        _usd(e.held_delta),
-                        _usd(e.spent_delta),
+                        usd(e.held_delta),
+                        usd(e.spent_delta),
                         _short(e.note),
                     ]
                     for e in history.journal

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from .._display import usd
 from . import _common
 from ._common import (
     CommandError,
@@ -12,7 +13,6 @@ from ._common import (
     _frozen_by,
     _frozen_suffix,
     _table,
-    _usd,
     json_option,
     ledger_url_option,
     main,
@@ -53,12 +53,12 @@ def status(ledger_url: str, as_json: bool) -> None:
             [
                 [
                     r["budget"] + _frozen_suffix(r["budget"], r["frozen_by"]),
-                    _usd(r["cap"]),
-                    _usd(r["spent"]),
-                    _usd(r["held"]),
-                    _usd(r["granted"]),
-                    _usd(r["available"]),
-                    _usd(r["usable"]),
+                    usd(r["cap"]),
+                    usd(r["spent"]),
+                    usd(r["held"]),
+                    usd(r["granted"]),
+                    usd(r["available"]),
+                    usd(r["usable"]),
                     _age(r["oldest_hold"]),
                 ]
                 for r in rows
