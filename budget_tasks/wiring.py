@@ -60,9 +60,10 @@ ENV_SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "BUDGET_TASKS_METRICS_PORT": ("budget_metrics_port", int),
     "BUDGET_TASKS_METRICS_ADDR": ("budget_metrics_addr", str),
 }
+VISIBILITY_ENV = "BUDGET_TASKS_VISIBILITY_TIMEOUT"
 #: The variables that set the Redis transport's options (seconds).
 ENV_TRANSPORT = {
-    "BUDGET_TASKS_VISIBILITY_TIMEOUT": "visibility_timeout",
+    VISIBILITY_ENV: "visibility_timeout",
     "BUDGET_TASKS_RESTORE_INTERVAL": "unacked_restore_interval",
 }
 
@@ -85,7 +86,6 @@ def settings_from_environment(environ: Mapping[str, str] | None = None) -> dict[
 
 #: kombu's own default visibility timeout for Redis (seconds).
 REDIS_VISIBILITY_DEFAULT = 3600.0
-VISIBILITY_ENV = "BUDGET_TASKS_VISIBILITY_TIMEOUT"
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "sentinel://")
 
 

@@ -20,15 +20,15 @@ def bar(row: dict[str, Any]) -> dict[str, Any]:
     used = row["spent"] + row["held"]
     scale = max(row["cap"], used, 1)
     available = max(row["available"], 0)
-    granted = min(row.get("granted", 0), available)
     usable = min(row.get("usable", available), available)
+    granted = min(row.get("granted", 0), usable)  # the part of usable held below
     segments = []
     x = 0.0
     for kind, amount in (
         ("spent", row["spent"]),
         ("held", row["held"]),
-        ("granted", min(granted, usable)),
-        ("available", usable - min(granted, usable)),
+        ("granted", granted),
+        ("available", usable - granted),
         ("blocked", available - usable),
     ):
         width = 100.0 * amount / scale
