@@ -883,11 +883,10 @@ month_attempts AS (
         JOIN budget_periods tp ON tp.id = x.period_id
         JOIN up ON up.budget_id = tp.budget_id
         JOIN budgets anc ON anc.id = up.ancestor_id AND anc.period <> 'none'
+        CROSS JOIN LATERAL (SELECT date_trunc(anc.period, tp.period_start AT TIME ZONE 'UTC')
+                            AT TIME ZONE 'UTC' AS period_start) contains
         WHERE tp.period_start >= :start AND tp.period_start < :end + interval '31 days'
-          AND date_trunc(anc.period, tp.period_start AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
-              >= :start
-          AND date_trunc(anc.period, tp.period_start AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
-              < :end)
+          AND contains.period_start >= :start AND contains.period_start < :end)
 )
 SELECT
     (SELECT COUNT(*) FROM budget_periods WHERE {_IN_MONTH} AND closed_at IS NULL),
