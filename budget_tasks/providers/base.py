@@ -27,6 +27,7 @@ from ..errors import RetriesEnabled, UnusableApiKey, UsageUnreadable
 from ..pricing import Estimate, Prices, Usage, default_prices
 from ..pricing.usage import STANDARD, PriceContext
 from .lookups import Lookup, Unknowable
+from .reports import CostLine, KeyInfo, ReportQuery, UsageLine
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +256,9 @@ class Vendor:
     token_env: str = ""
     base_url_env: str = ""
     credential_arguments: tuple[str, ...] = ("api_key",)
+    #: where an admin key for the organisation's usage and cost reports is read from
+    #: (unset: this vendor's reports are not read, and its drift is not checked)
+    admin_key_env: str = ""
 
     def stores_by_default(self, endpoint: Endpoint) -> bool:
         """Whether the provider keeps a request to ``endpoint`` where the request does
@@ -273,6 +277,36 @@ class Vendor:
     def look_up(self, facts: LookupFacts, clients: Clients, prices: Prices | None) -> Lookup:
         """Ask the provider what became of a call (default: it keeps no record)."""
         return Unknowable(f"{self.name} keeps no record of {facts.lookup} to look up")
+
+    # -- usage and cost reports (see :mod:`.reports`) -------------------------------------
+
+    def usage_report(self, admin: Any, query: ReportQuery) -> list[UsageLine] | None:
+        """The organisation's usage over ``query``, every page of it, read with
+        ``admin`` (:meth:`admin_client`); None: this vendor has no usage report."""
+        return None
+
+    def cost_report(self, admin: Any, query: ReportQuery) -> list[CostLine] | None:
+        """The organisation's costs by day over ``query``; None: no cost report."""
+        return None
+
+    def api_keys(self, admin: Any) -> list[KeyInfo] | None:
+        """The organisation's API keys, each with its hint and project; None: the
+        vendor does not list them (drift cannot be told by key or project)."""
+        return None
+
+    def admin_client(self, timeout: float) -> Any | None:
+        """An SDK client that reads the reports, with the admin key from
+        ``admin_key_env`` and the base URL its SDK reads; None where no admin key is
+        set (drift is off for this vendor)."""
+        key = os.environ.get(self.admin_key_env) if self.admin_key_env else None
+        if not key:
+            return None
+        return sdk_client(
+            self,
+            base_url=os.environ.get(self.base_url_env) if self.base_url_env else None,
+            api_key=key,
+            timeout=timeout,
+        )
 
     def client(self, timeout: float) -> Any:
         """An SDK client for this vendor's lookups, from the environment (beat): its
