@@ -33,7 +33,7 @@ from .config import ledger_of
 from .errors import BudgetTasksError
 from .hooks import RECONCILE_OUTCOMES, hooks
 from .ledger import Attempt, Hold, Ledger
-from .ledger.records import NO_TIMEOUT_MS, UNTRUSTED_LOOKUP, Purged, Resolved, Retained
+from .ledger.records import NO_TIMEOUT_MS, UNTRUSTED_LOOKUP, Answered, Purged, Resolved, Retained
 from .ledger.states import nothing_sent_under
 from .providers import Found, Lookup, LookupFacts, NotFound, Unknowable, registry
 from .providers.clients import DEFAULT_MARGIN, settle_after
@@ -218,6 +218,9 @@ def _reconcile_one(
             by="reconcile",
             answer=outcome.result,
             expected="unknown",
+            answered=Answered(
+                input_tokens=outcome.usage.input_total, output_tokens=outcome.usage.output_tokens
+            ),
         )
         if not done.applied:
             return _moved(done.key, done.state)

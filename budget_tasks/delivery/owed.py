@@ -126,7 +126,7 @@ def call_end(call: Recorded, fate: HoldFate) -> CallEnd:
         fate.actual,
         fate.estimate_only,
         fate.note or None,
-        call.ids,
+        call.answered,
         fate.untrusted,
     )
 

@@ -14,7 +14,7 @@ from .. import _validate as check
 from .._trust import Bound, doubt
 from ..errors import LedgerUnavailable, ResendRefused
 from ..ledger import CallFacts, CallLedger
-from ..ledger.records import SettledCall
+from ..ledger.records import Answered, SettledCall
 from .fates import before_send
 from .told import Told
 
@@ -115,6 +115,11 @@ class Recorded:
         self.actual: int | None = None
         self.request_id: str | None = None
         self.response_id: str | None = None
+        #: what the answers said of who sent them and what they used (for drift)
+        self.provider: str | None = None
+        self.credential: str | None = None
+        self.input_tokens: int | None = None
+        self.output_tokens: int | None = None
         self._ledger: _Grants | None = ledger
         #: what the ledger records of the call (written with the admission)
         self._described = described
@@ -176,9 +181,17 @@ class Recorded:
         return digest or key
 
     @property
-    def ids(self) -> tuple[str | None, str | None]:
-        """The request and response ids the call reported, for its settlement."""
-        return self.request_id, self.response_id
+    def answered(self) -> Answered:
+        """What the call's answers said (ids, vendor, key hint, tokens), for its
+        settlement."""
+        return Answered(
+            self.request_id,
+            self.response_id,
+            self.provider,
+            self.credential,
+            self.input_tokens,
+            self.output_tokens,
+        )
 
     def record_usage(self, cost: int) -> None:
         """The actual cost of the call, in minor units (sums over several reports),
@@ -243,24 +256,29 @@ class Recorded:
             self.request_id = sent.request_id
         if sent.response_id:
             self.response_id = sent.response_id
+        self.provider = sent.provider or self.provider
+        self.credential = getattr(sent, "credential", None) or self.credential
         why = doubt(sent.usage, sent.cost, getattr(sent, "bound", None))
         if why is not None:
             self.doubted = why
             self.in_flight = False
-            self._answered(sent, "untrusted")
+            self._tell_answered(sent, "untrusted")
             return
         if sent.cost is not None:
             self.actual = (self.actual or 0) + sent.cost
+            if sent.usage is not None:
+                self.input_tokens = (self.input_tokens or 0) + sent.usage.input_total
+                self.output_tokens = (self.output_tokens or 0) + sent.usage.output_tokens
         else:
             self.awaiting_usage = True
         self.in_flight = False
-        self._answered(sent, "answered" if sent.cost is not None else "awaiting_usage")
+        self._tell_answered(sent, "answered" if sent.cost is not None else "awaiting_usage")
         if sent.cost is None and self._ledger is not None:
             self._ledger.record_call(
                 self._key, request_id=sent.request_id, response_id=sent.response_id
             )
 
-    def _answered(self, sent: Any, outcome: str) -> None:
+    def _tell_answered(self, sent: Any, outcome: str) -> None:
         if self._told is not None:
             self._told.call_answered(self._key, sent, outcome)
 

@@ -8,6 +8,7 @@ result, in another; a redelivery replays it by its position in the run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import replace
@@ -38,6 +39,7 @@ from .operations import (
     operation_ref,
 )
 from .records import (
+    Answered,
     AttemptRef,
     CallAdmission,
     CallAsk,
@@ -47,7 +49,7 @@ from .records import (
     SettledCall,
 )
 from .states import OperationStatus
-from .store import HoldPlan, Store, attempt_row, bound_params, checked_ids
+from .store import HoldPlan, Store, attempt_row, bound_params
 
 #: A labelled call asked with its run's admission: what it asks, where its answer is
 #: stored, and the plan of the attempt to make at its position.
@@ -276,6 +278,7 @@ class CallLedger:
         expected: str | None = None,
         request_id: str | None = None,
         response_id: str | None = None,
+        answered: Answered | None = None,
     ) -> bool:
         """Replace the hold by the actual charge: ``held -= reserved; spent += actual``.
 
@@ -285,16 +288,23 @@ class CallLedger:
         UsageRecorded. ``note`` goes into the journal entry (an operator's resolution
         says so there). With ``expected``, only from that state (compare-and-set: the
         state the caller read); another raises InvalidTransition. The call's request and
-        response ids, where given, are written with it.
+        response ids, and what else its answer said (``answered``: its tokens), where
+        given, are written with it.
         """
         check.text(key, "key")
         check.money(actual, "actual")
         check.optional_text(note, "note", max_length=10_000)
-        ids = checked_ids(request_id, response_id)
+        said = answered or Answered()
+        if request_id is not None or response_id is not None:
+            said = dataclasses.replace(
+                said,
+                request_id=request_id or said.request_id,
+                response_id=response_id or said.response_id,
+            )
         if self._store.use_functions and expected in (None, "sending"):
             stamp = self._store.driver.ts(self._store.now())
             if self._store.settled_alone(
-                key, actual, stamp, estimate_only=estimate_only, note=note, ids=ids
+                key, actual, stamp, estimate_only=estimate_only, note=note, answered=said
             ):
                 return True
         applied, amount = self._store.resolve(
@@ -305,7 +315,7 @@ class CallLedger:
             note,
             estimate_only=estimate_only,
             expected=expected,
-            ids=ids,
+            answered=said,
         )
         if applied and actual > amount:
             self._store.log_overrun(key, amount, actual)

@@ -68,7 +68,8 @@ SELECT decision, operation_id, stored, runs FROM budget_tasks_admit(
 FINISH = """
 SELECT amount FROM budget_tasks_finish(
     :operation_id, :owner, :key, :actual, :estimate_only, :note, :request_id,
-    :response_id, :result, :now, :record, :answer)"""
+    :response_id, :result, :now, :record, :answer, :provider, :credential,
+    CAST(:input_tokens AS bigint), CAST(:output_tokens AS bigint))"""
 
 #: Every parameter ADMIT names, in order.
 ADMIT_PARAMS = tuple(re.findall(r"(?<!:):(\w+)", ADMIT))

@@ -18,13 +18,14 @@ from . import statements as sql
 from .driver import Cursor
 from .periods import period_start
 from .records import (
+    Answered,
     CallAdmission,
     CallAsk,
     CallFacts,
     Reservation,
 )
 from .states import ATTEMPT_REASONS
-from .store import Chain, HoldPlan, Store, attempt_row, checked_ids, made_now
+from .store import Chain, HoldPlan, Store, attempt_row, made_now
 
 
 def check_reservation(
@@ -177,9 +178,9 @@ def mark_unknown(
     check.text(reason, "reason", max_length=10_000)
     if recorded_actual is not None:
         check.money(recorded_actual, "recorded_actual")
-    ids = checked_ids(request_id, response_id)
+    answered = Answered(request_id, response_id)
     with store.driver.transaction() as cur:
-        changed = store.mark_unknown_in(cur, key, reason, recorded_actual, ids)
+        changed = store.mark_unknown_in(cur, key, reason, recorded_actual, answered)
     return changed
 
 

@@ -13,9 +13,7 @@ from ..errors import InvalidTransition, UnknownAttempt
 from . import statements as sql
 from .driver import Cursor
 from .operations import RunEnd, conclude_in, lock_operation
-from .records import (
-    Resolved,
-)
+from .records import NOTHING_ANSWERED, Answered, Resolved
 from .store import Store
 
 STALE_STATES = ("sending", "unknown")
@@ -39,6 +37,7 @@ def resolve_attempt(
     answer: Any = None,
     expected: str | None = None,
     actor: str | None = None,
+    answered: Answered = NOTHING_ANSWERED,
 ) -> Resolved:
     """Resolve an attempt from outside its run: settle it at ``actual`` (release it
     at 0), then conclude its operation, in one transaction.
@@ -46,7 +45,7 @@ def resolve_attempt(
     ``by`` is ``reconcile`` or ``operator``; an operator's resolution names
     ``actor`` in the journal (default: the OS user and host). ``answer``
     (reconciliation: what the provider answered) is kept on the attempt for its
-    operation to adopt.
+    operation to adopt, and ``answered`` what it said it used.
     ``expected`` is the state the caller read: the resolution applies only from it
     (compare-and-set). The operation is touched only while this attempt is still
     the latest of its call, the operation is unfinished and no live run leases it;
@@ -78,6 +77,7 @@ def resolve_attempt(
             expected=expected,
             answer=encoded,
             actor=actor,
+            answered=answered,
         )
         end = None
         if operation_id is not None and latest:

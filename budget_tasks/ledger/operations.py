@@ -275,7 +275,7 @@ def end_call_in(
             stamp,
             estimate_only=call.estimate_only,
             if_resolved="top_up",
-            ids=call.ids,
+            answered=call.answered,
         )
         return resolution, False
     if call.action == "release":
@@ -293,7 +293,7 @@ def end_call_in(
     if call.action == "unknown":
         note = call.note or "outcome unknown"
         return None, store.mark_unknown_in(
-            cur, call.key, note, call.actual or None, call.ids, untrusted=call.untrusted
+            cur, call.key, note, call.actual or None, call.answered, untrusted=call.untrusted
         )
     return None, False  # store: the hold was resolved already
 
@@ -650,7 +650,7 @@ def finished_alone(
         call.actual,
         stamp,
         estimate_only=call.estimate_only,
-        ids=call.ids,
+        answered=call.answered,
         operation_id=operation_id,
         owner=owner,
         result=encoded,

@@ -82,6 +82,48 @@ def not_kept(value: Any) -> dict[str, Any] | None:
 #: The lookup of an attempt whose answer reported usage past what its request allowed:
 #: none finds it, so nothing charges that usage as found (an operator resolves it).
 UNTRUSTED_LOOKUP = "untrusted"
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """What a call's answer said, written with its settlement (or its unknown): the
+    provider's request and response ids, the vendor that answered, the hint of the API
+    key that sent it (never the key: see ``providers.reports.hint_of``), and the tokens
+    it used: every input token however billed (cache reads and writes too), and
+    output with reasoning. The drift check compares these with the vendor's reports."""
+
+    request_id: str | None = None
+    response_id: str | None = None
+    provider: str | None = None
+    credential: str | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        check.optional_text(self.request_id, "request_id")
+        check.optional_text(self.response_id, "response_id", max_length=255)
+        check.optional_text(self.provider, "provider", max_length=64)
+        check.optional_text(self.credential, "credential", max_length=64)
+        for name in ("input_tokens", "output_tokens"):
+            value = getattr(self, name)
+            if value is not None:
+                check.count(value, name)
+
+    def params(self) -> dict[str, Any]:
+        """The statements' parameters of the same names."""
+        return {
+            "request_id": self.request_id,
+            "response_id": self.response_id,
+            "provider": self.provider,
+            "credential": self.credential,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+        }
+
+
+#: Nothing said (an operator's resolution, a release).
+NOTHING_ANSWERED = Answered()
+
 #: What a run may write for one of its calls (see :class:`CallEnd`).
 CALL_ACTIONS = frozenset({"settle", "release", "unknown", "store", "unsent"})
 
@@ -93,8 +135,8 @@ class CallEnd:
     ``release`` (nothing was billed), ``unknown`` (the hold stays; ``note`` says why),
     ``store`` (the hold is resolved already) or ``unsent`` (an admission whose answer
     was lost may have granted a send that the run never made: released if it did and
-    the attempt is still ``sending`` under the run's lease, else nothing). ``ids`` are
-    the request and response ids its answer carried, written with it. ``untrusted``
+    the attempt is still ``sending`` under the run's lease, else nothing).
+    ``answered`` is what its answer said (:class:`Answered`), written with it. ``untrusted``
     (with ``unknown``): its answer's usage was past what its request allowed, so no
     lookup charges it as found; an operator resolves it."""
 
@@ -103,7 +145,7 @@ class CallEnd:
     actual: int = 0
     estimate_only: bool = False
     note: str | None = None
-    ids: tuple[str | None, str | None] = (None, None)
+    answered: Answered = NOTHING_ANSWERED
     untrusted: bool = False
 
     def __post_init__(self) -> None:

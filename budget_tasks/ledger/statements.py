@@ -145,23 +145,30 @@ APPLY_ADJUSTMENT = f"""
 UPDATE budget_periods SET spent = spent + :delta WHERE id = :period_id
 RETURNING {_AFTER_CHANGE}"""
 
-#: The resolution, with the call's request and response ids when the run kept them
-#: for it (written with the settlement: one commit).
-RESOLVE_ATTEMPT = """
+#: What a call's answer said (records.Answered), kept with the attempt's settlement or
+#: its unknown: ids and the vendor as first written, the key's hint and tokens as said.
+_ANSWERED = """request_id = COALESCE(request_id, :request_id),
+    response_id = COALESCE(response_id, :response_id),
+    provider = COALESCE(provider, :provider),
+    credential = COALESCE(:credential, credential),
+    input_tokens = COALESCE(CAST(:input_tokens AS BIGINT), input_tokens),
+    output_tokens = COALESCE(CAST(:output_tokens AS BIGINT), output_tokens)"""
+
+#: The resolution, with what the call's answer said when the run kept it for it
+#: (written with the settlement: one commit).
+RESOLVE_ATTEMPT = f"""
 UPDATE attempts SET state = :state, actual = :actual, resolved_at = :now,
     note = COALESCE(:note, note), estimate_only = :estimate_only,
     answer = COALESCE(:answer, answer),
-    request_id = COALESCE(request_id, :request_id),
-    response_id = COALESCE(response_id, :response_id)
+    {_ANSWERED}
 WHERE id = :attempt_id AND state = :expected"""
 
 #: sending -> unknown, compare-and-set; the usage a run recorded stays as proof of billing.
 #: An answer whose usage was past what its request allowed names no lookup any more
 #: (``lookup`` 'untrusted'): beat does not charge it again as found.
-MARK_UNKNOWN = """
+MARK_UNKNOWN = f"""
 UPDATE attempts SET state = 'unknown', note = :note, lookup = COALESCE(:lookup, lookup),
-    request_id = COALESCE(request_id, :request_id),
-    response_id = COALESCE(response_id, :response_id),
+    {_ANSWERED},
     recorded_actual = CASE WHEN CAST(:recorded AS BIGINT) IS NULL THEN recorded_actual
                            ELSE CAST(:recorded AS BIGINT) END
 WHERE key = :key AND state = 'sending'

@@ -46,7 +46,9 @@ from .periods import (
     previous_period_start,
 )
 from .records import (
+    NOTHING_ANSWERED,
     UNTRUSTED_LOOKUP,
+    Answered,
     Attempt,
     CallFacts,
     Reservation,
@@ -472,7 +474,7 @@ class Store:
         *,
         estimate_only: bool = False,
         note: str | None = None,
-        ids: tuple[str | None, str | None] = (None, None),
+        answered: Answered = NOTHING_ANSWERED,
         operation_id: int | None = None,
         owner: str | None = None,
         result: str | None = None,
@@ -493,8 +495,7 @@ class Store:
                 "actual": actual,
                 "estimate_only": estimate_only,
                 "note": None if note is None else redact(note),
-                "request_id": ids[0],
-                "response_id": ids[1],
+                **answered.params(),
                 "result": result,
                 "now": stamp,
                 "record": record,
@@ -644,7 +645,7 @@ class Store:
         key: str,
         reason: str,
         recorded_actual: int | None,
-        ids: tuple[str | None, str | None] = (None, None),
+        answered: Answered = NOTHING_ANSWERED,
         *,
         untrusted: bool = False,
     ) -> bool:
@@ -653,8 +654,7 @@ class Store:
             "note": redact(reason),
             "lookup": UNTRUSTED_LOOKUP if untrusted else None,
             "recorded": recorded_actual,
-            "request_id": ids[0],
-            "response_id": ids[1],
+            **answered.params(),
         }
         if cur.one(sql.MARK_UNKNOWN, params) is not None:
             log.warning("attempt %s outcome unknown, its hold kept: %s", key, params["note"])
@@ -707,7 +707,7 @@ class Store:
         *,
         estimate_only: bool = False,
         expected: str | None = None,
-        ids: tuple[str | None, str | None] = (None, None),
+        answered: Answered = NOTHING_ANSWERED,
     ) -> tuple[bool, int]:
         stamp = self.driver.ts(self.now())
         with self.driver.transaction() as cur:
@@ -721,7 +721,7 @@ class Store:
                 stamp,
                 estimate_only=estimate_only,
                 expected=expected,
-                ids=ids,
+                answered=answered,
             )
             resolution.apply(cur)
         return resolution.applied, resolution.amount
@@ -740,7 +740,7 @@ class Store:
         expected: str | None = None,
         if_resolved: str = "raise",
         answer: str | None = None,
-        ids: tuple[str | None, str | None] = (None, None),
+        answered: Answered = NOTHING_ANSWERED,
         actor: str | None = None,
         journal_note: str | None = None,
     ) -> Resolution:
@@ -795,8 +795,7 @@ class Store:
                 "estimate_only": estimate_only,
                 "attempt_id": attempt_id,
                 "expected": current,
-                "request_id": ids[0],
-                "response_id": ids[1],
+                **answered.params(),
             },
         )
         assert done == 1  # the row is locked (SQLite: the whole database is)
@@ -810,12 +809,6 @@ def _top_up(
     for period_id in periods:
         _journal(cur, attempt_id, period_id, "adjustment", 0, delta, why, stamp)
         _apply(cur, sql.APPLY_ADJUSTMENT, {"delta": delta, "period_id": period_id}, stamp)
-
-
-def checked_ids(request_id: str | None, response_id: str | None) -> tuple[str | None, str | None]:
-    check.optional_text(request_id, "request_id")
-    check.optional_text(response_id, "response_id", max_length=255)
-    return request_id, response_id
 
 
 def bound_params(call: CallFacts | None) -> dict[str, int | None]:

@@ -27,8 +27,10 @@ from .periods import (
     period_start,
 )
 from .records import (
+    NOTHING_ANSWERED,
     PURGED,
     UNTRUSTED_LOOKUP,
+    Answered,
     Attempt,
     Balance,
     Hold,
@@ -76,6 +78,7 @@ class Upkeep:
         answer: Any = None,
         expected: str | None = None,
         actor: str | None = None,
+        answered: Answered = NOTHING_ANSWERED,
     ) -> Resolved:
         """Resolve an attempt from outside its run (see
         :func:`.maintenance.resolve_attempt`)."""
@@ -88,6 +91,7 @@ class Upkeep:
             answer=answer,
             expected=expected,
             actor=actor,
+            answered=answered,
         )
 
     def conclude_operation(

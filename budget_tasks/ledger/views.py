@@ -1,7 +1,8 @@
 """What a dashboard reads (``ledger.views``): the reports, spend over time from the
 journal, spend of the current periods since a moment, settled attempts against their
-estimates, open attempts, an attempt's journal and operations' attempts. Nothing here
-writes: writes go through the operator's ledger."""
+estimates, open attempts, an attempt's journal and operations' attempts, and what
+each vendor was sent (for the drift check). Nothing here writes: writes go through
+the operator's ledger."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from sqlalchemy import (
 )
 
 from .. import _validate as check
-from . import oversight, reports
+from . import oversight, reports, usage
 from .budgets import all_budgets
 from .oversight import OperationHistory
 from .periods import (
@@ -44,6 +45,7 @@ from .schema import (
 )
 from .states import HOLDING_STATES
 from .store import Store, attempt_of
+from .usage import UsageRow
 
 #: The buckets a spend series is summed in.
 BUCKETS = ("hour", "day")
@@ -185,6 +187,13 @@ class Views:
         with self._store.driver.transaction() as cur:
             rows = cur.execute(query).all()
         return [(_as_utc(r.bucket), int(r.spent)) for r in rows]
+
+    def provider_usage(
+        self, provider: str, *, start: datetime, end: datetime, bucket: str = "1h"
+    ) -> list[UsageRow]:
+        """What ``provider`` was sent in ``[start, end)`` by window, model and key hint
+        (see :func:`.usage.provider_usage`): what the drift check compares."""
+        return usage.provider_usage(self._store, provider, start, end, bucket)
 
     def spend_since(self, since: datetime) -> dict[str, int]:
         """Each budget's spending in its current period since ``since`` (its journal's

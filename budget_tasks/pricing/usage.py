@@ -47,6 +47,17 @@ class Usage:
         if self.input_audio_tokens + self.input_image_tokens > self.input_tokens:
             raise ValueError("audio and image input tokens are part of input tokens")
 
+    @property
+    def input_total(self) -> int:
+        """Every input token however billed (plain, cache reads, cache writes): what the
+        vendors' usage reports count as input."""
+        return (
+            self.input_tokens
+            + self.cached_input_tokens
+            + self.cache_write_tokens
+            + self.cache_write_1h_tokens
+        )
+
     def __add__(self, other: Usage) -> Usage:
         return Usage(
             **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}

@@ -375,3 +375,5 @@ class Sent:
     #: the most tokens the request allowed (what its usage is vetted against), where
     #: its estimate could count them
     bound: Bound | None = None
+    #: the hint of the API key it was sent with (``reports.hint_of``; never the key)
+    credential: str | None = None

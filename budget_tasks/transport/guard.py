@@ -41,6 +41,7 @@ from ..ledger import CallFacts
 from ..pricing import Estimate, Prices
 from ..providers.base import Endpoint, Kind, Reported, Sent, request_digest
 from ..providers.registry import Route, registry
+from ..providers.reports import hint_of
 from .positions import position_label
 
 #: The header by which the official SDKs mark a request they send again on their own.
@@ -128,6 +129,11 @@ class Metered:
     prices: Prices | None
 
     @property
+    def credential(self) -> str | None:
+        """The hint of the API key the request is sent with (never the key)."""
+        return credential_of(self.request)
+
+    @property
     def provider(self) -> str:
         vendor = self.route.vendor
         return vendor.name if vendor is not None else self.endpoint.name.split(".")[0]
@@ -136,6 +142,16 @@ class Metered:
     def price_provider(self) -> str | None:
         vendor = self.route.vendor
         return vendor.price_provider if vendor is not None else None
+
+
+def credential_of(request: httpx2.Request) -> str | None:
+    """The hint (:func:`~budget_tasks.providers.reports.hint_of`) of the API key a
+    request carries, as a bearer token or ``x-api-key``; None where it carries none."""
+    secret = request.headers.get("x-api-key")
+    if secret is None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        secret = token if scheme.lower() == "bearer" else None
+    return hint_of(secret.strip()) if secret and secret.strip() else None
 
 
 def prepare(route: Route, request: httpx2.Request, options: Options) -> Metered:
@@ -288,7 +304,15 @@ def _sent(
     bound = m.facts.bound  # what prepare() counted, written with the admission too
     if reported is None:
         return Sent(
-            m.provider, m.estimate.model, request_id, response_id, None, None, stored, bound=bound
+            m.provider,
+            m.estimate.model,
+            request_id,
+            response_id,
+            None,
+            None,
+            stored,
+            bound=bound,
+            credential=m.credential,
         )
     cost = reported.cost(m.prices, m.price_provider, datetime.now(UTC))
     model = reported.parts[0].model if reported.parts else m.estimate.model
@@ -301,6 +325,7 @@ def _sent(
         cost,
         stored,
         bound=bound,
+        credential=m.credential,
     )
 
 

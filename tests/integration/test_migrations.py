@@ -23,7 +23,7 @@ from budget_tasks.migrations import current, include_object, upgrade
 from ..services import check_postgres, pg_conninfo, scratch_database
 
 #: The latest revision: bumped by each new migration.
-HEAD = "0019"
+HEAD = "0020"
 
 
 def describe(url: str) -> dict[str, Any]:
@@ -417,7 +417,7 @@ def test_upgrading_one_revision_at_a_time_gives_a_fresh_install() -> None:
     """A ledger made at 0001 with data in it, then upgraded one revision at a time, has
     the tables, keys, indexes, triggers and functions (their text) of a fresh install,
     works, and its journal and every partition refuse TRUNCATE. 0016's functions are
-    the text frozen when it was written, not today's: 0017 brings later ones, 0019
+    the text frozen when it was written, not today's: 0017 brings later ones, 0020
     today's."""
     check_postgres()
     revisions = _revisions()
@@ -440,9 +440,10 @@ def test_upgrading_one_revision_at_a_time_gives_a_fresh_install() -> None:
         assert at["0015"][guard] == today[guard]
         assert set(at["0016"]) == set(today) == {guard, admit, "budget_tasks_finish"}
         assert at["0016"][admit] != today[admit]
-        # 0019's settlement stores a labelled call's answer with the run's end
+        # 0019's settlement stores a labelled call's answer with the run's end; 0020's
+        # writes what the answer said it used
         finish = "budget_tasks_finish"
-        assert at["0018"][finish] != today[finish] == at["0019"][finish]
+        assert at["0018"][finish] != at["0019"][finish] != today[finish] == at["0020"][finish]
         assert at[HEAD] == today
         a, b = describe(migrated), describe(created)
         assert a["triggers"] and a["functions"] and "audit_partitions" in a

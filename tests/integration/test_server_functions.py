@@ -23,6 +23,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import sqlalchemy
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -30,7 +31,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from budget_tasks import Ledger
 from budget_tasks.errors import BudgetTasksError
 from budget_tasks.ledger.driver import Declined
-from budget_tasks.ledger.records import CallAdmission, CallAsk, CallEnd, CallFacts, SettledCall
+from budget_tasks.ledger.functions import FUNCTION_NAMES
+from budget_tasks.ledger.records import (
+    Answered,
+    CallAdmission,
+    CallAsk,
+    CallEnd,
+    CallFacts,
+    SettledCall,
+)
 from budget_tasks.migrations import upgrade
 from budget_tasks.testing import ManualClock
 
@@ -46,6 +55,8 @@ BUDGETS: dict[str, tuple[int, str, str | None, str, bool, int]] = {
 }
 NAMES = list(BUDGETS)
 OWNERS = ("w1", "w2")
+#: what an answer said: ids, vendor, key hint and tokens, written with the settlement
+SAID = Answered("req_1", "resp_1", "openai", "sk-abc...wxyz", 120, 30)
 
 #: What the function path did over the whole run, counted by the instrumented driver.
 SEEN = {"ran": 0, "declined": 0}
@@ -261,7 +272,14 @@ class ParityMachine(RuleBasedStateMachine):
                 owner=owner,
                 settled=[
                     SettledCall(
-                        CallEnd(step, "settle", actual=actual, ids=("req_1", "resp_1")),
+                        CallEnd(
+                            step,
+                            "settle",
+                            actual=actual,
+                            answered=Answered(
+                                "req_1", "resp_1", "openai", "sk-abc...wxyz", 120, 30
+                            ),
+                        ),
                         record,
                         {"answer": actual},
                     )
@@ -339,7 +357,12 @@ class ParityMachine(RuleBasedStateMachine):
             end = ledger.calls.finish_operation(
                 self.ids[key][self.side],
                 result={"k": key, "actual": actual},
-                call=CallEnd(calls[-1], "settle", actual=actual, ids=("req_1", "resp_1")),
+                call=CallEnd(
+                    calls[-1],
+                    "settle",
+                    actual=actual,
+                    answered=SAID,
+                ),
                 owner=owner,
             )
             return (end.status, end.result, end.error, end.applied)
@@ -460,7 +483,14 @@ def test_a_database_without_the_functions_runs_the_statements_and_says_so_once(
 ) -> None:
     check_postgres()
     with scratch_database() as url:
-        upgrade(url, "0015")  # a database migrated by the release before the functions
+        # a database whose functions are gone (dropped by hand, or never made by a role
+        # that may not create them): its tables are this release's
+        upgrade(url)
+        engine = sqlalchemy.create_engine(url)
+        with engine.begin() as conn:
+            for name in FUNCTION_NAMES:
+                conn.execute(sqlalchemy.text(f"DROP FUNCTION {name}"))
+        engine.dispose()
         ledger = Ledger(url)
         try:
             ledger.create_budget("b", 1_000)

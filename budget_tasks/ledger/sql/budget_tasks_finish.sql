@@ -1,7 +1,8 @@
 CREATE OR REPLACE FUNCTION budget_tasks_finish(
     p_operation_id bigint, p_owner text, p_key text, p_actual bigint,
     p_estimate_only boolean, p_note text, p_request_id text, p_response_id text,
-    p_result text, p_now timestamptz, p_record text, p_answer text, OUT amount bigint)
+    p_result text, p_now timestamptz, p_record text, p_answer text, p_provider text,
+    p_credential text, p_input_tokens bigint, p_output_tokens bigint, OUT amount bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     made bigint;
@@ -49,7 +50,11 @@ BEGIN
     UPDATE attempts SET state = 'settled', actual = p_actual, resolved_at = p_now,
         note = COALESCE(p_note, note), estimate_only = p_estimate_only,
         request_id = COALESCE(request_id, p_request_id),
-        response_id = COALESCE(response_id, p_response_id)
+        response_id = COALESCE(response_id, p_response_id),
+        provider = COALESCE(provider, p_provider),
+        credential = COALESCE(p_credential, credential),
+        input_tokens = COALESCE(p_input_tokens, input_tokens),
+        output_tokens = COALESCE(p_output_tokens, output_tokens)
     WHERE id = made;  -- locked above, and read as sending
     -- a labelled call's answer, kept for replay (statements.STORE_SIDE_EFFECT)
     IF p_record IS NOT NULL THEN
