@@ -288,6 +288,25 @@ class UsageUnreadable(ProviderError):
     value: str
 
 
+class ReportUnreadable(ProviderError):
+    """A vendor's usage or cost report says something that is not a count, an amount
+    in USD or a time: nothing is compared from it (never read as 0)."""
+
+    template = "the {vendor} {report} report's {field} is {value}: not compared"
+    vendor: str
+    report: str
+    field: str
+    value: str
+
+
+class DriftOff(ProviderError):
+    """No admin key for a vendor's usage and cost reports: its drift is not checked."""
+
+    template = "drift is off for {vendor}: no admin key in {variable}"
+    vendor: str
+    variable: str
+
+
 class StreamIncomplete(ProviderError):
     """A stream ended before the provider said it was complete: the outcome is unknown."""
 

@@ -94,14 +94,17 @@ class KeyInfo:
     project: str | None = None
 
 
-#: At most this many characters of a key are kept from each end.
-_HINT_HEAD = 12
+#: At most this many characters of a key are kept from each end: what Anthropic's
+#: console shows of a key (every Anthropic key begins ``sk-ant-api03-``: the head tells
+#: two keys apart only past it).
+_HINT_HEAD = 16
 _HINT_TAIL = 4
 
 
 def hint_of(secret: str) -> str:
-    """The hint of an API key the ledger keeps: its first and last few characters, at
-    most a third of a short key (never the key)."""
+    """The hint of an API key the ledger keeps: its first 16 and last 4 characters, and
+    of a short key no more than a third at its head and a sixth at its tail (never the
+    key)."""
     most = len(secret) // 3
     head = secret[: min(_HINT_HEAD, most)]
     tail = secret[len(secret) - min(_HINT_TAIL, most // 2) :] if most >= 2 else ""

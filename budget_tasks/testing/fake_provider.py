@@ -15,6 +15,17 @@ Endpoints: ``POST /v1/chat/completions`` (plain and streamed, ``store`` + ``meta
 streamed), ``POST /v1/messages/count_tokens``, ``POST /v1/messages/batches``, ``GET
 /v1/messages/batches/{id}`` and ``.../results``.
 
+Organisation reports, for an admin key only (``sk-admin-...`` / ``sk-ant-admin...``;
+any other key gets 401), built from what the fake billed (:mod:`.fake_reports`): OpenAI
+``GET /v1/organization/usage/completions`` and ``.../usage/embeddings``, ``GET
+/v1/organization/costs``, ``GET /v1/organization/projects`` and ``.../projects/{id}/api_keys``;
+Anthropic ``GET /v1/organizations/usage_report/messages``, ``GET
+/v1/organizations/cost_report`` and ``GET /v1/organizations/api_keys``. Each request is
+recorded with the id and project of the key that sent it (``Authorization: Bearer`` or
+``x-api-key``; OpenAI's ``OpenAI-Project`` header names another project): keys are
+registered with ``add_key()``, or on first use in the default project. Reports lag
+``report_delay`` seconds behind, as the real ones do.
+
 As the real APIs (each can be turned off with ``realism``, :class:`Realism`): answers
 are compressed in the first of br, gzip, zstd and deflate that the client's
 ``Accept-Encoding`` names, streams flushed event by event; answers name the snapshot
@@ -43,7 +54,10 @@ then answer only after S seconds: the client times out), ``reset`` (bill, then c
 the connection without an answer), ``cut-stream`` (bill, send part of the stream, then
 cut the connection).
 
-State for tests: ``GET /_fake/state`` (or ``.state()``), ``POST /_fake/reset``.
+State for tests: ``GET /_fake/state`` (or ``.state()``), ``POST /_fake/reset``, ``POST
+/_fake/reports`` (``{"delay": seconds}``), ``POST /_fake/keys`` (``{"secret", "project",
+"vendor"}``: the key's id); in a thread, ``tamper_next_report`` spoils the next admin
+answer (a test's unreadable report).
 """
 
 from __future__ import annotations
@@ -68,6 +82,7 @@ from .. import bypass
 from ..pricing import Prices, Usage, default_prices
 from ..pricing.usage import PriceContext
 from . import fake_answers as answers
+from . import fake_reports as reports
 from . import fake_wire
 from .fake_billing import (
     SNAPSHOTS,
@@ -115,6 +130,13 @@ class Served:
     encoding: str = "identity"
     #: the model that answered (a snapshot of the one asked for)
     answered_by: str | None = None
+    #: "openai" or "anthropic": whose API the request spoke
+    vendor: str = reports.OPENAI
+    #: the id and project of the API key that sent it (never the key)
+    key_id: str | None = None
+    project: str | None = None
+    #: what each model's work was billed (a batch bills several)
+    bills: list[reports.Bill] = field(default_factory=list)
 
 
 @dataclass
@@ -211,6 +233,13 @@ class FakeProvider:
         #: test's way to make something happen after the provider billed and before
         #: the caller knows: a ledger outage, a kill).
         self.before_answer: Callable[[Served], None] | None = None
+        #: Seconds a billed request takes to show in the usage and cost reports.
+        self.report_delay = 0.0
+        #: Test-only: called once with the next admin answer's JSON (a report page or a
+        #: key list) to change it before it goes out (an unreadable count, say).
+        self.tamper_next_report: Callable[[dict[str, Any]], None] | None = None
+        #: The organisation's API keys (:meth:`add_key`).
+        self.keys = reports.Keys()
         self._server = _Server((host, port), _handler_for(self))
         address = self._server.server_address
         self.host: str = str(address[0])
@@ -251,21 +280,33 @@ class FakeProvider:
         with self._lock:
             self._faults.append({"fault": fault, "count": count, "path": path})
 
+    def add_key(
+        self, secret: str, *, project: str | None = None, vendor: str = reports.OPENAI
+    ) -> str:
+        """Register an API key in ``project`` (None: the default project, or Anthropic's
+        default workspace) and return its id; a key already known moves there."""
+        return self.keys.add(secret, vendor, project).id
+
     def serve_forever(self) -> None:
         """Serve on this thread until interrupted (``budget-tasks fake-provider``)."""
         self._server.serve_forever()
 
     def reset(self) -> None:
+        """Forget every request, job and planned fault, and every key (registered with
+        :meth:`add_key` or seen): a test starts with an empty organisation."""
         with self._lock:
             self.completion_storage = "on"
             self.encodings = "auto"
             self.realism = self._default_realism
             self.before_answer = None
+            self.report_delay = 0.0
+            self.tamper_next_report = None
             self._served.clear()
             self._faults.clear()
             self._completions.clear()
             self._jobs.clear()
         self.cache.clear()
+        self.keys.clear()
 
     def served(self) -> list[Served]:
         with self._lock:
@@ -301,6 +342,11 @@ class FakeProvider:
         ]
 
     # -- internals used by the handler -------------------------------------------------
+
+    def _reportable(self) -> list[Served]:
+        """The billed requests old enough to be in a report (reports lag)."""
+        cutoff = time.time() - self.report_delay
+        return [s for s in self.served() if s.bills and s.at <= cutoff]
 
     def _next_id(self, prefix: str) -> str:
         return f"{prefix}{next(self._ids):06d}"
@@ -489,7 +535,17 @@ class _Handler(BaseHTTPRequestHandler):
             return
         fake = self.fake
         request_id = fake._next_id("req_")
-        self._anthropic = path.startswith("/v1/messages")
+        self._anthropic = path.startswith(("/v1/messages", "/v1/organizations"))
+        vendor = reports.ANTHROPIC if self._anthropic else reports.OPENAI
+        if self.headers.get("anthropic-version"):
+            vendor = reports.ANTHROPIC
+        self._secret = self._key_sent()
+        key = None
+        if self._secret and not self._secret.startswith(reports.ADMIN_PREFIXES[vendor]):
+            key = fake.keys.seen(self._secret, vendor)
+        project = key.project if key is not None else None
+        if vendor == reports.OPENAI and self.headers.get("OpenAI-Project"):
+            project = self.headers["OpenAI-Project"]
         try:
             body: dict[str, Any] = json.loads(raw) if raw else {}
         except ValueError:
@@ -513,6 +569,9 @@ class _Handler(BaseHTTPRequestHandler):
             billed=0,
             usage=None,
             at=time.time(),
+            vendor=vendor,
+            key_id=key.id if key is not None else None,
+            project=project,
         )
         # Recorded on arrival: a request still running (a hang) shows up at once, and one
         # that outlives a reset() does not leak into the next test's record.
@@ -538,8 +597,17 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             record.status = record.status if record.status != 200 else 0  # the client left
 
+    def _key_sent(self) -> str | None:
+        """The API key the request carries (a bearer token, or Anthropic's header)."""
+        scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+        return self.headers.get("x-api-key") or None
+
     def _endpoint(self, method: str, path: str) -> Any:
         segments = path.split("/")[1:]
+        if method == "GET" and segments[1:2] in (["organization"], ["organizations"]):
+            return lambda r, b, q: self._admin(r, segments, q)
         routes: dict[tuple[str, ...], Any] = {
             ("POST", "v1", "chat", "completions"): self._chat,
             ("GET", "v1", "chat", "completions"): self._chat_list,
@@ -570,6 +638,26 @@ class _Handler(BaseHTTPRequestHandler):
             if len(segments) == 5 and segments[4] == "results":
                 return lambda r, b, q: self._batch_results(r, segments[3])
         return None
+
+    def _admin(self, record: Served, segments: list[str], query: dict[str, list[str]]) -> None:
+        """An organisation report or key list (:mod:`.fake_reports`): refused (401) for
+        any key but an admin key, as the real APIs refuse a project's key."""
+        prefix = reports.ADMIN_PREFIXES[record.vendor]
+        if not (self._secret or "").startswith(prefix):
+            record.status = 401
+            self._error(401, f"this endpoint needs an admin key ({prefix}...)", record.request_id)
+            return
+        try:
+            answer = reports.admin_answer(segments, query, self.fake.keys, self.fake._reportable)
+        except reports.ReportError as exc:
+            record.status = exc.status
+            self._error(exc.status, str(exc), record.request_id)
+            return
+        with self.fake._lock:
+            tamper, self.fake.tamper_next_report = self.fake.tamper_next_report, None
+        if tamper is not None:
+            tamper(answer)
+        self._send_json(200, answer, record.request_id)
 
     def _models(self, record: Served, model_id: str | None) -> None:
         """The models this fake answers for, as each vendor lists them (the Anthropic
@@ -613,6 +701,14 @@ class _Handler(BaseHTTPRequestHandler):
         elif method == "POST" and path == f"{CONTROL}/reset":
             fake.reset()
             self._send_json(200, {"ok": True}, "control")
+        elif method == "POST" and path == f"{CONTROL}/reports":
+            fake.report_delay = float(json.loads(raw).get("delay", 0))
+            self._send_json(200, {"ok": True}, "control")
+        elif method == "POST" and path == f"{CONTROL}/keys":
+            spec = json.loads(raw)
+            vendor = spec.get("vendor", reports.OPENAI)
+            key_id = fake.add_key(spec["secret"], project=spec.get("project"), vendor=vendor)
+            self._send_json(200, {"id": key_id}, "control")
         else:
             self._send_json(404, {"error": "unknown control path"}, "control")
 
@@ -659,12 +755,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _bill(
         self, record: Served, model: str, usage: Usage, context: PriceContext | None = None
     ) -> int:
-        billed = self.fake.prices.cost(
-            model, usage, provider=self._provider, context=context or PriceContext()
-        )
+        context = context or PriceContext()
+        prices = self.fake.prices
+        billed = prices.cost(model, usage, provider=self._provider, context=context)
         record.billed += billed
         record.answered_by = model
         record.usage = {k: v for k, v in asdict(usage).items() if v}
+        record.bills.append(reports.bill_of(prices, self._provider, model, usage, context, billed))
         return billed
 
     def _unknown_model(self, record: Served, model: Any) -> None:
