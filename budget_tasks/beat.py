@@ -1,6 +1,7 @@
 """Periodic ledger jobs for Celery beat: flag stale holds, reconcile unknown outcomes
 with the provider, open budget periods (and the journal's partitions ahead), purge old
-payloads, archive settled months.
+payloads, archive settled months, and compare the ledger with the providers' own usage
+and cost reports (drift, hourly, where an admin key is set).
 
 Nothing here releases money because time passed: a hold whose outcome is unknown is
 flagged (and alerted through :data:`stale_hold`), and only a provider's answer, or an
@@ -12,14 +13,18 @@ the database (conditional UPDATEs, SKIP LOCKED, unique constraints), not in Pyth
 past the client timeout before "not found" counts, default 300),
 ``budget_requeue_not_found`` (default False), ``budget_retention_days`` (default 7), and
 ``budget_ledger_retention_days`` with ``budget_archive_dir`` (PostgreSQL; unset: every
-row is kept).
+row is kept), and for drift ``budget_drift_since`` (seconds, default 2 days),
+``budget_drift_by`` (``model``, ``api_key``, ``project`` or empty; default ``model``),
+``budget_drift_bucket`` (``1m``, ``1h`` or ``1d``: the token windows; default ``1h``),
+``budget_drift_settle`` (seconds, default 3600), ``budget_drift_relative``,
+``budget_drift_min_tokens`` and ``budget_drift_min_cost`` (micro-USD).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
 from datetime import datetime, timedelta
 from functools import cache
@@ -30,12 +35,13 @@ from celery import shared_task
 from . import signals
 from ._trust import doubt
 from .config import ledger_of
+from .drift import DEFAULT_SETTLE, DEFAULT_THRESHOLD, Threshold, check_drift
 from .errors import BudgetTasksError
 from .hooks import RECONCILE_OUTCOMES, hooks
 from .ledger import Attempt, Hold, Ledger
 from .ledger.records import NO_TIMEOUT_MS, UNTRUSTED_LOOKUP, Answered, Purged, Resolved, Retained
 from .ledger.states import nothing_sent_under
-from .providers import Found, Lookup, LookupFacts, NotFound, Unknowable, registry
+from .providers import Found, Lookup, LookupFacts, NotFound, Unknowable, Vendor, registry
 from .providers.clients import DEFAULT_MARGIN, settle_after
 
 log = logging.getLogger("budget_tasks.beat")
@@ -349,6 +355,70 @@ def retain_ledger(ledger: Ledger, keep: timedelta, archive_to: str) -> Retained:
 T = TypeVar("T")
 
 
+#: The vendors whose drift this process said is off (no admin key): said once.
+_DRIFT_OFF_SAID: set[str] = set()
+
+
+def check_provider_drift(
+    ledger: Ledger,
+    vendors: Iterable[Vendor],
+    admin_of: Callable[[Vendor], Any],
+    *,
+    since: timedelta,
+    by: str | None = "model",
+    bucket: str = "1h",
+    settle: timedelta = DEFAULT_SETTLE,
+    threshold: Threshold | None = None,
+) -> dict[str, int]:
+    """Compare the ledger with each vendor's usage and cost reports over the last
+    ``since`` (see :mod:`budget_tasks.drift`), told to the hooks (the
+    ``budget_tasks_provider_drift`` gauge, the ``drift`` signal). A vendor without an
+    admin key is off, said once; one whose report fails is logged, the others go on."""
+    counts = {"checked": 0, "drifted": 0, "off": 0, "failed": 0}
+    for vendor in vendors:
+        if not vendor.admin_key_env:
+            continue  # it has no reports to read
+        admin = admin_of(vendor)
+        if admin is None:
+            if vendor.name not in _DRIFT_OFF_SAID:
+                _DRIFT_OFF_SAID.add(vendor.name)
+                log.warning(
+                    "drift is off for %s: no admin key in %s", vendor.name, vendor.admin_key_env
+                )
+            counts["off"] += 1
+            continue
+        try:
+            report = check_drift(
+                ledger,
+                vendor,
+                since=ledger.views.now() - since,
+                by=by,
+                bucket=bucket,
+                settle=settle,
+                threshold=threshold,
+                admin=admin,
+            )
+        except Exception:
+            log.exception("drift check of %s failed", vendor.name)
+            counts["failed"] += 1
+            continue
+        hooks.drift_checked(report=report)
+        counts["checked"] += 1
+        counts["drifted"] += len(report.drifted)
+        for line in report.drifted:
+            log.warning(
+                "drift: %s %s %s at %s: ledger %d, provider %d (%+d)",
+                vendor.name,
+                line.group,
+                line.measure,
+                line.start.isoformat(),
+                line.ledger,
+                line.provider,
+                line.difference,
+            )
+    return counts
+
+
 def _counts(done: Any) -> dict[str, int]:
     """What a job's result (a dict, or a dataclass such as Purged) counts, by name: its
     numbers, and how many its collections hold (Retained's months)."""
@@ -423,6 +493,43 @@ def purge_expired_operations_task(self: Any) -> dict[str, int]:
         lambda: purge_expired_operations(_ledger(self), timedelta(days=days)),
     )
     return asdict(purged)
+
+
+@cache
+def _admin(name: str) -> Any:
+    """The report-reading client of the vendor named ``name``, from the environment
+    (None: no admin key)."""
+    timeout = float(os.environ.get("BUDGET_TASKS_PROVIDER_TIMEOUT", "60"))
+    return registry.vendor(name).admin_client(timeout)
+
+
+@shared_task(bind=True, name="budget_tasks.check_drift", ignore_result=False)  # type: ignore[untyped-decorator]
+def check_drift_task(self: Any) -> dict[str, int]:
+    conf = self.app.conf
+    threshold = Threshold(
+        float(conf.get("budget_drift_relative", DEFAULT_THRESHOLD.relative)),
+        int(conf.get("budget_drift_min_tokens", DEFAULT_THRESHOLD.tokens)),
+        int(conf.get("budget_drift_min_cost", DEFAULT_THRESHOLD.money)),
+    )
+    since = timedelta(seconds=float(conf.get("budget_drift_since", 2 * 86400)))
+    settle = timedelta(
+        seconds=float(conf.get("budget_drift_settle", DEFAULT_SETTLE.total_seconds()))
+    )
+    by = conf.get("budget_drift_by", "model") or None
+    bucket = conf.get("budget_drift_bucket", "1h")
+    return _job(
+        "check_drift",
+        lambda: check_provider_drift(
+            _ledger(self),
+            registry.vendors(),
+            lambda vendor: _admin(vendor.name),
+            since=since,
+            by=by,
+            bucket=bucket,
+            settle=settle,
+            threshold=threshold,
+        ),
+    )
 
 
 @shared_task(bind=True, name="budget_tasks.retain_ledger", ignore_result=False)  # type: ignore[untyped-decorator]

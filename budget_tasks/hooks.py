@@ -57,6 +57,11 @@ class Hooks:
         for an operator. ``by`` is who read the answer: ``task`` or ``reconcile``.
         Alert on it: a provider or a gateway in front of it answered falsely."""
 
+    def drift_checked(self, *, report: Any) -> None:
+        """The ledger was compared with a vendor's usage and cost reports (a
+        :class:`~budget_tasks.drift.DriftReport`; ``report.drifted`` are the lines
+        beyond the thresholds)."""
+
     # -- a delivery's life, a provider call's, a beat job's (what tracing draws) --------
     # Told from the one place that knows each: the delivery flow (delivery/told.py) and
     # the beat jobs. Every delivery_started is followed by one delivery_ended in the same
@@ -197,6 +202,9 @@ class _Fanout(Hooks):
 
     def untrusted(self, **facts: Any) -> None:
         self._tell("untrusted", facts)
+
+    def drift_checked(self, **facts: Any) -> None:
+        self._tell("drift_checked", facts)
 
     def delivery_started(self, **facts: Any) -> None:
         self._tell("delivery_started", facts)

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -64,6 +64,14 @@ UNTRUSTED_ANSWERS = Counter(
     ["budget", "by"],
 )
 
+PROVIDER_DRIFT = Gauge(
+    "budget_tasks_provider_drift",
+    "The provider's report less the ledger over the last drift check's final windows "
+    "(tokens, or micro-USD for cost), by provider, grouping, group and measure",
+    ["provider", "by", "group", "measure"],
+    multiprocess_mode="mostrecent",
+)
+
 
 class PrometheusHooks(Hooks):
     """The hooks sink that keeps the counters above."""
@@ -97,6 +105,11 @@ class PrometheusHooks(Hooks):
 
     def untrusted(self, *, budget: str, attempt: str, reason: str, by: str) -> None:
         UNTRUSTED_ANSWERS.labels(budget, by).inc()
+
+    def drift_checked(self, *, report: Any) -> None:
+        by = report.by or "all"
+        for (group, measure), difference in report.differences().items():
+            PROVIDER_DRIFT.labels(report.provider, by, group, measure).set(difference)
 
 
 #: The one Prometheus sink of this process: importing this module starts counting.

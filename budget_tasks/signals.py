@@ -23,6 +23,7 @@ __all__ = [
     "answer_untrusted",
     "budget_denied",
     "delivery_replayed",
+    "drift",
     "outcome_unknown",
     "stale_hold",
 ]
@@ -41,6 +42,9 @@ outcome_unknown = Signal(name="budget_tasks.outcome_unknown")
 answer_untrusted = Signal(name="budget_tasks.answer_untrusted")
 #: Sent once per hold when beat flags it stale, with ``hold=`` (a Hold).
 stale_hold = Signal(name="budget_tasks.stale_hold")
+#: A drift check found lines beyond its thresholds: ``sender`` is the provider's name;
+#: ``report`` (a DriftReport), ``lines`` (the drifted DriftLines).
+drift = Signal(name="budget_tasks.drift")
 
 
 class SignalHooks(Hooks):
@@ -57,6 +61,10 @@ class SignalHooks(Hooks):
 
     def untrusted(self, *, budget: str, attempt: str, reason: str, by: str) -> None:
         answer_untrusted.send(sender=by, budget=budget, attempt=attempt, reason=reason, by=by)
+
+    def drift_checked(self, *, report: Any) -> None:
+        if report.drifted:
+            drift.send(sender=report.provider, report=report, lines=report.drifted)
 
     def stale(self, *, hold: Any) -> None:
         stale_hold.send(sender="flag_stale_holds", hold=hold)

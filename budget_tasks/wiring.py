@@ -29,6 +29,8 @@ BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
         "task": "budget_tasks.purge_expired_operations",
         "schedule": 3600.0,
     },
+    # does nothing until an admin key (OPENAI_ADMIN_KEY, ANTHROPIC_ADMIN_KEY) is set
+    "budget-tasks-check-drift": {"task": "budget_tasks.check_drift", "schedule": 3600.0},
     # does nothing until budget_ledger_retention_days and budget_archive_dir are set
     "budget-tasks-retain-ledger": {"task": "budget_tasks.retain_ledger", "schedule": 86400.0},
 }
@@ -58,6 +60,9 @@ ENV_SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "BUDGET_TASKS_ARCHIVE_DIR": ("budget_archive_dir", str),
     "BUDGET_TASKS_MAX_STORED_BYTES": ("budget_max_stored_bytes", int),
     "BUDGET_TASKS_METRICS_PORT": ("budget_metrics_port", int),
+    "BUDGET_TASKS_DRIFT_SINCE": ("budget_drift_since", float),
+    "BUDGET_TASKS_DRIFT_SETTLE": ("budget_drift_settle", float),
+    "BUDGET_TASKS_DRIFT_BY": ("budget_drift_by", str),
     "BUDGET_TASKS_METRICS_ADDR": ("budget_metrics_addr", str),
 }
 VISIBILITY_ENV = "BUDGET_TASKS_VISIBILITY_TIMEOUT"

@@ -1,6 +1,7 @@
 """The ``budget-tasks`` command line, one module per verb group: migrations (``db``),
 budgets, the money's record (holds, corrections, resolutions, actions, the audit),
-operations, retention, what is known of the providers, status and the dashboard,
+operations, retention, what is known of the providers, drift against their reports,
+status and the dashboard,
 and the offline tools (the fake provider, the demo, the walkthrough)."""
 
 from __future__ import annotations
@@ -12,7 +13,17 @@ import click
 from ..errors import BudgetTasksError
 
 # each verb module registers its commands on the root group
-from . import budgets, db, money, offline, operations, providers, retention, status  # noqa: F401
+from . import (  # noqa: F401
+    budgets,
+    db,
+    drift,
+    money,
+    offline,
+    operations,
+    providers,
+    retention,
+    status,
+)
 from ._common import _safe, main
 
 __all__ = ["main", "run"]

@@ -399,6 +399,11 @@ class Attempt:
     #: the most input and output tokens its request allowed (None: not known)
     input_bound: int | None = None
     output_bound: int | None = None
+    #: what its answer said it used (input however billed; output with reasoning), and
+    #: the hint of the API key it was sent with (None: not said)
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    credential: str | None = None
 
     @property
     def bound(self) -> Bound | None:

@@ -872,4 +872,7 @@ def attempt_of(r: Row[Any]) -> Attempt:
         request_digest=r.request_digest,
         input_bound=r.input_bound,
         output_bound=r.output_bound,
+        input_tokens=r.input_tokens,
+        output_tokens=r.output_tokens,
+        credential=r.credential,
     )

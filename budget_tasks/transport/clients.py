@@ -140,13 +140,14 @@ def guarded_client(
     allow: tuple[str, ...] = (),
     image_tokens: int | None = None,
     store_for_lookup: bool = True,
+    prices: Any = None,
     **kwargs: Any,
 ) -> Any:
     """The registered ``vendor``'s official SDK client (its sync class, or its async
     one), built with ``**kwargs``, retries locked off, on a guarded http client whose
     timeout is the SDK client's; its ``copy``/``with_options`` refuse to turn retries
-    back on or to swap the transport. ``allow``, ``image_tokens`` and
-    ``store_for_lookup`` as for :func:`guarded_http_client`."""
+    back on or to swap the transport. ``allow``, ``image_tokens``,
+    ``store_for_lookup`` and ``prices`` as for :func:`guarded_http_client`."""
     found = registry.vendor(vendor)
     name = found.sdk_clients[1 if asynchronous else 0]
     if not found.sdk or not name:
@@ -161,6 +162,7 @@ def guarded_client(
         image_tokens=image_tokens,
         vendor=vendor,
         store_for_lookup=store_for_lookup,
+        prices=prices,
         timeout=kwargs.get("timeout", 600.0),
     )
     key_given = kwargs.get("api_key") is not None or bool(
