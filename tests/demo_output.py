@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-DEMO_CLAIMS = 14  # every "[ok]" line the scenario prints when an invariant held
+DEMO_CLAIMS = 16  # every "[ok]" line the scenario prints when an invariant held
 
 
 def check_embedded_demo(out: str, home: Path) -> None:

@@ -11,7 +11,8 @@ The scenario, each step checked against the ledger and against what the provider
 a worker killed mid-call and the redelivery that does not resend; a provider timeout
 whose hold stays; concurrent admission of two tenants' jobs against caps that do not
 fit them all; duplicate enqueues that replay; the beat jobs flagging and reconciling
-the unknown outcomes; then a final table and the invariants.
+the unknown outcomes; a final table and the invariants; then the ledger against the
+provider's own usage and cost reports, before and after a call that went past it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +90,8 @@ class Run:
     budgets: dict[str, str]
     run_id: str
     jobs: list[Job] = field(default_factory=list)
+    #: when the scenario began (the drift check reads the reports from then)
+    started: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 def document(tenant: str, index: int) -> str:
@@ -324,8 +328,83 @@ def _play(run: Run, echo: Echo) -> bool:
     spent = sum(r.spent for r in rows)
     echo(f"   provider billed {billed}; ledger spent {spent}")
     checks.invariants(ledger, fake, run.budgets, rows, billed)
+    _drift(run, checks, echo)
     echo("\nall invariants held" if checks.ok else "\nSOME INVARIANTS FAILED")
     return checks.ok
+
+
+def _drift(run: Run, checks: Checks, echo: Echo) -> None:
+    """The ledger against the provider's own usage and cost reports, read with an
+    admin key; then a call straight to the provider (a plain SDK client: past the
+    ledger), and the drift it makes."""
+    import openai
+
+    from ..drift import Threshold, check_drift
+    from ..providers import registry
+    from ..providers.base import sdk_client
+
+    echo("\n7. the provider's own usage and cost reports, read with an admin key")
+    vendor = registry.vendor("openai")
+    admin = sdk_client(
+        vendor, base_url=run.fake.openai_base_url, api_key="sk-admin-demo", timeout=10.0
+    )
+    exact = Threshold(relative=0.0, tokens=0, money=0)
+
+    def check() -> Any:
+        # The fake's reports are complete at once; a real provider's lag, and a day's
+        # costs are final once the day is over: checked as of tomorrow.
+        return check_drift(
+            run.ledger,
+            vendor,
+            since=run.started,
+            bucket="1m",
+            by="model",
+            settle=timedelta(0),
+            threshold=exact,
+            admin=admin,
+            now=datetime.now(UTC) + timedelta(days=1),
+        )
+
+    clean = check()
+    for measure in ("input_tokens", "output_tokens", "cost"):
+        ledger, provider = clean.totals(measure)
+        echo(f"   {measure.replace('_', ' ')}: ledger {ledger}, provider's report {provider}")
+    checks.expect(
+        "the ledger agrees with the provider's reports, to the token and the micro-dollar",
+        clean.lines != [] and clean.drifted == [],
+    )
+    plain = openai.OpenAI(
+        base_url=run.fake.openai_base_url, api_key="sk-demo-bypass", max_retries=0
+    )
+    answer = plain.chat.completions.create(
+        model="gpt-4o-mini",
+        max_completion_tokens=64,
+        messages=[{"role": "user", "content": "A call nobody reserved for."}],
+    )
+    plain.close()
+    usage = answer.usage
+    assert usage is not None  # the fake, as the API, reports a completion's usage
+    past = [s for s in run.fake.served() if s.method == "POST" and not s.idempotency_key]
+    echo(
+        f"   a plain SDK client calls the provider directly: {usage.total_tokens} "
+        f"tokens, billed {sum(s.billed for s in past)}"
+    )
+    drifted = check().drifted
+    for line in drifted:
+        echo(
+            f"   drift: {line.group} {line.measure.replace('_', ' ')}: ledger {line.ledger}, "
+            f"provider {line.provider} ({line.difference:+d})"
+        )
+    found = {line.measure: line.difference for line in drifted}
+    checks.expect(
+        "the drift is that call: its tokens and its cost, nothing else",
+        found
+        == {
+            "input_tokens": usage.prompt_tokens,
+            "output_tokens": usage.completion_tokens,
+            "cost": sum(s.billed for s in past),
+        },
+    )
 
 
 def _job(run: Run, tenant: str, document_id: str, index: int) -> Job:
