@@ -259,6 +259,9 @@ class Vendor:
     #: where an admin key for the organisation's usage and cost reports is read from
     #: (unset: this vendor's reports are not read, and its drift is not checked)
     admin_key_env: str = ""
+    #: what reads those reports: a module (or object) with ``usage_report``,
+    #: ``cost_report`` and ``api_keys`` of the shapes below (None: it has none)
+    report_reader: Any = None
 
     def stores_by_default(self, endpoint: Endpoint) -> bool:
         """Whether the provider keeps a request to ``endpoint`` where the request does
@@ -283,16 +286,19 @@ class Vendor:
     def usage_report(self, admin: Any, query: ReportQuery) -> list[UsageLine] | None:
         """The organisation's usage over ``query``, every page of it, read with
         ``admin`` (:meth:`admin_client`); None: this vendor has no usage report."""
-        return None
+        reader = self.report_reader
+        return None if reader is None else list(reader.usage_report(admin, query))
 
     def cost_report(self, admin: Any, query: ReportQuery) -> list[CostLine] | None:
         """The organisation's costs by day over ``query``; None: no cost report."""
-        return None
+        reader = self.report_reader
+        return None if reader is None else list(reader.cost_report(admin, query))
 
     def api_keys(self, admin: Any) -> list[KeyInfo] | None:
         """The organisation's API keys, each with its hint and project; None: the
         vendor does not list them (drift cannot be told by key or project)."""
-        return None
+        reader = self.report_reader
+        return None if reader is None else list(reader.api_keys(admin))
 
     def admin_client(self, timeout: float) -> Any | None:
         """An SDK client that reads the reports, with the admin key from

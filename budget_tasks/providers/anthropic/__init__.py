@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
 from ...pricing import Prices
 from ..base import Clients, Endpoint, Kind, LookupFacts, Rule, Vendor
 from ..lookups import Lookup, Unknowable
-from ..reports import CostLine, KeyInfo, ReportQuery, UsageLine
 from . import estimates
 from . import reports as org_reports
 from . import usage as usage_of
@@ -37,6 +35,7 @@ class Anthropic(Vendor):
     base_url_env = "ANTHROPIC_BASE_URL"
     credential_arguments = ("api_key", "auth_token")
     admin_key_env = "ANTHROPIC_ADMIN_KEY"
+    report_reader = org_reports
 
     def __init__(
         self,
@@ -133,17 +132,6 @@ class Anthropic(Vendor):
                 prices=prices,
             )
         return Unknowable(f"{self.name} has no lookup named {facts.lookup!r}")
-
-    # -- usage and cost reports (admin key) ------------------------------------------------
-
-    def usage_report(self, admin: Any, query: ReportQuery) -> list[UsageLine] | None:
-        return org_reports.usage_report(admin, query)
-
-    def cost_report(self, admin: Any, query: ReportQuery) -> list[CostLine] | None:
-        return org_reports.cost_report(admin, query)
-
-    def api_keys(self, admin: Any) -> list[KeyInfo] | None:
-        return org_reports.api_keys(admin)
 
 
 __all__ = ["Anthropic"]

@@ -20,7 +20,6 @@ from typing import Any
 from ...pricing import Estimate, Prices
 from ..base import Clients, Endpoint, Kind, LookupFacts, Rule, Vendor
 from ..lookups import Lookup, Unknowable
-from ..reports import CostLine, KeyInfo, ReportQuery, UsageLine
 from . import estimates
 from . import reports as org_reports
 from . import usage as usage_of
@@ -53,6 +52,7 @@ class OpenAI(Vendor):
     key_env = "OPENAI_API_KEY"
     base_url_env = "OPENAI_BASE_URL"
     admin_key_env = "OPENAI_ADMIN_KEY"
+    report_reader = org_reports
 
     def __init__(
         self,
@@ -341,17 +341,6 @@ class OpenAI(Vendor):
                 prices=prices,
             )
         return Unknowable(f"{self.name} has no lookup named {facts.lookup!r}")
-
-    # -- usage and cost reports (admin key) ------------------------------------------------
-
-    def usage_report(self, admin: Any, query: ReportQuery) -> list[UsageLine] | None:
-        return org_reports.usage_report(admin, query)
-
-    def cost_report(self, admin: Any, query: ReportQuery) -> list[CostLine] | None:
-        return org_reports.cost_report(admin, query)
-
-    def api_keys(self, admin: Any) -> list[KeyInfo] | None:
-        return org_reports.api_keys(admin)
 
 
 __all__ = ["OpenAI"]
