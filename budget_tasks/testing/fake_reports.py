@@ -23,13 +23,28 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..pricing import Prices, Usage
 from ..pricing.usage import PriceContext
 
-if TYPE_CHECKING:
-    from .fake_provider import Served
+
+class Served(Protocol):
+    """What a report reads of one request the fake served (its ``Served`` record)."""
+
+    @property
+    def vendor(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def at(self) -> float: ...
+    @property
+    def key_id(self) -> str | None: ...
+    @property
+    def project(self) -> str | None: ...
+    @property
+    def bills(self) -> list[Bill]: ...
+
 
 OPENAI = "openai"
 ANTHROPIC = "anthropic"
