@@ -42,6 +42,15 @@ def _shown(measure: str, value: int) -> str:
     return usd(value) if measure == "cost" else f"{value:,}"
 
 
+def _window(line: Any) -> str:
+    """A line's window in UTC: a day as its date, a minute or an hour as its start and
+    width."""
+    width = line.end - line.start
+    if width >= timedelta(days=1):
+        return f"{line.start:%Y-%m-%d}"
+    return f"{line.start:%Y-%m-%d %H:%M} +{'1h' if width >= timedelta(hours=1) else '1m'}"
+
+
 def _difference(measure: str, value: int) -> str:
     sign = "+" if value > 0 else "-" if value < 0 else ""
     return sign + _shown(measure, abs(value))
@@ -127,7 +136,7 @@ def drift(
     def table() -> str:
         rows = [
             [
-                f"{line.start:%Y-%m-%d %H:%M}",
+                _window(line),
                 line.group,
                 line.measure.replace("_", " "),
                 _shown(line.measure, line.ledger),
@@ -138,7 +147,7 @@ def drift(
             ]
             for line in shown
         ]
-        head = ["window", report.by or "group", "measure", "ledger", "provider"]
+        head = ["window (UTC)", report.by or "group", "measure", "ledger", "provider"]
         text = _table([*head, "difference", "open", "status"], rows)
         agreed = len(report.lines) - len(shown)
         tail = [f"{agreed} line(s) agree (--all shows them)"] if agreed else []
