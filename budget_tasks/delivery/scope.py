@@ -120,6 +120,7 @@ class Recorded:
         self.credential: str | None = None
         self.input_tokens: int | None = None
         self.output_tokens: int | None = None
+        self.answered_by: str | None = None
         self._ledger: _Grants | None = ledger
         #: what the ledger records of the call (written with the admission)
         self._described = described
@@ -191,6 +192,7 @@ class Recorded:
             self.credential,
             self.input_tokens,
             self.output_tokens,
+            self.answered_by,
         )
 
     def record_usage(self, cost: int) -> None:
@@ -267,8 +269,16 @@ class Recorded:
         if sent.cost is not None:
             self.actual = (self.actual or 0) + sent.cost
             if sent.usage is not None:
-                self.input_tokens = (self.input_tokens or 0) + sent.usage.input_total
-                self.output_tokens = (self.output_tokens or 0) + sent.usage.output_tokens
+                # as the vendor's usage reports count them: not at all for an endpoint
+                # they count in other units (images, characters)
+                counted = getattr(sent, "tokens_reported", True)
+                self.input_tokens = (self.input_tokens or 0) + (
+                    sent.usage.input_total if counted else 0
+                )
+                self.output_tokens = (self.output_tokens or 0) + (
+                    sent.usage.output_tokens if counted else 0
+                )
+                self.answered_by = sent.model or self.answered_by
         else:
             self.awaiting_usage = True
         self.in_flight = False

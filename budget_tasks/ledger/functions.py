@@ -69,7 +69,7 @@ FINISH = """
 SELECT amount FROM budget_tasks_finish(
     :operation_id, :owner, :key, :actual, :estimate_only, :note, :request_id,
     :response_id, :result, :now, :record, :answer, :provider, :credential,
-    CAST(:input_tokens AS bigint), CAST(:output_tokens AS bigint))"""
+    CAST(:input_tokens AS bigint), CAST(:output_tokens AS bigint), :answered_by)"""
 
 #: Every parameter ADMIT names, in order.
 ADMIT_PARAMS = tuple(re.findall(r"(?<!:):(\w+)", ADMIT))

@@ -87,10 +87,12 @@ UNTRUSTED_LOOKUP = "untrusted"
 @dataclass(frozen=True, slots=True)
 class Answered:
     """What a call's answer said, written with its settlement (or its unknown): the
-    provider's request and response ids, the vendor that answered, the hint of the API
-    key that sent it (never the key: see ``providers.reports.hint_of``), and the tokens
-    it used: every input token however billed (cache reads and writes too), and
-    output with reasoning. The drift check compares these with the vendor's reports."""
+    provider's request and response ids, the vendor it was sent to, the hint of the API
+    key that sent it (never the key: see ``providers.reports.hint_of``), the model that
+    answered (a snapshot of the one asked for), and the tokens it used as the vendor's
+    usage reports count them: every input token however billed (cache reads and writes
+    too), and output with reasoning (0 for an endpoint whose tokens those reports do not
+    count). The drift check compares these with the vendor's reports."""
 
     request_id: str | None = None
     response_id: str | None = None
@@ -98,12 +100,14 @@ class Answered:
     credential: str | None = None
     input_tokens: int | None = None
     output_tokens: int | None = None
+    answered_by: str | None = None
 
     def __post_init__(self) -> None:
         check.optional_text(self.request_id, "request_id")
         check.optional_text(self.response_id, "response_id", max_length=255)
         check.optional_text(self.provider, "provider", max_length=64)
         check.optional_text(self.credential, "credential", max_length=64)
+        check.optional_text(self.answered_by, "answered_by", max_length=100)
         for name in ("input_tokens", "output_tokens"):
             value = getattr(self, name)
             if value is not None:
@@ -118,6 +122,7 @@ class Answered:
             "credential": self.credential,
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
+            "answered_by": self.answered_by,
         }
 
 
@@ -404,6 +409,8 @@ class Attempt:
     input_tokens: int | None = None
     output_tokens: int | None = None
     credential: str | None = None
+    #: the model that answered (a snapshot of ``model``, the one asked for)
+    answered_by: str | None = None
 
     @property
     def bound(self) -> Bound | None:

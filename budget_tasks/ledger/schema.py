@@ -234,11 +234,13 @@ attempts = Table(
     Column("input_bound", BigInteger, nullable=True),
     Column("output_bound", BigInteger, nullable=True),
     # Added in migration 0020: what its answer said it used (every input token however
-    # billed; output with reasoning), and the hint of the API key it was sent with
-    # (never the key): the drift check compares them with the vendors' reports.
+    # billed; output with reasoning), the model that answered, and the hint of the API
+    # key it was sent with (never the key): the drift check compares them with the
+    # vendors' reports.
     Column("input_tokens", BigInteger, nullable=True),
     Column("output_tokens", BigInteger, nullable=True),
     Column("credential", String(64), nullable=True),
+    Column("answered_by", String(100), nullable=True),
     UniqueConstraint("key"),
     CheckConstraint("amount >= 0", name="amount_not_negative"),
     CheckConstraint("actual IS NULL OR actual >= 0", name="actual_not_negative"),

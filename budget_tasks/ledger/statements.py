@@ -152,7 +152,8 @@ _ANSWERED = """request_id = COALESCE(request_id, :request_id),
     provider = COALESCE(provider, :provider),
     credential = COALESCE(:credential, credential),
     input_tokens = COALESCE(CAST(:input_tokens AS BIGINT), input_tokens),
-    output_tokens = COALESCE(CAST(:output_tokens AS BIGINT), output_tokens)"""
+    output_tokens = COALESCE(CAST(:output_tokens AS BIGINT), output_tokens),
+    answered_by = COALESCE(:answered_by, answered_by)"""
 
 #: The resolution, with what the call's answer said when the run kept it for it
 #: (written with the settlement: one commit).

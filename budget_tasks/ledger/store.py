@@ -875,4 +875,5 @@ def attempt_of(r: Row[Any]) -> Attempt:
         input_tokens=r.input_tokens,
         output_tokens=r.output_tokens,
         credential=r.credential,
+        answered_by=r.answered_by,
     )

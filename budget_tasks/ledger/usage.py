@@ -64,15 +64,19 @@ def provider_usage(
     store: Store, provider: str, start: datetime, end: datetime, bucket: str
 ) -> list[UsageRow]:
     """``provider``'s attempts sent in ``[start, end)``, by ``bucket`` ("1m", "1h" or
-    "1d"), model and key hint. An attempt is the provider's where its answer said so,
-    or, where it said nothing (it never answered), where its lookup is the vendor's
-    (``openai.chat``). Released attempts billed nothing and are left out."""
+    "1d"), model (the one that answered, else the one asked for) and key hint. An
+    attempt is the provider's where its run said so (with its end, an answer or an
+    unknown outcome), or, where nothing was said (a run killed mid-call), where its
+    lookup is the vendor's (``openai.chat``). Released attempts billed nothing and are
+    left out."""
     check.text(provider, "provider", max_length=64)
     start, end = check.moment(start, "start"), check.moment(end, "end")
     if bucket not in _TRUNCATE:
         raise ValueError(f"bucket must be one of {', '.join(_TRUNCATE)}, not {bucket!r}")
     a = attempts.c
     at = _bucket(store.dialect, bucket, a.sending_at).label("bucket")
+    # the model that answered (as the reports name it), else the one asked for
+    model = func.coalesce(a.answered_by, a.model).label("model")
     is_open = a.state.in_(("sending", "unknown"))
     settled = a.state == "settled"
 
@@ -82,7 +86,7 @@ def provider_usage(
     query = (
         select(
             at,
-            a.model,
+            model,
             a.credential,
             func.count().label("sent"),
             func.coalesce(func.sum(case((is_open, 1), else_=0)), 0).label("open"),
@@ -115,7 +119,7 @@ def provider_usage(
                 and_(a.provider.is_(None), a.lookup.startswith(f"{provider}.", autoescape=True)),
             )
         )
-        .group_by(at, a.model, a.credential)
+        .group_by(at, model, a.credential)
         .order_by(at)
     )
     with store.driver.transaction() as cur:

@@ -125,6 +125,9 @@ class Endpoint:
     #: "json": the answer is JSON; "bytes": it is not (audio), and ``usage`` reads the
     #: request alone
     answer: str = "json"
+    #: whether the vendor's usage reports count its tokens (the drift check compares
+    #: them); images and speech are counted in images and characters
+    tokens_reported: bool = True
 
 
 class Kind(enum.Enum):
@@ -262,6 +265,8 @@ class Vendor:
     #: what reads those reports: a module (or object) with ``usage_report``,
     #: ``cost_report`` and ``api_keys`` of the shapes below (None: it has none)
     report_reader: Any = None
+    #: what its cost report can be grouped by (of ``reports.GROUPINGS``)
+    cost_groupings: tuple[str, ...] = ("model", "project")
 
     def stores_by_default(self, endpoint: Endpoint) -> bool:
         """Whether the provider keeps a request to ``endpoint`` where the request does
@@ -383,3 +388,6 @@ class Sent:
     bound: Bound | None = None
     #: the hint of the API key it was sent with (``reports.hint_of``; never the key)
     credential: str | None = None
+    #: whether the vendor's usage reports count its tokens (its endpoint's
+    #: ``tokens_reported``)
+    tokens_reported: bool = True

@@ -326,6 +326,7 @@ def _sent(
         stored,
         bound=bound,
         credential=m.credential,
+        tokens_reported=m.endpoint.tokens_reported,
     )
 
 

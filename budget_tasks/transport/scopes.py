@@ -84,7 +84,11 @@ class ScopedCall:
         self._step = manager.step(
             self.scope, m.estimate.amount, m.label, m.facts, m.estimate.price_version
         )
-        return self._step.__enter__()
+        call = self._step.__enter__()
+        # whom it is sent to and with which key, known before it is sent: written with
+        # its end, an answer or an unknown outcome (the drift check reads them)
+        call.provider, call.credential = m.provider, m.credential
+        return call
 
     def provider_key(self, call: Call) -> str:
         """What the provider is sent as the call's key; reading it grants the send."""

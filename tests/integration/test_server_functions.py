@@ -56,7 +56,7 @@ BUDGETS: dict[str, tuple[int, str, str | None, str, bool, int]] = {
 NAMES = list(BUDGETS)
 OWNERS = ("w1", "w2")
 #: what an answer said: ids, vendor, key hint and tokens, written with the settlement
-SAID = Answered("req_1", "resp_1", "openai", "sk-abc...wxyz", 120, 30)
+SAID = Answered("req_1", "resp_1", "openai", "sk-abc...wxyz", 120, 30, "gpt-4o-mini-2024-07-18")
 
 #: What the function path did over the whole run, counted by the instrumented driver.
 SEEN = {"ran": 0, "declined": 0}
@@ -84,7 +84,8 @@ DUMPS = {
                a.state, a.price_version, o.key, a.label, a.step, a.created_at, a.sending_at,
                a.resolved_at, a.note, a.estimate_only, a.answer, a.request_id, a.response_id,
                a.lookup, a.model, a.timeout_ms, a.request_digest, a.input_bound,
-               a.output_bound, a.recorded_actual
+               a.output_bound, a.recorded_actual, a.provider, a.credential, a.input_tokens,
+               a.output_tokens, a.answered_by
         FROM attempts a JOIN budgets b ON b.id = a.budget_id
         JOIN budget_periods p ON p.id = a.period_id
         LEFT JOIN operations o ON o.id = a.operation_id

@@ -2,7 +2,8 @@ CREATE OR REPLACE FUNCTION budget_tasks_finish(
     p_operation_id bigint, p_owner text, p_key text, p_actual bigint,
     p_estimate_only boolean, p_note text, p_request_id text, p_response_id text,
     p_result text, p_now timestamptz, p_record text, p_answer text, p_provider text,
-    p_credential text, p_input_tokens bigint, p_output_tokens bigint, OUT amount bigint)
+    p_credential text, p_input_tokens bigint, p_output_tokens bigint, p_answered_by text,
+    OUT amount bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     made bigint;
@@ -54,7 +55,8 @@ BEGIN
         provider = COALESCE(provider, p_provider),
         credential = COALESCE(p_credential, credential),
         input_tokens = COALESCE(p_input_tokens, input_tokens),
-        output_tokens = COALESCE(p_output_tokens, output_tokens)
+        output_tokens = COALESCE(p_output_tokens, output_tokens),
+        answered_by = COALESCE(p_answered_by, answered_by)
     WHERE id = made;  -- locked above, and read as sending
     -- a labelled call's answer, kept for replay (statements.STORE_SIDE_EFFECT)
     IF p_record IS NOT NULL THEN

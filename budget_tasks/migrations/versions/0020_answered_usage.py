@@ -1,11 +1,12 @@
 """What each attempt's answer said it used, for the drift check against the vendors'
-usage and cost reports: its input and output tokens, and the hint of the API key it
-was sent with (a few characters at each end, as the vendors' consoles show; never the
-key).
+usage and cost reports: its input and output tokens, the model that answered, and the
+hint of the API key it was sent with (a few characters at each end, as the vendors'
+consoles show; never the key).
 
-- ``attempts`` gains ``input_tokens``, ``output_tokens`` and ``credential``.
-- ``budget_tasks_finish`` takes four arguments more (the vendor, the key's hint and
-  the tokens) and writes them with the settlement: it and ``budget_tasks_admit`` are
+- ``attempts`` gains ``input_tokens``, ``output_tokens``, ``credential`` and
+  ``answered_by``.
+- ``budget_tasks_finish`` takes five arguments more (the vendor, the key's hint, the
+  tokens and the model that answered) and writes them with the settlement: it and ``budget_tasks_admit`` are
   dropped and made again from the text below (CREATE OR REPLACE cannot change a
   function's arguments).
 
@@ -212,7 +213,8 @@ CREATE OR REPLACE FUNCTION budget_tasks_finish(
     p_operation_id bigint, p_owner text, p_key text, p_actual bigint,
     p_estimate_only boolean, p_note text, p_request_id text, p_response_id text,
     p_result text, p_now timestamptz, p_record text, p_answer text, p_provider text,
-    p_credential text, p_input_tokens bigint, p_output_tokens bigint, OUT amount bigint)
+    p_credential text, p_input_tokens bigint, p_output_tokens bigint, p_answered_by text,
+    OUT amount bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     made bigint;
@@ -264,7 +266,8 @@ BEGIN
         provider = COALESCE(provider, p_provider),
         credential = COALESCE(p_credential, credential),
         input_tokens = COALESCE(p_input_tokens, input_tokens),
-        output_tokens = COALESCE(p_output_tokens, output_tokens)
+        output_tokens = COALESCE(p_output_tokens, output_tokens),
+        answered_by = COALESCE(p_answered_by, answered_by)
     WHERE id = made;  -- locked above, and read as sending
     -- a labelled call's answer, kept for replay (statements.STORE_SIDE_EFFECT)
     IF p_record IS NOT NULL THEN
@@ -307,6 +310,7 @@ def upgrade() -> None:
         batch.add_column(sa.Column("input_tokens", sa.BigInteger, nullable=True))
         batch.add_column(sa.Column("output_tokens", sa.BigInteger, nullable=True))
         batch.add_column(sa.Column("credential", sa.String(64), nullable=True))
+        batch.add_column(sa.Column("answered_by", sa.String(100), nullable=True))
     if op.get_bind().dialect.name != "postgresql":
         return
     for statement in (*DROP_DDL, *FUNCTIONS_DDL):
@@ -318,6 +322,7 @@ def downgrade() -> None:
         for statement in (*DROP_DDL, *_revision_0019().FUNCTIONS_DDL):
             op.execute(statement)
     with op.batch_alter_table("attempts") as batch:
+        batch.drop_column("answered_by")
         batch.drop_column("credential")
         batch.drop_column("output_tokens")
         batch.drop_column("input_tokens")
