@@ -144,8 +144,8 @@ class Pages:
 
     def micro_usd(self, value: Any, currency: Any, per_unit: int, fields: tuple[str, str]) -> int:
         """An amount in USD, ``per_unit`` micro-USD a unit (dollars, cents), as a whole
-        number of micro-USD rounded up; a negative or endless amount, or another
-        currency, is refused. ``fields``: where the value and the currency were read."""
+        number of micro-USD rounded up (a credit, below 0, too); an endless amount, or
+        another currency, is refused. ``fields``: where the value and the currency were read."""
         field, currency_field = fields
         if not isinstance(currency, str) or currency.upper() != "USD":
             raise self.unreadable(currency_field, currency)
@@ -153,7 +153,7 @@ class Pages:
             if isinstance(value, bool) or not isinstance(value, int | Decimal | str):
                 raise TypeError(value)
             amount = Decimal(value)
-            if not amount.is_finite() or amount < 0:
+            if not amount.is_finite():
                 raise ValueError(value)
             return int((amount * per_unit).to_integral_value(rounding=ROUND_CEILING))
         except (TypeError, ValueError, ArithmeticError):

@@ -73,8 +73,9 @@ class UsageLine:
 @dataclass(frozen=True, slots=True)
 class CostLine:
     """Money one day of a cost report counts for one group, in micro-USD (the vendor's
-    decimal amount, rounded up to the micro-dollar). ``model`` where the line says
-    which model it is for (else None); ``line_item`` the vendor's own label."""
+    decimal amount, rounded up to the micro-dollar; a credit is below 0). ``model``
+    where the line says which model it is for (else None); ``line_item`` the vendor's
+    own label; ``api_key_id`` where the report was grouped by key."""
 
     start: datetime
     end: datetime
@@ -82,6 +83,7 @@ class CostLine:
     project: str | None = None
     model: str | None = None
     line_item: str | None = None
+    api_key_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

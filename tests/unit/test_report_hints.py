@@ -13,9 +13,11 @@ OPENAI_KEY = "sk-proj-Xq3mT9vL2pR8wK4nY6bH1cJ5dF7gA0sE-Ab1C"
 ANTHROPIC_KEY = "sk-ant-api03-R2Dx7Qm9Lp3Vt6Wk1Nz8Bc4Hj5Fg0Ys2Ue-igAA"
 
 
-def test_a_long_keys_hint_is_its_first_twelve_and_last_four_characters() -> None:
+def test_a_keys_hint_is_at_most_its_first_sixteen_and_last_four_characters() -> None:
     assert hint_of(OPENAI_KEY) == "sk-proj-Xq3mT9v...Ab1C"  # 46 characters: a third
     assert hint_of(ANTHROPIC_KEY) == "sk-ant-api03-R2D...igAA"
+    long_key = "sk-proj-" + "x" * 150 + "Ab1C"
+    assert hint_of(long_key) == "sk-proj-xxxxxxxx...Ab1C"
 
 
 @pytest.mark.parametrize(

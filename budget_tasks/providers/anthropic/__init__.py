@@ -43,8 +43,14 @@ class Anthropic(Vendor):
         *,
         hosts: Sequence[str] = ("api.anthropic.com",),
         price_provider: str | None = "anthropic",
+        admin_key_env: str | None = None,
     ) -> None:
         self.name = name
+        # another endpoint's traffic is not Anthropic's organisation's: its drift is
+        # checked only where it is given an admin key variable of its own
+        if admin_key_env is None:
+            admin_key_env = type(self).admin_key_env if name == "anthropic" else ""
+        self.admin_key_env = admin_key_env
         self.hosts = tuple(hosts)
         self.price_provider = price_provider
         self.lookups = (f"{name}.messages", f"{name}.batch")

@@ -53,6 +53,7 @@ class OpenAI(Vendor):
     base_url_env = "OPENAI_BASE_URL"
     admin_key_env = "OPENAI_ADMIN_KEY"
     report_reader = org_reports
+    cost_groupings = ("model", "api_key", "project")
 
     def __init__(
         self,
@@ -62,8 +63,14 @@ class OpenAI(Vendor):
         price_provider: str | None = "openai",
         project_tier: str | None = None,
         stores_chat: bool | None = None,
+        admin_key_env: str | None = None,
     ) -> None:
         self.name = name
+        # a gateway's traffic is not the OpenAI organisation's: its drift is checked
+        # only where it is given an admin key variable of its own
+        if admin_key_env is None:
+            admin_key_env = type(self).admin_key_env if name == "openai" else ""
+        self.admin_key_env = admin_key_env
         self.stores_chat = name == "openai" if stores_chat is None else stores_chat
         self.hosts = tuple(hosts)
         self.price_provider = price_provider
@@ -179,6 +186,7 @@ class OpenAI(Vendor):
                     f"{p}.images",
                     partial(estimates.images, provider=provider),
                     usage_of.images,
+                    tokens_reported=False,  # the images usage report counts images
                 ),
             ),
             metered(
@@ -188,6 +196,7 @@ class OpenAI(Vendor):
                     partial(estimates.speech, provider=provider),
                     usage_of.speech,
                     answer="bytes",
+                    tokens_reported=False,  # the speech usage report counts characters
                 ),
                 "billed by the characters of its input (per-character voices only)",
             ),

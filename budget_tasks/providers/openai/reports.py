@@ -76,13 +76,14 @@ def usage_report(admin: Any, query: ReportQuery, *, limit: int | None = None) ->
 
 
 def cost_report(admin: Any, query: ReportQuery, *, limit: int | None = None) -> list[CostLine]:
-    """Costs by day over ``query``, by line item (and project where asked)."""
+    """Costs by day over ``query``, by line item (and project, API key where asked)."""
     pages = Pages(admin, "openai", "cost")
-    by_project = "project" in query.group_by
+    by_project, by_key = "project" in query.group_by, "api_key" in query.group_by
+    grouped = ["line_item"] + (["project_id"] if by_project else [])
     params = {
         **_window(query),
         "bucket_width": "1d",
-        "group_by": ["line_item", "project_id"] if by_project else ["line_item"],
+        "group_by": grouped + (["api_key_id"] if by_key else []),
         "limit": page_limit(limit, COSTS_LIMIT),
     }
     lines = []
@@ -105,6 +106,7 @@ def cost_report(admin: Any, query: ReportQuery, *, limit: int | None = None) -> 
                 project=pages.text(result, "project_id") if by_project else None,
                 model=model or None,
                 line_item=item,
+                api_key_id=pages.text(result, "api_key_id") if by_key else None,
             )
         )
     return lines
