@@ -16,7 +16,8 @@ past the client timeout before "not found" counts, default 300),
 row is kept), and for drift ``budget_drift_since`` (seconds, default 2 days),
 ``budget_drift_by`` (``model``, ``api_key``, ``project`` or empty; default ``model``),
 ``budget_drift_bucket`` (``1m``, ``1h`` or ``1d``: the token windows; default ``1h``),
-``budget_drift_settle`` (seconds, default 3600), ``budget_drift_relative``,
+``budget_drift_settle`` (seconds, default 3600), ``budget_drift_cost_settle`` (seconds,
+default 43200), ``budget_drift_relative``,
 ``budget_drift_min_tokens`` and ``budget_drift_min_cost`` (micro-USD).
 """
 
@@ -35,7 +36,13 @@ from celery import shared_task
 from . import signals
 from ._trust import doubt
 from .config import ledger_of
-from .drift import DEFAULT_SETTLE, DEFAULT_THRESHOLD, Threshold, check_drift
+from .drift import (
+    DEFAULT_COST_SETTLE,
+    DEFAULT_SETTLE,
+    DEFAULT_THRESHOLD,
+    Threshold,
+    check_drift,
+)
 from .errors import BudgetTasksError
 from .hooks import RECONCILE_OUTCOMES, hooks
 from .ledger import Attempt, Hold, Ledger
@@ -368,6 +375,7 @@ def check_provider_drift(
     by: str | None = "model",
     bucket: str = "1h",
     settle: timedelta = DEFAULT_SETTLE,
+    cost_settle: timedelta = DEFAULT_COST_SETTLE,
     threshold: Threshold | None = None,
 ) -> dict[str, int]:
     """Compare the ledger with each vendor's usage and cost reports over the last
@@ -395,6 +403,7 @@ def check_provider_drift(
                 by=by,
                 bucket=bucket,
                 settle=settle,
+                cost_settle=cost_settle,
                 threshold=threshold,
                 admin=admin,
             )
@@ -515,6 +524,9 @@ def check_drift_task(self: Any) -> dict[str, int]:
     settle = timedelta(
         seconds=float(conf.get("budget_drift_settle", DEFAULT_SETTLE.total_seconds()))
     )
+    cost_settle = timedelta(
+        seconds=float(conf.get("budget_drift_cost_settle", DEFAULT_COST_SETTLE.total_seconds()))
+    )
     by = conf.get("budget_drift_by", "model") or None
     bucket = conf.get("budget_drift_bucket", "1h")
     return _job(
@@ -527,6 +539,7 @@ def check_drift_task(self: Any) -> dict[str, int]:
             by=by,
             bucket=bucket,
             settle=settle,
+            cost_settle=cost_settle,
             threshold=threshold,
         ),
     )

@@ -16,7 +16,11 @@ compares one measure (input tokens, output tokens or cost) over one window and g
   ``open``, for reconciliation to settle, not drift;
 - two neighbouring windows whose differences cancel (within the thresholds) are
   ``shifted``: a call sent as one window ended, counted by the vendor in the next;
-- a difference beyond both thresholds, the relative and the absolute, is ``drift``.
+- a token line whose settled attempts include some with no tokens recorded (settled
+  by an operator, or before the ledger kept them) is ``untold``: not comparable;
+- a difference beyond both thresholds, the relative and the absolute, is ``drift``;
+- each group and measure also has a ``total`` line over its final windows, judged the
+  same way: a leak too small for any one window to show adds up there.
 
 Tokens are compared per usage bucket (1m, 1h or 1d); money per day, the cost reports'
 only bucket. This module reads; it never writes the ledger.
@@ -41,11 +45,13 @@ from .providers.reports import BUCKETS, GROUPINGS, KeyInfo, ReportQuery, key_for
 #: What a line compares.
 MEASURES = ("input_tokens", "output_tokens", "cost")
 #: What a line's comparison came to.
-STATUSES = ("ok", "drift", "open", "shifted", "pending")
+STATUSES = ("ok", "drift", "open", "shifted", "untold", "pending")
 #: The group of a line not grouped.
 ALL = "all"
-#: How long after a window ends its report is taken as final, by default.
+#: How long after a window ends its report is taken as final, by default: usage, and
+#: the daily costs (which the vendors take longer to count).
 DEFAULT_SETTLE = timedelta(hours=1)
+DEFAULT_COST_SETTLE = timedelta(hours=12)
 
 #: What a snapshot adds to a model's name: ``-2024-08-06``, ``-20251001``, ``-0125``.
 _SNAPSHOT = re.compile(r"-(\d{4}-\d{2}-\d{2}|\d{8}|\d{4})$")
@@ -100,6 +106,8 @@ class DriftLine:
     open: int
     open_bound: int
     status: str
+    #: a group's and measure's sum over its final windows (``start`` to ``end``)
+    total: bool = False
 
     @property
     def difference(self) -> int:
@@ -117,6 +125,7 @@ class DriftLine:
             "open": self.open,
             "open_bound": self.open_bound,
             "status": self.status,
+            "total": self.total,
         }
 
 
@@ -142,7 +151,7 @@ class DriftReport:
         the ``budget_tasks_provider_drift`` gauge shows)."""
         found: dict[tuple[str, str], int] = {}
         for line in self.lines:
-            if line.status != "pending":
+            if line.status != "pending" and not line.total:
                 slot = (line.group, line.measure)
                 found[slot] = found.get(slot, 0) + line.difference
         return found
@@ -152,7 +161,9 @@ class DriftReport:
         lines = [
             line
             for line in self.lines
-            if line.measure == measure and not (final_only and line.status == "pending")
+            if line.measure == measure
+            and not line.total
+            and not (final_only and line.status == "pending")
         ]
         return sum(line.ledger for line in lines), sum(line.provider for line in lines)
 
@@ -180,6 +191,14 @@ class _Sums:
     provider: int = 0
     open: int = 0
     open_bound: int = 0
+    untold: int = 0
+
+    def add(self, other: _Sums) -> None:
+        self.ledger += other.ledger
+        self.provider += other.provider
+        self.open += other.open
+        self.open_bound += other.open_bound
+        self.untold += other.untold
 
 
 class _Groups:
@@ -198,8 +217,8 @@ class _Groups:
         if self.by == "model":
             return model_family(row.model)
         key = self._key(row.credential)
-        if key is None:
-            return f"(key {row.credential} not listed)" if row.credential else "(no key recorded)"
+        if key is None:  # the hint is not named: a group is a metric's label
+            return "(unlisted key)" if row.credential else "(no key recorded)"
         return key.id if self.by == "api_key" else key.project or "(default)"
 
     def provider(self, model: str | None, api_key_id: str | None, project: str | None) -> str:
@@ -219,6 +238,8 @@ def _status(measure: str, sums: _Sums, final: bool, threshold: Threshold) -> str
         return "ok"
     if sums.open and 0 < sums.provider - sums.ledger <= sums.open_bound:
         return "open"
+    if sums.untold and measure != "cost":
+        return "untold"
     return "drift"
 
 
@@ -229,6 +250,8 @@ def _lines(
     settled_by: datetime,
     threshold: Threshold,
 ) -> list[DriftLine]:
+    """The windows' lines of ``measure``, by group then time, and each group's total
+    over its final windows."""
     lines = [
         DriftLine(
             measure,
@@ -245,7 +268,29 @@ def _lines(
             ((group, start), sums) for (start, group), sums in table.items()
         )
     ]
-    return _shifted(lines, threshold)
+    totals: dict[str, tuple[datetime, datetime, _Sums, int]] = {}
+    for (start, group), sums in table.items():
+        if start + width > settled_by:
+            continue
+        first, last, total, count = totals.get(group, (start, start + width, _Sums(), 0))
+        total.add(sums)
+        totals[group] = (min(first, start), max(last, start + width), total, count + 1)
+    return _shifted(lines, threshold) + [
+        DriftLine(
+            measure,
+            first,
+            last,
+            group,
+            total.ledger,
+            total.provider,
+            total.open,
+            total.open_bound,
+            _status(measure, total, True, threshold),
+            total=True,
+        )
+        for group, (first, last, total, count) in sorted(totals.items())
+        if count > 1  # one window's total is that window
+    ]
 
 
 def _shifted(lines: list[DriftLine], threshold: Threshold) -> list[DriftLine]:
@@ -278,6 +323,7 @@ def check_drift(
     by: str | None = None,
     bucket: str = "1h",
     settle: timedelta = DEFAULT_SETTLE,
+    cost_settle: timedelta = DEFAULT_COST_SETTLE,
     threshold: Threshold | None = None,
     admin: Any = None,
     timeout: float = 30.0,
@@ -288,8 +334,9 @@ def check_drift(
     None), tokens per ``bucket``. ``admin``: the SDK client that reads the reports
     (default: the vendor's, from its admin key variable; none set raises DriftOff).
     ``now`` (default: the ledger's clock) is when the check is made: a window is final
-    once it ended ``settle`` before it. A report that cannot be read raises
-    (ReportUnreadable, or the SDK's error)."""
+    once it ended ``settle`` before it (a day's costs, ``cost_settle``), and by
+    ``until``. A report that cannot be read raises (ReportUnreadable, or the SDK's
+    error)."""
     if by is not None and by not in GROUPINGS:
         raise ValueError(f"by must be one of {', '.join(GROUPINGS)}, not {by!r}")
     threshold = threshold or Threshold()
@@ -310,8 +357,9 @@ def check_drift(
             notes.append(f"{vendor.name} does not list its API keys: keys are not attributed")
         keys = listed or []
     groups = _Groups(by, keys)
-    settled_by = now - settle
+    settled_by = min(now - settle, end)
     group_by = (by,) if by else ()
+    untold = 0
 
     tokens: dict[str, dict[tuple[datetime, str], _Sums]] = {
         "input_tokens": defaultdict(_Sums),
@@ -332,16 +380,20 @@ def check_drift(
                 sums.ledger += getattr(row, measure)
                 sums.open += row.open
                 sums.open_bound += row.open_tokens
-            if row.untold:
-                notes.append(
-                    f"{row.untold} settled attempt(s) at {row.start.isoformat()} have no "
-                    "tokens recorded (settled before the ledger kept them, or by an operator)"
-                )
+                sums.untold += row.untold
+            untold += row.untold
+        if untold:
+            notes.append(
+                f"{untold} settled attempt(s) have no tokens recorded (settled by an "
+                "operator, or before the ledger kept them): their windows' tokens are untold"
+            )
 
     money: dict[tuple[datetime, str], _Sums] = defaultdict(_Sums)
     cost_start = _floor(since, day)
-    if by == "api_key":
-        notes.append("the cost reports cannot be grouped by API key: money is not compared")
+    if by is not None and by not in vendor.cost_groupings:
+        notes.append(
+            f"{vendor.name}'s cost report cannot be grouped by {by}: money is not compared"
+        )
         costs = None
     else:
         costs = vendor.cost_report(admin, ReportQuery(cost_start, end, "1d", group_by))
@@ -349,7 +401,7 @@ def check_drift(
             notes.append(f"{vendor.name} has no cost report: money is not compared")
     if costs is not None:
         for cost in costs:
-            group = groups.provider(cost.model, None, cost.project)
+            group = groups.provider(cost.model, cost.api_key_id, cost.project)
             money[(cost.start, group)].provider += cost.amount
         for row in ledger.views.provider_usage(vendor.name, start=cost_start, end=end, bucket="1d"):
             sums = money[(row.start, groups.ledger(row))]
@@ -357,9 +409,10 @@ def check_drift(
             sums.open += row.open
             sums.open_bound += row.held
 
+    cost_settled_by = min(now - cost_settle, end)
     lines = [
         *_lines("input_tokens", tokens["input_tokens"], width, settled_by, threshold),
         *_lines("output_tokens", tokens["output_tokens"], width, settled_by, threshold),
-        *_lines("cost", money, day, settled_by, threshold),
+        *_lines("cost", money, day, cost_settled_by, threshold),
     ]
     return DriftReport(vendor.name, start, end, by, bucket, lines, notes)

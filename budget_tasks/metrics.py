@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -72,6 +73,10 @@ PROVIDER_DRIFT = Gauge(
     multiprocess_mode="mostrecent",
 )
 
+#: The drift gauge's label sets each provider's last check set, by provider and grouping.
+_DRIFT_SHOWN: dict[tuple[str, str], set[tuple[str, str, str, str]]] = {}
+_DRIFT_LOCK = threading.Lock()
+
 
 class PrometheusHooks(Hooks):
     """The hooks sink that keeps the counters above."""
@@ -108,8 +113,17 @@ class PrometheusHooks(Hooks):
 
     def drift_checked(self, *, report: Any) -> None:
         by = report.by or "all"
-        for (group, measure), difference in report.differences().items():
-            PROVIDER_DRIFT.labels(report.provider, by, group, measure).set(difference)
+        now = {
+            (report.provider, by, group, measure): difference
+            for (group, measure), difference in report.differences().items()
+        }
+        with _DRIFT_LOCK:
+            # a group the last check saw and this one did not is gone, not still off
+            for labels in _DRIFT_SHOWN.get((report.provider, by), set()) - now.keys():
+                PROVIDER_DRIFT.remove(*labels)
+            _DRIFT_SHOWN[(report.provider, by)] = set(now)
+            for labels, difference in now.items():
+                PROVIDER_DRIFT.labels(*labels).set(difference)
 
 
 #: The one Prometheus sink of this process: importing this module starts counting.

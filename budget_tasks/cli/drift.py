@@ -9,7 +9,13 @@ from typing import Any
 import click
 
 from .._display import usd
-from ..drift import DEFAULT_SETTLE, DEFAULT_THRESHOLD, Threshold, check_drift
+from ..drift import (
+    DEFAULT_COST_SETTLE,
+    DEFAULT_SETTLE,
+    DEFAULT_THRESHOLD,
+    Threshold,
+    check_drift,
+)
 from ..providers.registry import registry
 from ..providers.reports import BUCKETS, GROUPINGS
 from . import _common
@@ -80,6 +86,13 @@ def _difference(measure: str, value: int) -> str:
     help="How long after a window ends its report is final (before: pending, not drift).",
 )
 @click.option(
+    "--cost-settle",
+    type=DURATION,
+    default=f"{int(DEFAULT_COST_SETTLE.total_seconds() // 3600)}h",
+    show_default=True,
+    help="The same for a day's costs (the vendors take longer to count them).",
+)
+@click.option(
     "--relative",
     type=click.FloatRange(0, 1, max_open=True),
     default=DEFAULT_THRESHOLD.relative,
@@ -109,6 +122,7 @@ def drift(
     by: str | None,
     bucket: str,
     settle: timedelta,
+    cost_settle: timedelta,
     relative: float,
     min_tokens: int,
     min_cost: int,
@@ -129,6 +143,7 @@ def drift(
         by=by,
         bucket=bucket,
         settle=settle,
+        cost_settle=cost_settle,
         threshold=Threshold(relative, min_tokens, min_cost),
     )
     shown = [line for line in report.lines if show_all or line.status != "ok"]
@@ -136,7 +151,7 @@ def drift(
     def table() -> str:
         rows = [
             [
-                _window(line),
+                "total" if line.total else _window(line),
                 line.group,
                 line.measure.replace("_", " "),
                 _shown(line.measure, line.ledger),
