@@ -452,8 +452,9 @@ class Store:
     def sent_alone(self, statement: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         """A call of one of the server-side functions (:mod:`.functions`), sent alone: its
         row; None where it declined (nothing was written: the caller runs the
-        statement path). A database whose migrations predate the functions is told
-        once, and then sent the statements only."""
+        statement path). A database without the functions (dropped, or never made by
+        a role that may not) is told once, and then sent the statements only; those
+        need this release's schema (``db upgrade`` before the workers start)."""
         try:
             row = self.driver.call(statement, params)
         except Declined as declined:

@@ -254,7 +254,11 @@ def anthropic_keys(keys: Keys, query: Mapping[str, list[str]]) -> dict[str, Any]
             "id": k.id,
             "type": "api_key",
             "name": f"key {k.id[-6:]}",
-            "workspace_id": k.project,
+            # as the installed SDK's APIKey: where it belongs is its scope (this fake's
+            # default workspace has no id, as the usage reports name none)
+            "scope": {"type": "workspace", "workspace_id": k.project}
+            if k.project
+            else {"type": "organization"},
             "partial_key_hint": partial_key_hint(k.secret),
             "status": "active",
             "created_at": _rfc3339(k.created_at),

@@ -110,7 +110,18 @@ def api_keys(admin: Any) -> list[KeyInfo]:
         KeyInfo(
             pages.id(key),
             pages.text(key, "partial_key_hint") or "",  # none shown: never attributed
-            pages.text(key, "workspace_id"),
+            _workspace(pages, key),
         )
         for key in pages.listed(KEYS, {"limit": LIST_LIMIT}, "after_id")
     ]
+
+
+def _workspace(pages: Pages, key: Mapping[str, Any]) -> str | None:
+    """The workspace a key belongs to: its ``scope``'s (the SDK's APIKey), else the
+    ``workspace_id`` older answers carry; None for an organisation-scoped key."""
+    scope = key.get("scope")
+    if scope is None:
+        return pages.text(key, "workspace_id")
+    if not isinstance(scope, Mapping):
+        raise pages.unreadable("scope", scope)
+    return pages.text(scope, "workspace_id")
