@@ -16,10 +16,19 @@ from ..drift import (
     Threshold,
     check_drift,
 )
+from ..errors import BudgetTasksError
 from ..providers.registry import registry
 from ..providers.reports import BUCKETS, GROUPINGS
 from . import _common
-from ._common import AMOUNT, _emit, _table, json_option, ledger_url_option, main
+from ._common import (
+    AMOUNT,
+    CommandError,
+    _emit,
+    _table,
+    json_option,
+    ledger_url_option,
+    main,
+)
 
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 _DURATION = re.compile(r"(\d{1,6})([smhd])")
@@ -136,16 +145,24 @@ def drift(
     vendor = registry.vendor(provider)
     ledger = _common.open_ledger(ledger_url)
     now = ledger.views.now()
-    report = check_drift(
-        ledger,
-        vendor,
-        since=now - since,
-        by=by,
-        bucket=bucket,
-        settle=settle,
-        cost_settle=cost_settle,
-        threshold=Threshold(relative, min_tokens, min_cost),
-    )
+    try:
+        report = check_drift(
+            ledger,
+            vendor,
+            since=now - since,
+            by=by,
+            bucket=bucket,
+            settle=settle,
+            cost_settle=cost_settle,
+            threshold=Threshold(relative, min_tokens, min_cost),
+        )
+    except BudgetTasksError:
+        raise  # one line, exit 2, as every command's
+    except Exception as exc:
+        # the SDK's own (unreachable, refused, timed out): exit 1 means drift, not this
+        raise CommandError(
+            f"{vendor.name}'s reports could not be read: {type(exc).__name__}: {exc}"
+        ) from exc
     shown = [line for line in report.lines if show_all or line.status != "ok"]
 
     def table() -> str:

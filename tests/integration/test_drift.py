@@ -528,5 +528,17 @@ def test_a_real_worker_keeps_what_its_answers_used_and_the_cli_names_the_key_pas
         timeout=60,
     )
     assert off.returncode == 2 and "drift is off for openai" in off.stderr
+    # a provider that cannot be reached is an error (exit 2), never read as drift (1)
+    unreachable = subprocess.run(
+        [*command, *options],
+        env={**env, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert unreachable.returncode == 2
+    assert unreachable.stderr.strip().splitlines() == [
+        "error: openai's reports could not be read: APIConnectionError: Connection error."
+    ]
     counts = client.send_task("budget_tasks.check_drift").get(timeout=60)
     assert counts == {"checked": 1, "drifted": 0, "off": 1, "failed": 0}  # anthropic: no key
