@@ -40,6 +40,7 @@ import psycopg
 from budget_tasks import CallFacts, Ledger
 from budget_tasks.demo.processes import race
 from budget_tasks.ledger import statements as sql
+from budget_tasks.ledger.records import Answered
 
 ADMIN_URL = os.environ.get(
     "BUDGET_TASKS_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -164,8 +165,7 @@ def raw_worker(url: str, tag: str, seconds: float, warmup: float = WARMUP_S) -> 
                 "answer": None,
                 "attempt_id": attempt_id,
                 "expected": "sending",
-                "request_id": None,
-                "response_id": None,
+                **Answered().params(),  # what an answer said: nothing, here
             },
         )
         conn.execute(apply, {"amount": 1_000, "actual": 700, "period_id": period_id}).fetchone()

@@ -64,7 +64,12 @@ from budget_tasks._trust import Bound  # noqa: E402
 from budget_tasks.delivery.calls import CallPath, CallSite  # noqa: E402
 from budget_tasks.ledger.leases import owner_id  # noqa: E402
 from budget_tasks.ledger.operations import Decision, OperationStart  # noqa: E402
-from budget_tasks.ledger.records import CallAdmission, CallAsk, CallEnd  # noqa: E402
+from budget_tasks.ledger.records import (  # noqa: E402
+    Answered,
+    CallAdmission,
+    CallAsk,
+    CallEnd,
+)
 from budget_tasks.providers import estimates  # noqa: E402
 from budget_tasks.providers.base import request_digest  # noqa: E402
 from budget_tasks.providers.openai import LOOKUP_CHAT  # noqa: E402
@@ -91,6 +96,8 @@ REQUEST = {
     "messages": [{"role": "user", "content": "Summarise the quarterly report in three lines."}],
 }
 TIMEOUT_S = 600.0  # the openai SDK's default
+#: the hint of the API key a call was sent with, as the ledger keeps it
+HINT = "sk-proj-benchmark...abcd"
 RESULT = {"content": "Revenue rose; costs fell; the outlook is steady.", "model": MODEL}
 
 FLAGS = psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE
@@ -247,7 +254,11 @@ class _Mode:
             raise RuntimeError(f"{key}: not granted at once ({start.decision.value})")
         attempt = here.reservation.key
         actual = self.call.amount * 7 // 10
-        ended = CallEnd(attempt, "settle", actual, ids=(f"req_{key}", f"chatcmpl-{key}"))
+        # what a real answer says, written with the settlement as a task writes it
+        said = Answered(
+            f"req_{key}", f"chatcmpl-{key}", "openai", HINT, 120, 40, "gpt-4o-mini-2024-07-18"
+        )
+        ended = CallEnd(attempt, "settle", actual, answered=said)
         self.ledger.calls.finish_operation(
             start.operation_id, result=RESULT, call=ended, owner=self.owner
         )
