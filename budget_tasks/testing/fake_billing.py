@@ -234,16 +234,38 @@ class PromptCache:
         with self._lock:
             self._entries.clear()
 
-    def split(self, body: Mapping[str, Any], total_input: int) -> tuple[int, int, int, int]:
-        """``total_input`` tokens as (plain, read, written 5m, written 1h)."""
+    def _marked(
+        self, body: Mapping[str, Any], total_input: int
+    ) -> tuple[str, int, str | None] | None:
+        """The cache key of ``body``'s marked prefix, its tokens and its TTL; None
+        where nothing is marked."""
         prefix, ttl = _cached_prefix(body)
         if prefix is None:
-            return total_input, 0, 0, 0
+            return None
         tokens = min(
             total_input,
             prompt_tokens(prefix.get("messages") or [], prefix.get("system"), prefix.get("tools")),
         )
         key = hashlib.sha256(json.dumps(prefix, sort_keys=True, default=str).encode()).hexdigest()
+        return key, tokens, ttl
+
+    def reads(self, body: Mapping[str, Any], total_input: int) -> int:
+        """The input tokens ``body`` would read from the cache now, writing nothing (a
+        request the rate limits refuse leaves the cache as it found it)."""
+        marked = self._marked(body, total_input)
+        if marked is None:
+            return 0
+        key, tokens, _ = marked
+        with self._lock:
+            expires = self._entries.get(key)
+        return tokens if expires is not None and expires > time.monotonic() else 0
+
+    def split(self, body: Mapping[str, Any], total_input: int) -> tuple[int, int, int, int]:
+        """``total_input`` tokens as (plain, read, written 5m, written 1h)."""
+        marked = self._marked(body, total_input)
+        if marked is None:
+            return total_input, 0, 0, 0
+        key, tokens, ttl = marked
         now = time.monotonic()
         with self._lock:
             expires = self._entries.get(key)

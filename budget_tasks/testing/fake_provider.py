@@ -47,6 +47,13 @@ Each served request is billed at this package's prices (the maintained source: r
 list prices, snapshots, tiers, cache and batch rates); unknown models get 404 and no
 bill. ``x-fake-cached-tokens`` and ``x-fake-reasoning-tokens`` set those counts.
 
+Rate limits (:mod:`.fake_limits`), off until set with ``set_limits()`` or ``POST
+/_fake/limits``: per vendor and model, requests and tokens a minute (Anthropic's input
+and output tokens apart) in buckets that refill continuously, counted as each vendor
+counts them; a request that does not fit is answered 429 in its vendor's shape
+(``retry-after``), not billed, and every answer of a limited model carries the
+vendor's rate-limit headers read from the buckets.
+
 Faults, per request in the ``x-fake-fault`` header or queued with ``plan()`` /
 ``POST /_fake/faults``: ``status=NNN`` (an error, not billed; 429 with ``retry-after``,
 529 Anthropic's overloaded), ``delay=S`` (answer after S seconds), ``hang=S`` (bill,
@@ -56,8 +63,9 @@ cut the connection).
 
 State for tests: ``GET /_fake/state`` (or ``.state()``), ``POST /_fake/reset``, ``POST
 /_fake/reports`` (``{"delay": seconds}``), ``POST /_fake/keys`` (``{"secret", "project",
-"vendor"}``: the key's id); in a thread, ``tamper_next_report`` spoils the next admin
-answer (a test's unreadable report).
+"vendor"}``: the key's id), ``POST /_fake/limits`` (``set_limits()``'s arguments, or
+``{"clear": true}``) and ``DELETE /_fake/limits``; in a thread, ``tamper_next_report``
+spoils the next admin answer (a test's unreadable report).
 """
 
 from __future__ import annotations
@@ -82,8 +90,8 @@ from .. import bypass
 from ..pricing import Prices, Usage, default_prices
 from ..pricing.usage import PriceContext
 from . import fake_answers as answers
+from . import fake_limits, fake_wire
 from . import fake_reports as reports
-from . import fake_wire
 from .fake_billing import (
     SNAPSHOTS,
     PromptCache,
@@ -240,6 +248,8 @@ class FakeProvider:
         self.tamper_next_report: Callable[[dict[str, Any]], None] | None = None
         #: The organisation's API keys (:meth:`add_key`).
         self.keys = reports.Keys()
+        #: The rate limits (:meth:`set_limits`).
+        self.limits = fake_limits.Limiter()
         self._server = _Server((host, port), _handler_for(self))
         address = self._server.server_address
         self.host: str = str(address[0])
@@ -287,13 +297,41 @@ class FakeProvider:
         default workspace) and return its id; a key already known moves there."""
         return self.keys.add(secret, vendor, project).id
 
+    def set_limits(
+        self,
+        vendor: str,
+        model: str = fake_limits.ANY_MODEL,
+        *,
+        requests: int | None = None,
+        tokens: int | None = None,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+    ) -> None:
+        """Rate-limit ``vendor``'s ``model`` (as asked; "*": one quota shared by its models
+        without limits of their own), per minute; None leaves that one unlimited, and
+        all None removes the model's limits. Anthropic alone has input and output
+        token limits. See :mod:`.fake_limits`."""
+        self.limits.set(
+            vendor,
+            model,
+            requests=requests,
+            tokens=tokens,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+        )
+
+    def clear_limits(self) -> None:
+        """Remove every rate limit."""
+        self.limits.clear()
+
     def serve_forever(self) -> None:
         """Serve on this thread until interrupted (``budget-tasks fake-provider``)."""
         self._server.serve_forever()
 
     def reset(self) -> None:
-        """Forget every request, job and planned fault, and every key (registered with
-        :meth:`add_key` or seen): a test starts with an empty organisation."""
+        """Forget every request, job and planned fault, every key (registered with
+        :meth:`add_key` or seen) and every rate limit: a test starts with an empty
+        organisation."""
         with self._lock:
             self.completion_storage = "on"
             self.encodings = "auto"
@@ -307,13 +345,15 @@ class FakeProvider:
             self._jobs.clear()
         self.cache.clear()
         self.keys.clear()
+        self.limits.reset()
 
     def served(self) -> list[Served]:
         with self._lock:
             return list(self._served)
 
     def state(self) -> dict[str, Any]:
-        """Requests served, counts per Idempotency-Key and per body, total billed."""
+        """Requests served, counts per Idempotency-Key and per body, total billed, the
+        rate limits set and how many requests they refused."""
         with self._lock:
             served = [asdict(s) for s in self._served]
         return {
@@ -321,6 +361,8 @@ class FakeProvider:
             "by_key": dict(Counter(s["idempotency_key"] for s in served if s["idempotency_key"])),
             "by_body": dict(Counter(s["body_sha"] for s in served if s["method"] == "POST")),
             "billed_total": sum(s["billed"] for s in served),
+            "limits": self.limits.configured(),
+            "rate_limited": self.limits.refused,
         }
 
     def billed_for(self, key: str, ledger: Any = None) -> int:
@@ -400,6 +442,8 @@ class _Handler(BaseHTTPRequestHandler):
     _record: Served | None = None
     _stream: fake_wire.Encoder = fake_wire.encoder("identity")
     _anthropic = False
+    #: what the rate limits decided for the request (None: no limit applies)
+    _rate: fake_limits.Admission | None = None
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -423,17 +467,17 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if self._anthropic:
             self.send_header("request-id", request_id)
-            for kind in ("requests", "tokens", "input-tokens", "output-tokens"):
-                self.send_header(f"anthropic-ratelimit-{kind}-limit", "100000")
-                self.send_header(f"anthropic-ratelimit-{kind}-remaining", "99999")
-                self.send_header(f"anthropic-ratelimit-{kind}-reset", "2099-01-01T00:00:00Z")
         else:
             self.send_header("x-request-id", request_id)
             self.send_header("openai-processing-ms", "3")
-            for kind in ("requests", "tokens"):
-                self.send_header(f"x-ratelimit-limit-{kind}", "100000")
-                self.send_header(f"x-ratelimit-remaining-{kind}", "99999")
-                self.send_header(f"x-ratelimit-reset-{kind}", "6ms")
+        rate = self._rate
+        limits = (
+            self.fake.limits.headers(rate)
+            if rate is not None
+            else fake_limits.unlimited_headers(self._anthropic)
+        )
+        for name, value in limits:
+            self.send_header(name, value)
 
     def _send_json(self, status: int, obj: Any, request_id: str) -> None:
         self._send_bytes(status, json.dumps(obj).encode(), request_id, "application/json")
@@ -525,8 +569,12 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._route("POST")
 
+    def do_DELETE(self) -> None:
+        self._route("DELETE")
+
     def _route(self, method: str) -> None:
         self._record = None
+        self._rate = None
         raw = self._read_body() if method == "POST" else b""
         parts = urlsplit(self.path)
         path = parts.path.rstrip("/")
@@ -704,6 +752,17 @@ class _Handler(BaseHTTPRequestHandler):
         elif method == "POST" and path == f"{CONTROL}/reports":
             fake.report_delay = float(json.loads(raw).get("delay", 0))
             self._send_json(200, {"ok": True}, "control")
+        elif method in ("POST", "DELETE") and path == f"{CONTROL}/limits":
+            spec = json.loads(raw) if raw else {}
+            try:
+                if method == "DELETE" or spec.pop("clear", False):
+                    fake.clear_limits()
+                else:
+                    fake.set_limits(**spec)
+            except (TypeError, ValueError) as exc:
+                self._send_json(400, {"error": str(exc)}, "control")
+                return
+            self._send_json(200, {"limits": fake.limits.configured()}, "control")
         elif method == "POST" and path == f"{CONTROL}/keys":
             spec = json.loads(raw)
             vendor = spec.get("vendor", reports.OPENAI)
@@ -733,7 +792,7 @@ class _Handler(BaseHTTPRequestHandler):
         return int(value) if value else None
 
     def _output(self, input_tokens: int, limit: int | None) -> int:
-        limit = limit if isinstance(limit, int) and limit > 0 else 4096
+        limit = fake_limits.output_bound(limit)
         wanted = self._header_int("x-fake-output-tokens")
         return min(limit, wanted) if wanted is not None else min(limit, 12 + input_tokens % 17)
 
@@ -763,6 +822,21 @@ class _Handler(BaseHTTPRequestHandler):
         record.usage = {k: v for k, v in asdict(usage).items() if v}
         record.bills.append(reports.bill_of(prices, self._provider, model, usage, context, billed))
         return billed
+
+    def _admit(self, record: Served, ask: fake_limits.Ask) -> bool:
+        """Take what the request counts from its rate limits; False when they refuse it
+        (answered 429, and not billed)."""
+        limits = self.fake.limits
+        self._rate = limits.admit(record.vendor, record.model, ask)
+        if self._rate is None or self._rate.refused is None:
+            return True
+        record.status = 429
+        body, retry = limits.refusal(self._rate)
+        extra = tuple(retry) if self.fake.realism.headers else ()
+        self._send_bytes(
+            429, json.dumps(body).encode(), record.request_id, "application/json", extra
+        )
+        return False
 
     def _unknown_model(self, record: Served, model: Any) -> None:
         record.status = 404
@@ -804,8 +878,10 @@ class _Handler(BaseHTTPRequestHandler):
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         extras = _extras(body, ("tools", "functions", "tool_choice", "response_format"))
         input_tokens = prompt_tokens(body.get("messages", []), None, extras, self.fake.realism)
-        each = self._tokens(model, input_tokens, max_tokens)
         n = body.get("n") or 1
+        if not self._admit(record, fake_limits.openai_ask(input_tokens, max_tokens, n)):
+            return
+        each = self._tokens(model, input_tokens, max_tokens)
         # Output is billed per choice: n choices of the same length here.
         usage = Usage(
             input_tokens=each.input_tokens,
@@ -905,6 +981,10 @@ class _Handler(BaseHTTPRequestHandler):
         input_tokens = prompt_tokens(
             body.get("input", ""), body.get("instructions"), extras, self.fake.realism
         )
+        if not self._admit(
+            record, fake_limits.openai_ask(input_tokens, body.get("max_output_tokens"))
+        ):
+            return
         usage = self._tokens(model, input_tokens, body.get("max_output_tokens"))
         tier = tier_of(body.get("service_tier"), self.fake.realism)
         self._bill(record, model, usage, context_of(tier))
@@ -979,6 +1059,8 @@ class _Handler(BaseHTTPRequestHandler):
         tokens = sum(
             len(item) if isinstance(item, list) else text_tokens(str(item)) for item in inputs
         )
+        if not self._admit(record, fake_limits.Ask(tokens)):
+            return
         self._bill(record, model, Usage(input_tokens=tokens))
         if self._after_billing(record):
             return
@@ -999,6 +1081,9 @@ class _Handler(BaseHTTPRequestHandler):
             input_tokens += text_tokens(str(body["suffix"]))
         each = self._output(input_tokens, body.get("max_tokens", 16))
         generated = max(body.get("n") or 1, body.get("best_of") or 1) * len(prompts)
+        ask = fake_limits.openai_ask(input_tokens, body.get("max_tokens", 16), generated)
+        if not self._admit(record, ask):
+            return
         usage = Usage(input_tokens=input_tokens, output_tokens=each * generated)
         self._bill(record, model, usage)
         if self._after_billing(record):
@@ -1051,17 +1136,28 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- Anthropic messages ------------------------------------------------------------
 
-    def _anthropic_usage(self, model: str, body: dict[str, Any]) -> Usage:
+    def _anthropic_tokens(self, model: str, body: dict[str, Any]) -> Usage:
+        """A message's usage before the prompt cache is consulted."""
         input_tokens = prompt_tokens(
             body.get("messages", []),
             body.get("system"),
             _extras(body, ("tools", "tool_choice")),
             self.fake.realism,
         )
-        used = self._tokens(model, input_tokens, body.get("max_tokens"))
-        if not self.fake.realism.cache:
+        return self._tokens(model, input_tokens, body.get("max_tokens"))
+
+    @property
+    def _cache(self) -> PromptCache | None:
+        return self.fake.cache if self.fake.realism.cache else None
+
+    def _anthropic_usage(
+        self, model: str, body: dict[str, Any], used: Usage | None = None
+    ) -> Usage:
+        used = self._anthropic_tokens(model, body) if used is None else used
+        cache = self._cache
+        if cache is None:
             return used
-        plain, read, written, written_1h = self.fake.cache.split(body, used.input_tokens)
+        plain, read, written, written_1h = cache.split(body, used.input_tokens)
         return Usage(
             input_tokens=plain,
             cached_input_tokens=used.cached_input_tokens + read,
@@ -1075,9 +1171,14 @@ class _Handler(BaseHTTPRequestHandler):
         if model is None:
             self._unknown_model(record, body.get("model"))
             return
-        usage = self._anthropic_usage(model, body)
+        used = self._anthropic_tokens(model, body)
+        if not self._admit(record, fake_limits.anthropic_ask(self._cache, body, used)):
+            return
+        usage = self._anthropic_usage(model, body, used)
         tier = tier_of(body.get("service_tier"), self.fake.realism, anthropic=True)
         self._bill(record, model, usage)
+        if self._rate is not None:
+            self.fake.limits.settle(self._rate, usage)
         message = answers.anthropic_message(
             self.fake._next_id("msg_"), model, usage, body.get("max_tokens"), tier
         )
@@ -1115,6 +1216,10 @@ class _Handler(BaseHTTPRequestHandler):
     # -- Anthropic message batches -------------------------------------------------------
 
     def _batch_create(self, record: Served, body: dict[str, Any], query: Any) -> None:
+        # a batch counts one request against the vendor's "*" limits (batches have
+        # limits of their own, across models) and none of its items' tokens
+        if not self._admit(record, fake_limits.Ask()):
+            return
         results = []
         batched = self.fake.realism.batch_discount
         for item in body.get("requests", []):

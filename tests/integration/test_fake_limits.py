@@ -1,0 +1,388 @@
+"""The fake provider's own rate limits (:mod:`budget_tasks.testing.fake_limits`), driven
+through the official SDKs over HTTP: requests and tokens counted as each vendor counts
+them, a request that does not fit answered 429 in the vendor's shape and not billed,
+the vendors' rate-limit headers read from buckets that refill continuously, and exact
+under many processes at once.
+
+Tests at a boundary run on a fake of their own whose limiter clock stands still (no
+refill between two requests); the others run on the real clock."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from budget_tasks.testing import FakeProvider
+from budget_tasks.testing.fake_limits import Limiter
+
+CHAT: dict[str, Any] = {
+    "model": "gpt-4o-mini",
+    "max_completion_tokens": 16,
+    "messages": [{"role": "user", "content": "hello"}],
+}
+HAIKU = "claude-haiku-4-5"
+#: Go's duration format, as OpenAI writes ``x-ratelimit-reset-*``: 12ms, 1.5s, 6m0s
+GO_DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?$|^(\d+)ms$")
+
+
+class Frozen:
+    """A monotonic clock that moves only when told: nothing refills between requests."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def frozen() -> Iterator[FakeProvider]:
+    """A fake of the test's own whose rate limits run on a clock that stands still."""
+    with FakeProvider() as own:
+        own.limits = Limiter(Frozen())
+        yield own
+
+
+def openai_client(fake: FakeProvider) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fake.openai_base_url, api_key="sk-test", max_retries=0)
+
+
+def anthropic_client(fake: FakeProvider) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=fake.url, api_key="sk-ant-test", max_retries=0)
+
+
+def message(client: anthropic.Anthropic, max_tokens: int, output: int, **extra: Any) -> Any:
+    """A message whose answer is ``output`` tokens long, its raw response (headers)."""
+    return client.messages.with_raw_response.create(
+        model=HAIKU,
+        max_tokens=max_tokens,
+        messages=[{"role": "user", "content": "hello"}],
+        extra_headers={"x-fake-output-tokens": str(output)},
+        **extra,
+    )
+
+
+def seconds(duration: str) -> float:
+    found = GO_DURATION.match(duration)
+    assert found and duration, duration
+    hours, minutes, secs, ms = found.groups()
+    if ms is not None:
+        return int(ms) / 1000
+    return int(hours or 0) * 3600 + int(minutes or 0) * 60 + float(secs or 0)
+
+
+def control(fake: FakeProvider, method: str, body: dict[str, Any] | None = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{fake.url}/_fake/limits", data=data, method=method)
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def test_a_request_over_the_requests_per_minute_is_answered_429_and_not_billed(
+    fake: FakeProvider,
+) -> None:
+    fake.set_limits("openai", requests=5)
+    client = openai_client(fake)
+    remaining = []
+    for _ in range(5):
+        raw = client.chat.completions.with_raw_response.create(**CHAT)
+        raw.parse()
+        assert raw.headers["x-ratelimit-limit-requests"] == "5"
+        assert seconds(raw.headers["x-ratelimit-reset-requests"]) <= 60
+        remaining.append(int(raw.headers["x-ratelimit-remaining-requests"]))
+        # only the limits set get headers
+        assert "x-ratelimit-limit-tokens" not in raw.headers
+    assert remaining == [4, 3, 2, 1, 0]
+    billed = fake.state()["billed_total"]
+    assert billed > 0
+
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(**CHAT)
+
+    error = info.value
+    assert error.status_code == 429
+    assert (error.code, error.type, error.param) == ("rate_limit_exceeded", "requests", None)
+    assert "on requests per min (RPM): Limit 5, Used 5, Requested 1" in error.message
+    headers = error.response.headers
+    # a request comes back every 12 s at 5 a minute
+    assert 1 <= int(headers["retry-after"]) <= 12
+    assert 0 < int(headers["retry-after-ms"]) <= 12_000
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-limit-requests"] == "5"
+    assert 0 < seconds(headers["x-ratelimit-reset-requests"]) <= 60
+    state = fake.state()
+    assert state["billed_total"] == billed
+    assert state["rate_limited"] == 1
+    assert [(r["status"], r["billed"] > 0) for r in state["requests"]] == [(200, True)] * 5 + [
+        (429, False)
+    ]
+
+
+def test_openai_tokens_count_input_plus_the_output_bound_on_arrival(
+    frozen: FakeProvider,
+) -> None:
+    frozen.set_limits("openai", tokens=100)
+    client = openai_client(frozen)
+    tiny = {"x-fake-output-tokens": "1"}  # each answer is one token long
+
+    first = client.chat.completions.with_raw_response.create(**CHAT, extra_headers=tiny)
+    usage = first.parse().usage
+    assert usage is not None and usage.completion_tokens == 1
+    # taken: the input and the whole bound of 16, not corrected to the 1 produced
+    left = 100 - usage.prompt_tokens - 16
+    assert first.headers["x-ratelimit-remaining-tokens"] == str(left)
+    assert "x-ratelimit-limit-requests" not in first.headers
+
+    one_more = left - usage.prompt_tokens + 1
+    with pytest.raises(openai.RateLimitError) as info:
+        # its real output (1 token) would fit; its bound does not
+        client.chat.completions.create(
+            **{**CHAT, "max_completion_tokens": one_more}, extra_headers=tiny
+        )
+    assert info.value.type == "tokens"
+    asked = usage.prompt_tokens + one_more
+    assert f"Limit 100, Used {100 - left}, Requested {asked}" in info.value.message
+
+    exact = client.chat.completions.with_raw_response.create(
+        **{**CHAT, "max_completion_tokens": one_more - 1}, extra_headers=tiny
+    )
+    exact.parse()
+    assert exact.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert [r.status for r in frozen.served()] == [200, 429, 200]
+
+
+def test_anthropic_output_is_reserved_at_max_tokens_and_the_unused_part_comes_back(
+    frozen: FakeProvider,
+) -> None:
+    frozen.set_limits("anthropic", HAIKU, output_tokens=100, tokens=1_000)
+    client = anthropic_client(frozen)
+
+    first = message(client, max_tokens=90, output=5)
+    first_usage = first.parse().usage
+    assert first_usage.output_tokens == 5
+    # 90 reserved on arrival, corrected to the 5 produced when billed
+    assert first.headers["anthropic-ratelimit-output-tokens-remaining"] == "95"
+    assert first.headers["anthropic-ratelimit-output-tokens-limit"] == "100"
+    combined = 1_000 - first_usage.input_tokens - 5
+    assert first.headers["anthropic-ratelimit-tokens-remaining"] == str(combined)
+    assert "anthropic-ratelimit-input-tokens-limit" not in first.headers
+
+    with pytest.raises(anthropic.RateLimitError) as info:
+        message(client, max_tokens=96, output=5)
+    assert info.value.status_code == 429
+    body: Any = info.value.body
+    assert (set(body), body["type"], body["error"]["type"]) == (
+        {"type", "error"},
+        "error",
+        "rate_limit_error",
+    )
+    assert "100 output tokens per minute (model: claude-haiku-4-5)" in body["error"]["message"]
+    assert int(info.value.response.headers["retry-after"]) >= 1
+
+    # without the 85 given back only 10 would be left: 95 fits only because they were
+    exact = message(client, max_tokens=95, output=95)
+    assert exact.parse().usage.output_tokens == 95
+    assert exact.headers["anthropic-ratelimit-output-tokens-remaining"] == "0"
+
+    frozen.plan("status=529")  # overloaded is a fault, not a rate limit
+    with pytest.raises(anthropic.APIStatusError) as overloaded:
+        message(client, max_tokens=1, output=1)
+    assert overloaded.value.status_code == 529
+    assert not isinstance(overloaded.value, anthropic.RateLimitError)
+    assert frozen.state()["rate_limited"] == 1
+
+
+def test_anthropic_cache_reads_do_not_count_toward_input_tokens(frozen: FakeProvider) -> None:
+    client = anthropic_client(frozen)
+    system = [
+        {
+            "type": "text",
+            "text": "a long shared context " * 40,
+            "cache_control": {"type": "ephemeral"},
+        }
+    ]
+
+    def send() -> Any:
+        return message(client, max_tokens=8, output=1, system=system)
+
+    written, read = send().parse().usage, send().parse().usage
+    assert written.cache_creation_input_tokens and read.cache_read_input_tokens
+    frozen.reset()  # the cache too
+    # room for the write (counted whole) and one read's uncached tokens, no more
+    frozen.set_limits(
+        "anthropic",
+        input_tokens=written.input_tokens + written.cache_creation_input_tokens + read.input_tokens,
+    )
+
+    assert send().parse().usage.cache_creation_input_tokens
+    again = send()
+    assert again.parse().usage.cache_read_input_tokens
+    assert again.headers["anthropic-ratelimit-input-tokens-remaining"] == "0"
+    with pytest.raises(anthropic.RateLimitError):
+        send()
+
+
+def test_a_refused_request_leaves_the_prompt_cache_as_it_was(frozen: FakeProvider) -> None:
+    client = anthropic_client(frozen)
+    system = [{"type": "text", "text": "context " * 40, "cache_control": {"type": "ephemeral"}}]
+    frozen.set_limits("anthropic", input_tokens=10)
+    with pytest.raises(anthropic.RateLimitError):
+        message(client, max_tokens=8, output=1, system=system)
+    frozen.clear_limits()
+    usage = message(client, max_tokens=8, output=1, system=system).parse().usage
+    assert usage.cache_creation_input_tokens and not usage.cache_read_input_tokens
+
+
+def test_a_request_passes_again_once_the_wait_it_was_told_has_passed(fake: FakeProvider) -> None:
+    # 6,000 tokens a minute refill 100 a second: the waits here are a fraction of one
+    fake.set_limits("openai", tokens=6_000)
+    client = openai_client(fake)
+    prompt = client.chat.completions.create(**CHAT).usage
+    assert prompt is not None
+    fake.reset()
+    fake.set_limits("openai", tokens=6_000)
+    client.chat.completions.create(
+        **{**CHAT, "max_completion_tokens": 6_000 - prompt.prompt_tokens}
+    )  # takes the whole bucket
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(**CHAT)
+    headers = info.value.response.headers
+    wait_ms = int(headers["retry-after-ms"])
+    # 25 tokens at 100 a second: at most a quarter second
+    assert 0 < wait_ms <= 1_000 * (prompt.prompt_tokens + 16) / 100 + 1
+    assert 50 < seconds(headers["x-ratelimit-reset-tokens"]) <= 60
+    time.sleep(wait_ms / 1000)
+    assert client.chat.completions.create(**CHAT).choices
+
+    # Anthropic: 600 output tokens a minute refill 10 a second; retry-after is whole
+    # seconds
+    fake.set_limits("anthropic", output_tokens=600)
+    claude = anthropic_client(fake)
+    message(claude, max_tokens=600, output=600)
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        message(claude, max_tokens=5, output=5)
+    retry_after = int(refused.value.response.headers["retry-after"])
+    assert retry_after == 1
+    reset = refused.value.response.headers["anthropic-ratelimit-output-tokens-reset"]
+    full_at = datetime.strptime(reset, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    assert 0 < full_at.timestamp() - time.time() <= 61
+    time.sleep(retry_after)
+    assert message(claude, max_tokens=5, output=5).parse().usage.output_tokens == 5
+    assert fake.state()["rate_limited"] == 2
+
+
+def test_a_model_limit_is_its_own_and_star_is_one_quota_for_the_others(
+    frozen: FakeProvider,
+) -> None:
+    client = openai_client(frozen)
+
+    def status(model: str) -> int:
+        try:
+            client.chat.completions.create(**{**CHAT, "model": model})
+        except openai.RateLimitError as exc:
+            return exc.status_code
+        return 200
+
+    frozen.set_limits("openai", "gpt-4o-mini", requests=1)
+    assert [status("gpt-4o-mini"), status("gpt-4o-mini")] == [200, 429]
+    assert [status("gpt-4o"), status("gpt-4o")] == [200, 200]
+    unlimited = client.chat.completions.with_raw_response.create(**{**CHAT, "model": "gpt-4o"})
+    assert unlimited.headers["x-ratelimit-limit-requests"] == "100000"  # as before limits
+
+    frozen.set_limits("openai", "*", requests=2)
+    # gpt-4o and gpt-4.1-mini share the "*" quota; gpt-4o-mini keeps its own
+    assert [status("gpt-4o"), status("gpt-4.1-mini"), status("gpt-4o")] == [200, 200, 429]
+    assert status("gpt-4o-mini") == 429
+    # another vendor's models are not limited by it
+    assert message(anthropic_client(frozen), max_tokens=8, output=1).parse().content
+    assert frozen.state()["rate_limited"] == 3
+
+
+def _burst(base_url: str, attempts: int, barrier: Barrier, out: Queue[Any]) -> None:
+    """One process of the burst: waits for the others, then sends ``attempts`` requests
+    as fast as it can, and reports when it started and ended and what it got."""
+    client = openai.OpenAI(base_url=base_url, api_key="sk-test", max_retries=0)
+    barrier.wait(60)
+    started, statuses = time.time(), []
+    for _ in range(attempts):
+        try:
+            client.chat.completions.create(**CHAT)
+            statuses.append(200)
+        except openai.APIStatusError as exc:
+            statuses.append(exc.status_code)
+    out.put((started, time.time(), statuses))
+
+
+def test_processes_at_once_get_exactly_what_the_bucket_holds(fake: FakeProvider) -> None:
+    rpm, processes, each = 30, 8, 15
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(processes), ctx.Queue()
+    workers = [
+        ctx.Process(target=_burst, args=(fake.openai_base_url, each, barrier, out))
+        for _ in range(processes)
+    ]
+    fake.set_limits("openai", requests=rpm)
+    for worker in workers:
+        worker.start()
+    reports = [out.get(timeout=120) for _ in workers]
+    for worker in workers:
+        worker.join(30)
+
+    starts, ends = [r[0] for r in reports], [r[1] for r in reports]
+    statuses = [s for r in reports for s in r[2]]
+    # they overlapped: every process had started before the first one finished
+    assert max(starts) < min(ends)
+    assert len(statuses) == processes * each
+    assert set(statuses) <= {200, 429}
+    passed = statuses.count(200)
+    # the bucket's capacity, plus at most what refilled while the burst lasted
+    refilled = math.floor(rpm / 60 * (max(ends) - min(starts)))
+    assert rpm <= passed <= rpm + refilled
+    state = fake.state()
+    assert state["rate_limited"] == statuses.count(429)
+    billed = [r for r in state["requests"] if r["billed"]]
+    assert len(billed) == passed
+    assert all(r["status"] == 429 for r in state["requests"] if not r["billed"])
+
+
+def test_limits_are_set_and_cleared_over_the_control_api(fake: FakeProvider) -> None:
+    client = openai_client(fake)
+    answer = control(fake, "POST", {"vendor": "openai", "model": "gpt-4o", "requests": 1})
+    assert answer["limits"] == [{"vendor": "openai", "model": "gpt-4o", "requests": 1}]
+    assert fake.state()["limits"] == answer["limits"]
+    gpt4o = {**CHAT, "model": "gpt-4o"}
+    client.chat.completions.create(**gpt4o)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(**gpt4o)
+
+    with pytest.raises(urllib.error.HTTPError) as bad:  # OpenAI has no input token limit
+        control(fake, "POST", {"vendor": "openai", "input_tokens": 5})
+    assert bad.value.code == 400
+
+    assert control(fake, "DELETE") == {"limits": []}
+    client.chat.completions.create(**gpt4o)
+
+    control(fake, "POST", {"vendor": "openai", "model": "gpt-4o", "requests": 1})
+    assert control(fake, "POST", {"clear": True}) == {"limits": []}
+    client.chat.completions.create(**gpt4o)
+    client.chat.completions.create(**gpt4o)
+
+    control(fake, "POST", {"vendor": "anthropic", "requests": 1})
+    urllib.request.urlopen(
+        urllib.request.Request(f"{fake.url}/_fake/reset", data=b"{}", method="POST"), timeout=5
+    ).close()
+    assert (fake.state()["limits"], fake.state()["rate_limited"]) == ([], 0)
