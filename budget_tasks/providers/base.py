@@ -27,6 +27,7 @@ from ..errors import RetriesEnabled, UnusableApiKey, UsageUnreadable
 from ..pricing import Estimate, Prices, Usage, default_prices
 from ..pricing.usage import STANDARD, PriceContext
 from .lookups import Lookup, Unknowable
+from .rate_headers import RateState, state_of
 from .reports import CostLine, KeyInfo, ReportQuery, UsageLine
 
 
@@ -267,6 +268,11 @@ class Vendor:
     report_reader: Any = None
     #: what its cost report can be grouped by (of ``reports.GROUPINGS``)
     cost_groupings: tuple[str, ...] = ("model", "project")
+    #: the rate-limit headers its answers carry, by limit (``rate_headers.KINDS``):
+    #: the headers of the limit, what remains and its reset; and whether a reset is a
+    #: time (else a duration)
+    rate_limit_headers: Mapping[str, tuple[str, str, str]] = {}
+    rate_resets_at_a_time: bool = False
 
     def stores_by_default(self, endpoint: Endpoint) -> bool:
         """Whether the provider keeps a request to ``endpoint`` where the request does
@@ -285,6 +291,11 @@ class Vendor:
     def look_up(self, facts: LookupFacts, clients: Clients, prices: Prices | None) -> Lookup:
         """Ask the provider what became of a call (default: it keeps no record)."""
         return Unknowable(f"{self.name} keeps no record of {facts.lookup} to look up")
+
+    def rate_state(self, headers: Mapping[str, str], now: datetime) -> RateState:
+        """What an answer's ``headers`` say of this vendor's rate limits (see
+        :mod:`.rate_headers`); empty where it names none."""
+        return state_of(headers, now, self.rate_limit_headers, self.rate_resets_at_a_time)
 
     # -- usage and cost reports (see :mod:`.reports`) -------------------------------------
 

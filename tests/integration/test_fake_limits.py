@@ -386,3 +386,38 @@ def test_limits_are_set_and_cleared_over_the_control_api(fake: FakeProvider) -> 
         urllib.request.Request(f"{fake.url}/_fake/reset", data=b"{}", method="POST"), timeout=5
     ).close()
     assert (fake.state()["limits"], fake.state()["rate_limited"]) == ([], 0)
+
+
+def test_each_vendor_reads_its_own_429_as_the_fake_writes_it(frozen: FakeProvider) -> None:
+    """What the library learns from a provider's answer (``Vendor.rate_state``): the
+    fake's headers and 429s, read back through the official SDKs, give the limit set,
+    what remains and how long to wait."""
+    from budget_tasks.providers import Anthropic, OpenAI
+
+    frozen.set_limits("openai", requests=2)
+    frozen.set_limits("anthropic", requests=2, output_tokens=10_000)
+    now = datetime.now(UTC)
+    oai, claude = openai_client(frozen), anthropic_client(frozen)
+    ask = [{"role": "user", "content": "hello"}]
+    first = oai.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=ask, max_completion_tokens=8
+    )
+    told = OpenAI().rate_state(first.headers, now)
+    assert (told.windows["requests"].limit, told.windows["requests"].remaining) == (2, 1)
+    assert told.retry_after is None
+    oai.chat.completions.create(model="gpt-4o-mini", messages=ask, max_completion_tokens=8)
+    with pytest.raises(openai.RateLimitError) as refused:
+        oai.chat.completions.create(model="gpt-4o-mini", messages=ask, max_completion_tokens=8)
+    state = OpenAI().rate_state(refused.value.response.headers, now)
+    assert state.windows["requests"].remaining == 0
+    assert state.retry_after is not None and state.retry_after.total_seconds() > 0
+    reset = state.windows["requests"].reset_in
+    assert reset is not None and 0 < reset.total_seconds() <= 60
+
+    said = Anthropic().rate_state(message(claude, 100, 10).headers, now)
+    assert said.windows["output_tokens"].limit == 10_000
+    message(claude, 100, 10)
+    with pytest.raises(anthropic.RateLimitError) as again:
+        message(claude, 100, 10)
+    state = Anthropic().rate_state(again.value.response.headers, now)
+    assert state.retry_after is not None and state.retry_after.total_seconds() >= 1

@@ -8,8 +8,9 @@ deployments and anything this module does not name.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
+from types import MappingProxyType
 
 from ...pricing import Prices
 from ..base import Clients, Endpoint, Kind, LookupFacts, Rule, Vendor
@@ -36,6 +37,18 @@ class Anthropic(Vendor):
     credential_arguments = ("api_key", "auth_token")
     admin_key_env = "ANTHROPIC_ADMIN_KEY"
     report_reader = org_reports
+    rate_limit_headers: Mapping[str, tuple[str, str, str]] = MappingProxyType(
+        {
+            kind: (f"{name}-limit", f"{name}-remaining", f"{name}-reset")
+            for kind, name in (
+                ("requests", "anthropic-ratelimit-requests"),
+                ("tokens", "anthropic-ratelimit-tokens"),
+                ("input_tokens", "anthropic-ratelimit-input-tokens"),
+                ("output_tokens", "anthropic-ratelimit-output-tokens"),
+            )
+        }
+    )
+    rate_resets_at_a_time = True
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 from ...pricing import Estimate, Prices
@@ -54,6 +55,16 @@ class OpenAI(Vendor):
     admin_key_env = "OPENAI_ADMIN_KEY"
     report_reader = org_reports
     cost_groupings = ("model", "api_key", "project")
+    rate_limit_headers: Mapping[str, tuple[str, str, str]] = MappingProxyType(
+        {
+            kind: (
+                f"x-ratelimit-limit-{kind}",
+                f"x-ratelimit-remaining-{kind}",
+                f"x-ratelimit-reset-{kind}",
+            )
+            for kind in ("requests", "tokens")
+        }
+    )
 
     def __init__(
         self,
