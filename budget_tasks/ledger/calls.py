@@ -24,7 +24,7 @@ from ..errors import (
     UnknownAttempt,
     UnknownOperation,
 )
-from . import holds, operations
+from . import holds, operations, rates
 from . import statements as sql
 from .driver import Cursor
 from .holds import CallPlan, check_reservation
@@ -38,6 +38,7 @@ from .operations import (
     decode,
     operation_ref,
 )
+from .rates import RateAsk, RateTaken
 from .records import (
     Answered,
     AttemptRef,
@@ -119,6 +120,15 @@ class CallLedger:
         """What the provider is sent as attempt ``key``'s key (see
         :meth:`~budget_tasks.Ledger.provider_key`)."""
         return self._store.provider_key(key)
+
+    def take_rate(self, provider: str, scope: str, ask: RateAsk) -> RateTaken:
+        """Take ``ask`` from the rate windows of ``provider``'s ``scope``, all or none
+        (see :mod:`.rates`)."""
+        return rates.take(self._store, provider, scope, ask)
+
+    def give_rate_back(self, provider: str, scope: str, unused: RateAsk) -> None:
+        """Give what a call took and did not use back to its rate windows."""
+        rates.give_back(self._store, provider, scope, unused)
 
     def mark_unknown(
         self,

@@ -434,6 +434,29 @@ archived_periods = Table(
 # What the provider is sent as a call's key (Idempotency-Key, stored metadata) is a
 # digest of it and the attempt key: two ledgers sharing an API key (staging and
 # production) never find, charge or replay each other's calls.
+#: The limits a rate window holds, per minute.
+RATE_KINDS = ("requests", "tokens", "input_tokens", "output_tokens")
+
+# Added in migration 0021: a provider's rate limit held across the fleet, one token
+# bucket per provider, scope (a model, a group of models, an API key) and kind. Its
+# level is in thousandths of a unit, refilled continuously at ``per_minute`` a minute
+# as of ``refilled_ms`` (milliseconds since the epoch, by the ledger's clock).
+rate_windows = Table(
+    "rate_windows",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("provider", String(64), nullable=False),
+    Column("scope", String(100), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("per_minute", BigInteger, nullable=False),
+    Column("level", BigInteger, nullable=False),
+    Column("refilled_ms", BigInteger, nullable=False),
+    UniqueConstraint("provider", "scope", "kind"),
+    CheckConstraint("per_minute > 0", name="per_minute_positive"),
+    CheckConstraint("level >= 0", name="level_not_negative"),
+    CheckConstraint(f"kind IN ({_in(RATE_KINDS)})", name="kind_known"),
+)
+
 installation = Table(
     "installation",
     metadata,

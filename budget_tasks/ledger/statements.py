@@ -964,3 +964,52 @@ RETAIN_OPERATION_EVENTS = "DELETE FROM operation_events WHERE operation_id = ANY
 RETAIN_SIDE_EFFECTS = "DELETE FROM side_effects WHERE operation_id = ANY(:ids) RETURNING *"
 
 RETAIN_OPERATIONS = "DELETE FROM operations WHERE id = ANY(:ids) RETURNING *"
+
+
+# -- rate windows (rates.py): token buckets in thousandths of a unit -------------------
+
+#: How long a window has refilled by :now_ms: never backwards, at most the minute that
+#: fills it from empty (which also keeps the product below from overflowing).
+_RATE_ELAPSED = """(CASE WHEN :now_ms <= refilled_ms THEN 0
+    WHEN :now_ms - refilled_ms >= 60000 THEN 60000 ELSE :now_ms - refilled_ms END)"""
+#: A window's level refilled to :now_ms: per_minute a minute, never past per_minute.
+_RATE_LEVEL = f"""(CASE WHEN level + per_minute * {_RATE_ELAPSED} / 60 >= per_minute * 1000
+    THEN per_minute * 1000 ELSE level + per_minute * {_RATE_ELAPSED} / 60 END)"""
+_RATE_STAMP = "refilled_ms = CASE WHEN :now_ms > refilled_ms THEN :now_ms ELSE refilled_ms END"
+
+#: Take :ask from a window where its refilled level holds it (compare-and-set).
+TAKE_RATE = f"""
+UPDATE rate_windows SET level = {_RATE_LEVEL} - :ask, {_RATE_STAMP}
+WHERE id = :id AND {_RATE_LEVEL} >= :ask
+RETURNING level"""
+
+#: Give :back to a window (what a call did not use), never past its limit.
+GIVE_RATE_BACK = f"""
+UPDATE rate_windows SET level = CASE WHEN {_RATE_LEVEL} + :back >= per_minute * 1000
+    THEN per_minute * 1000 ELSE {_RATE_LEVEL} + :back END, {_RATE_STAMP}
+WHERE id = :id"""
+
+#: A window's refilled level and limit, read (a refusal's wait is computed from them).
+RATE_LEVEL = f"SELECT {_RATE_LEVEL}, per_minute FROM rate_windows WHERE id = :id"
+
+#: The windows of one scope, in the order every taker takes them (by id).
+RATE_WINDOWS_OF = """
+SELECT id, kind FROM rate_windows WHERE provider = :provider AND scope = :scope
+ORDER BY id"""
+
+#: Set a limit: a new window starts full; a changed one keeps its level, never past it.
+SET_RATE_LIMIT = """
+INSERT INTO rate_windows (provider, scope, kind, per_minute, level, refilled_ms)
+VALUES (:provider, :scope, :kind, :per_minute, :per_minute * 1000, :now_ms)
+ON CONFLICT (provider, scope, kind) DO UPDATE SET per_minute = excluded.per_minute,
+    level = CASE WHEN rate_windows.level > excluded.per_minute * 1000
+        THEN excluded.per_minute * 1000 ELSE rate_windows.level END"""
+
+CLEAR_RATE_LIMIT = """
+DELETE FROM rate_windows WHERE provider = :provider AND scope = :scope
+    AND (CAST(:kind AS VARCHAR) IS NULL OR kind = :kind)"""
+
+#: Every window, refilled to :now_ms, for the operator.
+RATE_WINDOWS = f"""
+SELECT provider, scope, kind, per_minute, {_RATE_LEVEL} AS level FROM rate_windows
+ORDER BY provider, scope, kind"""

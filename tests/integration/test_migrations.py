@@ -23,7 +23,7 @@ from budget_tasks.migrations import current, include_object, upgrade
 from ..services import check_postgres, pg_conninfo, scratch_database
 
 #: The latest revision: bumped by each new migration.
-HEAD = "0020"
+HEAD = "0021"
 
 
 def describe(url: str) -> dict[str, Any]:
@@ -98,6 +98,7 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
             "journal",
             "operation_events",
             "operations",
+            "rate_windows",
             "side_effects",
             "triggers",
             "functions",

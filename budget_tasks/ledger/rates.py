@@ -1,0 +1,157 @@
+"""A provider's rate limits held across the fleet: per provider and scope (a model, a
+group of models sharing a quota, an API key), one token bucket per kind of limit
+(requests, tokens, input or output tokens per minute), refilled continuously, in the
+ledger's database, so that every worker on every host takes from the same ones.
+
+A call takes what it may use from every window of its scope, all or none, in one
+transaction (each window by a compare-and-set UPDATE, in id order: the order every
+taker locks them in); settlement gives back what it did not use. A refusal says which
+limit was short and how long until it holds the ask (None: never, the ask is more than
+the limit). Levels are kept in thousandths of a unit, so that a refill of a fraction
+of a token is not lost.
+
+This is the ledger's primitive; the delivery does not take from it yet (issue 45).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+
+from .. import _validate as check
+from . import statements as sql
+from .schema import RATE_KINDS
+from .store import Store
+
+#: One unit is this many of a window's level.
+MILLI = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class RateAsk:
+    """What one call counts against its scope's limits."""
+
+    requests: int = 1
+    tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for kind in RATE_KINDS:
+            check.count(getattr(self, kind), kind)
+
+    def of(self, kind: str) -> int:
+        value: int = getattr(self, kind)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class RateTaken:
+    """A take's answer: granted, or which limit was short and how long until it holds
+    the ask (None: never: the ask is more than the limit)."""
+
+    granted: bool
+    short: str | None = None
+    wait: timedelta | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RateWindow:
+    """One window as the operator sees it: its limit a minute and what it holds now."""
+
+    provider: str
+    scope: str
+    kind: str
+    per_minute: int
+    available: float
+
+
+class _Short(Exception):
+    def __init__(self, taken: RateTaken) -> None:
+        self.taken = taken
+
+
+def _now_ms(store: Store) -> int:
+    return math.floor(store.now().timestamp() * 1000)
+
+
+def _checked(provider: str, scope: str) -> None:
+    check.text(provider, "provider", max_length=64)
+    check.text(scope, "rate scope", max_length=100)
+
+
+def set_limit(store: Store, provider: str, scope: str, kind: str, per_minute: int) -> None:
+    """Hold ``provider``'s ``scope`` to ``per_minute`` of ``kind``: a new window starts
+    full; a changed one keeps what it holds, never more than its new limit."""
+    _checked(provider, scope)
+    if kind not in RATE_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(RATE_KINDS)}, not {kind!r}")
+    if check.count(per_minute, "per_minute") == 0:
+        raise ValueError("a limit of 0 a minute would admit nothing: clear it instead")
+    params = {
+        "provider": provider,
+        "scope": scope,
+        "kind": kind,
+        "per_minute": per_minute,
+        "now_ms": _now_ms(store),
+    }
+    with store.driver.transaction() as cur:
+        cur.run(sql.SET_RATE_LIMIT, params)
+
+
+def clear_limit(store: Store, provider: str, scope: str, kind: str | None = None) -> int:
+    """Stop holding ``scope`` to ``kind`` (None: to any); how many windows went."""
+    _checked(provider, scope)
+    with store.driver.transaction() as cur:
+        return cur.run(sql.CLEAR_RATE_LIMIT, {"provider": provider, "scope": scope, "kind": kind})
+
+
+def take(store: Store, provider: str, scope: str, ask: RateAsk) -> RateTaken:
+    """Take ``ask`` from every window of ``scope``, all or none (see the module)."""
+    _checked(provider, scope)
+    now_ms = _now_ms(store)
+    try:
+        with store.driver.transaction() as cur:
+            for window_id, kind in cur.all(
+                sql.RATE_WINDOWS_OF, {"provider": provider, "scope": scope}
+            ):
+                wanted = ask.of(kind) * MILLI
+                params = {"id": window_id, "ask": wanted, "now_ms": now_ms}
+                if cur.one(sql.TAKE_RATE, params) is None:
+                    level, per_minute = cur.one(sql.RATE_LEVEL, params) or (0, 1)
+                    raise _Short(_refusal(kind, wanted, int(level), int(per_minute)))
+    except _Short as short:  # raised inside the transaction: what it took rolled back
+        return short.taken
+    return RateTaken(True)
+
+
+def _refusal(kind: str, wanted: int, level: int, per_minute: int) -> RateTaken:
+    if wanted > per_minute * MILLI:
+        return RateTaken(False, kind, None)
+    # the level refills per_minute thousandths every 60 ms
+    return RateTaken(
+        False, kind, timedelta(milliseconds=math.ceil((wanted - level) * 60 / per_minute))
+    )
+
+
+def give_back(store: Store, provider: str, scope: str, unused: RateAsk) -> None:
+    """Give ``unused`` back to ``scope``'s windows (what a call took and did not use),
+    never past their limits."""
+    _checked(provider, scope)
+    now_ms = _now_ms(store)
+    with store.driver.transaction() as cur:
+        for window_id, kind in cur.all(sql.RATE_WINDOWS_OF, {"provider": provider, "scope": scope}):
+            back = unused.of(kind) * MILLI
+            if back:
+                cur.run(sql.GIVE_RATE_BACK, {"id": window_id, "back": back, "now_ms": now_ms})
+
+
+def windows(store: Store) -> list[RateWindow]:
+    """Every window, with what it holds now."""
+    with store.driver.transaction() as cur:
+        rows = cur.all(sql.RATE_WINDOWS, {"now_ms": _now_ms(store)})
+    return [
+        RateWindow(provider, scope, kind, int(per_minute), int(level) / MILLI)
+        for provider, scope, kind, per_minute, level in rows
+    ]
