@@ -126,9 +126,25 @@ class CallLedger:
         (see :mod:`.rates`)."""
         return rates.take(self._store, provider, scope, ask)
 
-    def give_rate_back(self, provider: str, scope: str, unused: RateAsk) -> None:
-        """Give what a call took and did not use back to its rate windows."""
-        rates.give_back(self._store, provider, scope, unused)
+    def give_rate_back(
+        self,
+        provider: str,
+        scope: str,
+        *,
+        tokens: int = 0,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+    ) -> None:
+        """Give the tokens a call took and did not use back to its rate windows (a
+        request sent stays counted)."""
+        rates.give_back(
+            self._store,
+            provider,
+            scope,
+            tokens=tokens,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+        )
 
     def mark_unknown(
         self,

@@ -5,10 +5,14 @@ ledger's database, so that every worker on every host takes from the same ones.
 
 A call takes what it may use from every window of its scope, all or none, in one
 transaction (each window by a compare-and-set UPDATE, in id order: the order every
-taker locks them in); settlement gives back what it did not use. A refusal says which
-limit was short and how long until it holds the ask (None: never, the ask is more than
-the limit). Levels are kept in thousandths of a unit, so that a refill of a fraction
-of a token is not lost.
+writer locks them in); settlement gives back what it did not use (tokens: a request
+sent stays counted). A refusal says which limit keeps the ask out longest and how long
+until every window holds it (None: never, the ask is more than a limit). Levels are
+kept in thousandths of a unit, so that a refill of a fraction of a token is not lost.
+
+A window holds a minute's worth and refills continuously (as Anthropic documents its
+limits): after a quiet minute a burst may take the whole window and then what refills,
+up to twice the limit in one rolling minute, never more.
 
 This is the ledger's primitive; the delivery does not take from it yet (issue 45).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from .. import _validate as check
 from . import statements as sql
@@ -26,6 +31,9 @@ from .store import Store
 
 #: One unit is this many of a window's level.
 MILLI = 1000
+#: The largest limit a minute (its level in thousandths, refilled a minute at a time,
+#: stays far inside a BIGINT).
+MOST_PER_MINUTE = 10**12
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +97,8 @@ def set_limit(store: Store, provider: str, scope: str, kind: str, per_minute: in
         raise ValueError(f"kind must be one of {', '.join(RATE_KINDS)}, not {kind!r}")
     if check.count(per_minute, "per_minute") == 0:
         raise ValueError("a limit of 0 a minute would admit nothing: clear it instead")
+    if per_minute > MOST_PER_MINUTE:
+        raise ValueError(f"a limit a minute is at most {MOST_PER_MINUTE:,}, not {per_minute:,}")
     params = {
         "provider": provider,
         "scope": scope,
@@ -104,7 +114,16 @@ def clear_limit(store: Store, provider: str, scope: str, kind: str | None = None
     """Stop holding ``scope`` to ``kind`` (None: to any); how many windows went."""
     _checked(provider, scope)
     with store.driver.transaction() as cur:
-        return cur.run(sql.CLEAR_RATE_LIMIT, {"provider": provider, "scope": scope, "kind": kind})
+        gone = [
+            window_id
+            for window_id, of in cur.all(
+                sql.RATE_WINDOWS_OF, {"provider": provider, "scope": scope}
+            )
+            if kind is None or of == kind
+        ]
+        for window_id in gone:  # in id order, as every writer locks them
+            cur.run(sql.CLEAR_RATE_WINDOW, {"id": window_id})
+    return len(gone)
 
 
 def take(store: Store, provider: str, scope: str, ask: RateAsk) -> RateTaken:
@@ -113,32 +132,54 @@ def take(store: Store, provider: str, scope: str, ask: RateAsk) -> RateTaken:
     now_ms = _now_ms(store)
     try:
         with store.driver.transaction() as cur:
-            for window_id, kind in cur.all(
-                sql.RATE_WINDOWS_OF, {"provider": provider, "scope": scope}
-            ):
-                wanted = ask.of(kind) * MILLI
-                params = {"id": window_id, "ask": wanted, "now_ms": now_ms}
-                if cur.one(sql.TAKE_RATE, params) is None:
-                    level, per_minute = cur.one(sql.RATE_LEVEL, params) or (0, 1)
-                    raise _Short(_refusal(kind, wanted, int(level), int(per_minute)))
+            scope_windows = cur.all(sql.RATE_WINDOWS_OF, {"provider": provider, "scope": scope})
+            for window_id, kind in scope_windows:
+                params = {"id": window_id, "ask": ask.of(kind) * MILLI, "now_ms": now_ms}
+                # a window cleared since it was listed holds nothing back
+                if cur.one(sql.TAKE_RATE, params) is None and cur.one(sql.RATE_LEVEL, params):
+                    raise _Short(_refusal(cur, scope_windows, ask, now_ms))
     except _Short as short:  # raised inside the transaction: what it took rolled back
         return short.taken
     return RateTaken(True)
 
 
-def _refusal(kind: str, wanted: int, level: int, per_minute: int) -> RateTaken:
-    if wanted > per_minute * MILLI:
-        return RateTaken(False, kind, None)
-    # the level refills per_minute thousandths every 60 ms
-    return RateTaken(
-        False, kind, timedelta(milliseconds=math.ceil((wanted - level) * 60 / per_minute))
-    )
+def _refusal(
+    cur: Any, scope_windows: list[tuple[Any, ...]], ask: RateAsk, now_ms: int
+) -> RateTaken:
+    """The limit that keeps ``ask`` out longest, and how long until every window holds
+    it (None: one never will), read in the refused transaction."""
+    worst: tuple[str, int] | None = None
+    for window_id, kind in scope_windows:
+        found = cur.one(sql.RATE_LEVEL, {"id": window_id, "now_ms": now_ms})
+        if found is None:
+            continue
+        level, per_minute = int(found[0]), int(found[1])
+        wanted = ask.of(kind) * MILLI
+        if wanted > per_minute * MILLI:
+            return RateTaken(False, kind, None)
+        if wanted > level:
+            # the level refills per_minute thousandths every 60 ms
+            wait = math.ceil((wanted - level) * 60 / per_minute)
+            if worst is None or wait > worst[1]:
+                worst = (kind, wait)
+    if worst is None:  # freed meanwhile (a give-back): try again in a millisecond
+        return RateTaken(False, None, timedelta(milliseconds=1))
+    return RateTaken(False, worst[0], timedelta(milliseconds=max(1, worst[1])))
 
 
-def give_back(store: Store, provider: str, scope: str, unused: RateAsk) -> None:
-    """Give ``unused`` back to ``scope``'s windows (what a call took and did not use),
-    never past their limits."""
+def give_back(
+    store: Store,
+    provider: str,
+    scope: str,
+    *,
+    tokens: int = 0,
+    input_tokens: int = 0,
+    output_tokens: int = 0,
+) -> None:
+    """Give the tokens a call took and did not use back to ``scope``'s windows, never
+    past their limits (a request sent stays counted)."""
     _checked(provider, scope)
+    unused = RateAsk(0, tokens, input_tokens, output_tokens)
     now_ms = _now_ms(store)
     with store.driver.transaction() as cur:
         for window_id, kind in cur.all(sql.RATE_WINDOWS_OF, {"provider": provider, "scope": scope}):

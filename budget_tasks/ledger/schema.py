@@ -430,10 +430,6 @@ archived_periods = Table(
     *_journal_sums(),
 )
 
-# Added in migration 0007: this ledger's own id, made once when its tables are made.
-# What the provider is sent as a call's key (Idempotency-Key, stored metadata) is a
-# digest of it and the attempt key: two ledgers sharing an API key (staging and
-# production) never find, charge or replay each other's calls.
 #: The limits a rate window holds, per minute.
 RATE_KINDS = ("requests", "tokens", "input_tokens", "output_tokens")
 
@@ -457,6 +453,10 @@ rate_windows = Table(
     CheckConstraint(f"kind IN ({_in(RATE_KINDS)})", name="kind_known"),
 )
 
+# Added in migration 0007: this ledger's own id, made once when its tables are made.
+# What the provider is sent as a call's key (Idempotency-Key, stored metadata) is a
+# digest of it and the attempt key: two ledgers sharing an API key (staging and
+# production) never find, charge or replay each other's calls.
 installation = Table(
     "installation",
     metadata,

@@ -967,26 +967,40 @@ RETAIN_OPERATIONS = "DELETE FROM operations WHERE id = ANY(:ids) RETURNING *"
 
 
 # -- rate windows (rates.py): token buckets in thousandths of a unit -------------------
+# Every parameter is cast to BIGINT: psycopg binds a small int as int4, and int4
+# arithmetic overflows long before a large limit's levels do.
 
-#: How long a window has refilled by :now_ms: never backwards, at most the minute that
-#: fills it from empty (which also keeps the product below from overflowing).
-_RATE_ELAPSED = """(CASE WHEN :now_ms <= refilled_ms THEN 0
-    WHEN :now_ms - refilled_ms >= 60000 THEN 60000 ELSE :now_ms - refilled_ms END)"""
-#: A window's level refilled to :now_ms: per_minute a minute, never past per_minute.
-_RATE_LEVEL = f"""(CASE WHEN level + per_minute * {_RATE_ELAPSED} / 60 >= per_minute * 1000
-    THEN per_minute * 1000 ELSE level + per_minute * {_RATE_ELAPSED} / 60 END)"""
-_RATE_STAMP = "refilled_ms = CASE WHEN :now_ms > refilled_ms THEN :now_ms ELSE refilled_ms END"
+_NOW = "CAST(:now_ms AS BIGINT)"
+
+
+def _rate_level(t: str = "") -> str:
+    """A window's level refilled to now (``t``: its table's name and a dot, where an
+    upsert must say which row it means): per_minute a minute, never past per_minute;
+    refilled for no time backwards, and for at most the minute that fills it from
+    empty (which also keeps the product from overflowing)."""
+    elapsed = f"""(CASE WHEN {_NOW} <= {t}refilled_ms THEN 0
+    WHEN {_NOW} - {t}refilled_ms >= 60000 THEN 60000 ELSE {_NOW} - {t}refilled_ms END)"""
+    refilled = f"{t}level + {t}per_minute * {elapsed} / 60"
+    return f"""(CASE WHEN {refilled} >= {t}per_minute * 1000
+    THEN {t}per_minute * 1000 ELSE {refilled} END)"""
+
+
+_RATE_LEVEL = _rate_level()
+_RATE_STAMP = f"refilled_ms = CASE WHEN {_NOW} > refilled_ms THEN {_NOW} ELSE refilled_ms END"
+_ASK = "CAST(:ask AS BIGINT)"
+_BACK = "CAST(:back AS BIGINT)"
+_LIMIT = "CAST(:per_minute AS BIGINT)"
 
 #: Take :ask from a window where its refilled level holds it (compare-and-set).
 TAKE_RATE = f"""
-UPDATE rate_windows SET level = {_RATE_LEVEL} - :ask, {_RATE_STAMP}
-WHERE id = :id AND {_RATE_LEVEL} >= :ask
+UPDATE rate_windows SET level = {_RATE_LEVEL} - {_ASK}, {_RATE_STAMP}
+WHERE id = :id AND {_RATE_LEVEL} >= {_ASK}
 RETURNING level"""
 
 #: Give :back to a window (what a call did not use), never past its limit.
 GIVE_RATE_BACK = f"""
-UPDATE rate_windows SET level = CASE WHEN {_RATE_LEVEL} + :back >= per_minute * 1000
-    THEN per_minute * 1000 ELSE {_RATE_LEVEL} + :back END, {_RATE_STAMP}
+UPDATE rate_windows SET level = CASE WHEN {_RATE_LEVEL} + {_BACK} >= per_minute * 1000
+    THEN per_minute * 1000 ELSE {_RATE_LEVEL} + {_BACK} END, {_RATE_STAMP}
 WHERE id = :id"""
 
 #: A window's refilled level and limit, read (a refusal's wait is computed from them).
@@ -997,19 +1011,21 @@ RATE_WINDOWS_OF = """
 SELECT id, kind FROM rate_windows WHERE provider = :provider AND scope = :scope
 ORDER BY id"""
 
-#: Set a limit: a new window starts full; a changed one keeps its level, never past it.
-SET_RATE_LIMIT = """
+#: Set a limit: a new window starts full; a changed one keeps what it held, refilled
+#: at its old rate until now, never more than its new limit.
+SET_RATE_LIMIT = f"""
 INSERT INTO rate_windows (provider, scope, kind, per_minute, level, refilled_ms)
-VALUES (:provider, :scope, :kind, :per_minute, :per_minute * 1000, :now_ms)
+VALUES (:provider, :scope, :kind, {_LIMIT}, {_LIMIT} * 1000, {_NOW})
 ON CONFLICT (provider, scope, kind) DO UPDATE SET per_minute = excluded.per_minute,
-    level = CASE WHEN rate_windows.level > excluded.per_minute * 1000
-        THEN excluded.per_minute * 1000 ELSE rate_windows.level END"""
+    level = CASE WHEN {_rate_level("rate_windows.")} > excluded.per_minute * 1000
+        THEN excluded.per_minute * 1000 ELSE {_rate_level("rate_windows.")} END,
+    refilled_ms = CASE WHEN {_NOW} > rate_windows.refilled_ms THEN {_NOW}
+        ELSE rate_windows.refilled_ms END"""
 
-CLEAR_RATE_LIMIT = """
-DELETE FROM rate_windows WHERE provider = :provider AND scope = :scope
-    AND (CAST(:kind AS VARCHAR) IS NULL OR kind = :kind)"""
+#: One window gone (a scope's are deleted one at a time, in id order).
+CLEAR_RATE_WINDOW = "DELETE FROM rate_windows WHERE id = :id"
 
-#: Every window, refilled to :now_ms, for the operator.
+#: Every window, refilled to now, for the operator.
 RATE_WINDOWS = f"""
 SELECT provider, scope, kind, per_minute, {_RATE_LEVEL} AS level FROM rate_windows
 ORDER BY provider, scope, kind"""

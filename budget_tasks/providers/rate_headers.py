@@ -24,6 +24,7 @@ KINDS = ("requests", "tokens", "input_tokens", "output_tokens")
 #: The longest wait a header is believed for (a day): past it, a header is not read.
 MOST_WAIT = timedelta(days=1)
 
+_COUNT = re.compile(r"[0-9]{1,18}")
 _GO_PART = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s|us|µs|ns)")
 _GO_UNITS = {
     "h": 3600.0,
@@ -64,7 +65,8 @@ def count(value: str | None) -> int | None:
     if value is None:
         return None
     text = value.strip()
-    return int(text) if text.isdigit() else None
+    # ASCII digits only: str.isdigit would take "²"
+    return int(text) if _COUNT.fullmatch(text) else None
 
 
 def go_duration(value: str | None) -> timedelta | None:
@@ -83,7 +85,7 @@ def go_duration(value: str | None) -> timedelta | None:
             return None
         seconds += float(found[1]) * _GO_UNITS[found[2]]
         at = found.end()
-    if at != len(text) or not math.isfinite(seconds):
+    if at != len(text) or not math.isfinite(seconds) or seconds > MOST_WAIT.total_seconds():
         return None
     return _believable(timedelta(seconds=seconds))
 
@@ -111,7 +113,7 @@ def retry_after(headers: Mapping[str, str], now: datetime) -> timedelta | None:
             wait = float(ms)
         except ValueError:
             wait = math.nan
-        if math.isfinite(wait) and wait >= 0:
+        if math.isfinite(wait) and 0 <= wait <= MOST_WAIT.total_seconds() * 1000:
             return _believable(timedelta(milliseconds=wait))
     value = headers.get("retry-after")
     if value is None:
@@ -126,7 +128,7 @@ def retry_after(headers: Mapping[str, str], now: datetime) -> timedelta | None:
         if at.tzinfo is None:
             at = at.replace(tzinfo=UTC)
         return _believable(max(at - now, timedelta(0)))
-    if not math.isfinite(seconds) or seconds < 0:
+    if not math.isfinite(seconds) or not 0 <= seconds <= MOST_WAIT.total_seconds():
         return None
     return _believable(timedelta(seconds=seconds))
 

@@ -247,14 +247,19 @@ def test_a_refused_request_leaves_the_prompt_cache_as_it_was(frozen: FakeProvide
     assert usage.cache_creation_input_tokens and not usage.cache_read_input_tokens
 
 
-def test_a_request_passes_again_once_the_wait_it_was_told_has_passed(fake: FakeProvider) -> None:
-    # 6,000 tokens a minute refill 100 a second: the waits here are a fraction of one
-    fake.set_limits("openai", tokens=6_000)
-    client = openai_client(fake)
+def test_a_request_passes_again_once_the_wait_it_was_told_has_passed(
+    frozen: FakeProvider,
+) -> None:
+    """The wait a 429 gives is the wait: a millisecond before it the request is still
+    refused, at it the request passes (on a clock moved by hand, not slept on)."""
+    clock = frozen.limits.clock
+    assert isinstance(clock, Frozen)
+    # 6,000 tokens a minute refill 100 a second
+    frozen.set_limits("openai", tokens=6_000)
+    client = openai_client(frozen)
     prompt = client.chat.completions.create(**CHAT).usage
     assert prompt is not None
-    fake.reset()
-    fake.set_limits("openai", tokens=6_000)
+    clock.now += 60  # full again
     client.chat.completions.create(
         **{**CHAT, "max_completion_tokens": 6_000 - prompt.prompt_tokens}
     )  # takes the whole bucket
@@ -262,16 +267,19 @@ def test_a_request_passes_again_once_the_wait_it_was_told_has_passed(fake: FakeP
         client.chat.completions.create(**CHAT)
     headers = info.value.response.headers
     wait_ms = int(headers["retry-after-ms"])
-    # 25 tokens at 100 a second: at most a quarter second
-    assert 0 < wait_ms <= 1_000 * (prompt.prompt_tokens + 16) / 100 + 1
-    assert 50 < seconds(headers["x-ratelimit-reset-tokens"]) <= 60
-    time.sleep(wait_ms / 1000)
+    # the request's input and its 16 tokens of output, at 100 a second
+    assert wait_ms == math.ceil(1_000 * (prompt.prompt_tokens + 16) / 100)
+    assert seconds(headers["x-ratelimit-reset-tokens"]) == 60
+    clock.now += (wait_ms - 1) / 1000
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(**CHAT)
+    clock.now += 0.001
     assert client.chat.completions.create(**CHAT).choices
 
     # Anthropic: 600 output tokens a minute refill 10 a second; retry-after is whole
     # seconds
-    fake.set_limits("anthropic", output_tokens=600)
-    claude = anthropic_client(fake)
+    frozen.set_limits("anthropic", output_tokens=600)
+    claude = anthropic_client(frozen)
     message(claude, max_tokens=600, output=600)
     with pytest.raises(anthropic.RateLimitError) as refused:
         message(claude, max_tokens=5, output=5)
@@ -280,9 +288,9 @@ def test_a_request_passes_again_once_the_wait_it_was_told_has_passed(fake: FakeP
     reset = refused.value.response.headers["anthropic-ratelimit-output-tokens-reset"]
     full_at = datetime.strptime(reset, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
     assert 0 < full_at.timestamp() - time.time() <= 61
-    time.sleep(retry_after)
+    clock.now += retry_after
     assert message(claude, max_tokens=5, output=5).parse().usage.output_tokens == 5
-    assert fake.state()["rate_limited"] == 2
+    assert frozen.state()["rate_limited"] == 3
 
 
 def test_a_model_limit_is_its_own_and_star_is_one_quota_for_the_others(

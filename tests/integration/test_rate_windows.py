@@ -87,10 +87,10 @@ def test_what_a_call_did_not_use_comes_back_and_never_past_the_limit(rated: Ledg
     assert calls.take_rate("anthropic", "haiku", RateAsk(output_tokens=8_000)).granted
     assert not calls.take_rate("anthropic", "haiku", RateAsk(output_tokens=500)).granted
     # it produced 300 of its 8,000: 7,700 come back
-    calls.give_rate_back("anthropic", "haiku", RateAsk(requests=0, output_tokens=7_700))
+    calls.give_rate_back("anthropic", "haiku", output_tokens=7_700)
     assert calls.take_rate("anthropic", "haiku", RateAsk(output_tokens=7_700)).granted
     assert not calls.take_rate("anthropic", "haiku", RateAsk(output_tokens=1)).granted
-    calls.give_rate_back("anthropic", "haiku", RateAsk(requests=0, output_tokens=20_000))
+    calls.give_rate_back("anthropic", "haiku", output_tokens=20_000)
     [window] = rated.rate_windows()
     assert window.available == 8_000.0  # never past the limit
 
@@ -105,8 +105,53 @@ def test_a_minute_refills_a_window_whole_and_a_clock_going_back_refills_nothing(
     advance(rated, hours=5)  # long idle: full, not 300 times full
     granted = sum(calls.take_rate("openai", "m", RateAsk()).granted for _ in range(61))
     assert granted == 60
-    advance(rated, seconds=-30)  # another host's clock behind this one's
+    # another host's clock 30 s behind: its takes refill nothing, and when this host's
+    # clock comes back the window has refilled from where it was, once
+    advance(rated, seconds=-30)
     assert not calls.take_rate("openai", "m", RateAsk()).granted
+    advance(rated, seconds=30)
+    assert sum(calls.take_rate("openai", "m", RateAsk()).granted for _ in range(5)) == 0
+    advance(rated, seconds=1)  # a second: one request
+    assert sum(calls.take_rate("openai", "m", RateAsk()).granted for _ in range(5)) == 1
+
+
+def test_a_refusal_waits_for_the_longest_of_its_short_limits(rated: Ledger) -> None:
+    rated.set_rate_limit("openai", "m", "requests", 10)
+    rated.set_rate_limit("openai", "m", "tokens", 1_000)
+    calls = rated.calls
+    assert calls.take_rate("openai", "m", RateAsk(requests=10, tokens=1_000)).granted
+    refused = calls.take_rate("openai", "m", RateAsk(tokens=500))
+    # a request is back in 6 s, 500 tokens in 30 s: the wait is the longer one
+    assert refused == RateTaken(False, "tokens", timedelta(seconds=30))
+    advance(rated, seconds=29.999)
+    assert not calls.take_rate("openai", "m", RateAsk(tokens=500)).granted
+    advance(rated, milliseconds=1)
+    assert calls.take_rate("openai", "m", RateAsk(tokens=500)).granted
+
+
+def test_a_large_limit_and_a_returned_call_keep_their_exact_counts(rated: Ledger) -> None:
+    """150 million tokens a minute (a high tier's) is held to the token; giving back
+    unused tokens never gives back the request that was sent."""
+    rated.set_rate_limit("openai", "big", "tokens", 150_000_000)
+    rated.set_rate_limit("openai", "big", "requests", 1)
+    calls = rated.calls
+    assert calls.take_rate("openai", "big", RateAsk(tokens=150_000_000)).granted
+    calls.give_rate_back("openai", "big", tokens=149_999_999)
+    assert not calls.take_rate("openai", "big", RateAsk(tokens=1)).granted  # no request
+    levels = {w.kind: w.available for w in rated.rate_windows()}
+    assert levels == {"tokens": 149_999_999.0, "requests": 0.0}
+    with pytest.raises(ValueError, match="at most"):
+        rated.set_rate_limit("openai", "big", "tokens", 10**13)
+
+
+def test_raising_a_limit_refills_the_time_before_at_the_old_rate(rated: Ledger) -> None:
+    rated.set_rate_limit("openai", "m", "requests", 10)
+    calls = rated.calls
+    for _ in range(10):
+        assert calls.take_rate("openai", "m", RateAsk()).granted
+    advance(rated, seconds=59)  # 9 requests refilled at 10 a minute
+    rated.set_rate_limit("openai", "m", "requests", 6_000)
+    assert sum(calls.take_rate("openai", "m", RateAsk()).granted for _ in range(20)) == 9
 
 
 def test_lowering_a_limit_keeps_no_more_than_the_new_limit(rated: Ledger) -> None:

@@ -36,7 +36,9 @@ def test_openais_go_durations_are_read(text: str, seconds: float) -> None:
     assert go_duration(text) == timedelta(seconds=seconds)
 
 
-@pytest.mark.parametrize("text", ["", "soon", "-1s", "1s garbage", "s", "1.5", "25h"])
+@pytest.mark.parametrize(
+    "text", ["", "soon", "-1s", "1s garbage", "s", "1.5", "25h", "99999999999999h", "1e400s"]
+)
 def test_a_duration_that_cannot_be_read_or_believed_is_left_out(text: str) -> None:
     assert go_duration(text) is None
 
@@ -59,8 +61,9 @@ def test_retry_after_is_read_as_the_sdks_read_it() -> None:
     assert retry_after({"retry-after": "Sun, 06 Dec 2026 12:00:10 GMT"}, NOW) == timedelta(
         seconds=10
     )
-    for bad in ("-1", "nan", "inf", "later", "999999999"):
+    for bad in ("-1", "nan", "inf", "later", "999999999", "1e20"):
         assert retry_after({"retry-after": bad}, NOW) is None, bad
+    assert retry_after({"retry-after-ms": "1e300"}, NOW) is None
     assert retry_after({}, NOW) is None
 
 
@@ -108,6 +111,12 @@ def test_anthropics_headers_give_each_of_its_four_windows() -> None:
         "output_tokens": Window(8000, 7999, timedelta(seconds=1)),
     }
     assert state.retry_after is None
+
+
+def test_a_count_is_ascii_digits_only() -> None:
+    state = OpenAI().rate_state({"x-ratelimit-limit-requests": "²"}, NOW)
+    assert state.empty
+    assert OpenAI().rate_state({"x-ratelimit-limit-requests": "9" * 40}, NOW).empty
 
 
 def test_an_answer_without_rate_headers_says_nothing() -> None:
