@@ -24,7 +24,7 @@ from ..errors import (
     UnknownAttempt,
     UnknownOperation,
 )
-from . import holds, operations, rates
+from . import holds, operations
 from . import statements as sql
 from .driver import Cursor
 from .holds import CallPlan, check_reservation
@@ -38,7 +38,6 @@ from .operations import (
     decode,
     operation_ref,
 )
-from .rates import RateAsk, RateTaken
 from .records import (
     Answered,
     AttemptRef,
@@ -120,31 +119,6 @@ class CallLedger:
         """What the provider is sent as attempt ``key``'s key (see
         :meth:`~budget_tasks.Ledger.provider_key`)."""
         return self._store.provider_key(key)
-
-    def take_rate(self, provider: str, scope: str, ask: RateAsk) -> RateTaken:
-        """Take ``ask`` from the rate windows of ``provider``'s ``scope``, all or none
-        (see :mod:`.rates`)."""
-        return rates.take(self._store, provider, scope, ask)
-
-    def give_rate_back(
-        self,
-        provider: str,
-        scope: str,
-        *,
-        tokens: int = 0,
-        input_tokens: int = 0,
-        output_tokens: int = 0,
-    ) -> None:
-        """Give the tokens a call took and did not use back to its rate windows (a
-        request sent stays counted)."""
-        rates.give_back(
-            self._store,
-            provider,
-            scope,
-            tokens=tokens,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-        )
 
     def mark_unknown(
         self,

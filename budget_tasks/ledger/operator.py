@@ -23,7 +23,7 @@ from ..errors import (
     UnknownBudget,
     UnknownOperation,
 )
-from . import audits, escrow, holds, maintenance, oversight, rates, reports
+from . import audits, escrow, holds, maintenance, oversight, reports
 from . import statements as sql
 from .budgets import (
     add_slices,
@@ -45,7 +45,7 @@ from .periods import (
     Renewal,
     period_start,
 )
-from .rates import RateWindow
+from .rates import RateLimits
 from .records import (
     Attempt,
     AuditFinding,
@@ -100,6 +100,8 @@ class Ledger:
         self.calls = CallLedger(self._store)
         self.upkeep = Upkeep(self._store)
         self.views = Views(self._store)
+        #: the providers' rate limits held across the fleet (:mod:`.rates`)
+        self.rates = RateLimits(self._store)
 
     def __repr__(self) -> str:
         return f"Ledger({self._store.url!r})"
@@ -136,20 +138,6 @@ class Ledger:
         id and the key. A business key may hold a customer's e-mail or a tenant's name:
         it never leaves the ledger; and two ledgers on one API key never share one."""
         return self._store.provider_key(key)
-
-    def set_rate_limit(self, provider: str, scope: str, kind: str, per_minute: int) -> None:
-        """Hold ``provider``'s ``scope`` (a model, a group of models, an API key) to
-        ``per_minute`` of ``kind`` (requests, tokens, input or output tokens), across
-        every worker (see :mod:`.rates`)."""
-        rates.set_limit(self._store, provider, scope, kind, per_minute)
-
-    def clear_rate_limit(self, provider: str, scope: str, kind: str | None = None) -> int:
-        """Stop holding ``scope`` to ``kind`` (None: to any); how many limits went."""
-        return rates.clear_limit(self._store, provider, scope, kind)
-
-    def rate_windows(self) -> list[RateWindow]:
-        """Every rate limit set, with what it holds now."""
-        return rates.windows(self._store)
 
     def budgets(self) -> list[BudgetInfo]:
         """Every budget, by name."""

@@ -14,7 +14,9 @@ A window holds a minute's worth and refills continuously (as Anthropic documents
 limits): after a quiet minute a burst may take the whole window and then what refills,
 up to twice the limit in one rolling minute, never more.
 
-This is the ledger's primitive; the delivery does not take from it yet (issue 45).
+``ledger.rates`` (:class:`RateLimits`) holds them for every caller: the operator sets
+them, the calls will take from them. This is the ledger's primitive; the delivery does
+not take from it yet (issue 45).
 """
 
 from __future__ import annotations
@@ -196,3 +198,47 @@ def windows(store: Store) -> list[RateWindow]:
         RateWindow(provider, scope, kind, int(per_minute), int(level) / MILLI)
         for provider, scope, kind, per_minute, level in rows
     ]
+
+
+class RateLimits:
+    """The providers' rate limits held across the fleet (``ledger.rates``): set and
+    cleared by the operator, taken and given back by the calls, listed for the views."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def set_limit(self, provider: str, scope: str, kind: str, per_minute: int) -> None:
+        """Hold ``provider``'s ``scope`` (a model, a group of models, an API key) to
+        ``per_minute`` of ``kind`` (requests, tokens, input or output tokens)."""
+        set_limit(self._store, provider, scope, kind, per_minute)
+
+    def clear_limit(self, provider: str, scope: str, kind: str | None = None) -> int:
+        """Stop holding ``scope`` to ``kind`` (None: to any); how many limits went."""
+        return clear_limit(self._store, provider, scope, kind)
+
+    def take(self, provider: str, scope: str, ask: RateAsk) -> RateTaken:
+        """Take ``ask`` from every window of ``scope``, all or none."""
+        return take(self._store, provider, scope, ask)
+
+    def give_back(
+        self,
+        provider: str,
+        scope: str,
+        *,
+        tokens: int = 0,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+    ) -> None:
+        """Give the tokens a call took and did not use back (the request stays counted)."""
+        give_back(
+            self._store,
+            provider,
+            scope,
+            tokens=tokens,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+        )
+
+    def windows(self) -> list[RateWindow]:
+        """Every limit set, with what it holds now."""
+        return windows(self._store)

@@ -41,14 +41,15 @@ def test_the_operators_ledger_does_not_offer_the_delivery_protocol(name: str) ->
 
 def test_the_operators_api_is_about_fifteen_methods() -> None:
     lifecycle = {"create_schema", "dispose", "now", "provider_key", "engine", "url"}
-    operator = public(Ledger) - lifecycle - {"calls", "upkeep", "views"}
+    operator = public(Ledger) - lifecycle - {"calls", "upkeep", "views", "rates"}
     assert len(operator) <= 20, sorted(operator)
 
 
 def test_the_callers_share_one_store(tmp_path: pytest.TempPathFactory) -> None:
     ledger = Ledger(f"sqlite:///{tmp_path}/callers.db")
     ledger.create_schema()
-    stores = {id(c._store) for c in (ledger, ledger.calls, ledger.upkeep, ledger.views)}
+    callers = (ledger, ledger.calls, ledger.upkeep, ledger.views, ledger.rates)
+    stores = {id(c._store) for c in callers}
     assert len(stores) == 1 and isinstance(ledger._store, Store)
     ledger.create_budget("acme", 100)
     ledger.calls.reserve("acme", "k", 40)
