@@ -29,7 +29,6 @@ only bucket. This module reads; it never writes the ledger.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from typing import Any
 from .errors import DriftOff
 from .ledger import Ledger
 from .ledger.usage import UsageRow
-from .providers.base import Vendor
+from .providers.base import SNAPSHOT_SUFFIX, Vendor
 from .providers.reports import BUCKETS, GROUPINGS, KeyInfo, ReportQuery, key_for
 
 #: What a line compares.
@@ -53,9 +52,6 @@ ALL = "all"
 DEFAULT_SETTLE = timedelta(hours=1)
 DEFAULT_COST_SETTLE = timedelta(hours=12)
 
-#: What a snapshot adds to a model's name: ``-2024-08-06``, ``-20251001``, ``-0125``.
-_SNAPSHOT = re.compile(r"-(\d{4}-\d{2}-\d{2}|\d{8}|\d{4})$")
-
 
 def model_family(model: str | None) -> str:
     """A model's name without its snapshot (``gpt-4o-mini-2024-07-18`` ->
@@ -63,7 +59,7 @@ def model_family(model: str | None) -> str:
     that answered."""
     if not model:
         return "(no model)"
-    return _SNAPSHOT.sub("", model)
+    return SNAPSHOT_SUFFIX.sub("", model)
 
 
 @dataclass(frozen=True, slots=True)

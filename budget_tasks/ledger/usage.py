@@ -6,22 +6,18 @@ which compares it with the vendor's own reports."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, case, func, literal, or_, select
 
 from .. import _validate as check
+from .buckets import as_utc, bucket_start
 from .schema import UTCDateTime, attempts
 from .store import Store
 
-#: Bucket widths (the vendors' names) and how each backend truncates a time to one.
+#: Bucket widths (the vendors' names) and the unit each truncates a time to.
 _TRUNCATE = {"1m": "minute", "1h": "hour", "1d": "day"}
-_SQLITE_FORMAT = {
-    "1m": "%Y-%m-%d %H:%M:00",
-    "1h": "%Y-%m-%d %H:00:00",
-    "1d": "%Y-%m-%d 00:00:00",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,20 +42,6 @@ class UsageRow:
     untold: int = 0
 
 
-def _bucket(dialect: str, width: str, column: Any) -> Any:
-    if dialect == "sqlite":
-        # stored as UTC wall time (see UTCDateTime): text ordering is time ordering
-        return func.strftime(_SQLITE_FORMAT[width], column)
-    return func.date_trunc(_TRUNCATE[width], column, "UTC")
-
-
-def _utc(value: Any) -> datetime:
-    if isinstance(value, str):  # SQLite's strftime
-        value = datetime.fromisoformat(value)
-    assert isinstance(value, datetime)
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
 def provider_usage(
     store: Store, provider: str, start: datetime, end: datetime, bucket: str
 ) -> list[UsageRow]:
@@ -74,7 +56,7 @@ def provider_usage(
     if bucket not in _TRUNCATE:
         raise ValueError(f"bucket must be one of {', '.join(_TRUNCATE)}, not {bucket!r}")
     a = attempts.c
-    at = _bucket(store.dialect, bucket, a.sending_at).label("bucket")
+    at = bucket_start(store.dialect, _TRUNCATE[bucket], a.sending_at).label("bucket")
     # the model that answered (as the reports name it), else the one asked for
     model = func.coalesce(a.answered_by, a.model).label("model")
     is_open = a.state.in_(("sending", "unknown"))
@@ -126,7 +108,7 @@ def provider_usage(
         rows = cur.execute(query).all()
     return [
         UsageRow(
-            _utc(r.bucket),
+            as_utc(r.bucket),
             r.model,
             r.credential,
             int(r.sent),

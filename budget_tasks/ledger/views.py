@@ -7,7 +7,7 @@ the operator's ledger."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -20,6 +20,7 @@ from sqlalchemy import (
 
 from .. import _validate as check
 from . import oversight, reports, usage
+from .buckets import as_utc, bucket_start
 from .budgets import all_budgets
 from .oversight import OperationHistory
 from .periods import (
@@ -51,22 +52,6 @@ from .usage import UsageRow
 BUCKETS = ("hour", "day")
 #: The most buckets one series returns (31 days of hours).
 MAX_BUCKETS = 31 * 24
-
-
-def _bucket_expr(dialect: str, bucket: str, column: Any) -> Any:
-    """The start of ``column``'s hour or day in UTC, on each backend."""
-    if dialect == "sqlite":
-        # stored as UTC wall time (see UTCDateTime): text ordering is time ordering
-        fmt = "%Y-%m-%d %H:00:00" if bucket == "hour" else "%Y-%m-%d 00:00:00"
-        return func.strftime(fmt, column)
-    return func.date_trunc(bucket, column, "UTC")
-
-
-def _as_utc(value: Any) -> datetime:
-    if isinstance(value, str):  # SQLite's strftime
-        value = datetime.fromisoformat(value)
-    assert isinstance(value, datetime)
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def _current_periods(starts: Mapping[Period, datetime]) -> Any:
@@ -172,7 +157,7 @@ class Views:
             .outerjoin(owner, owner.c.id == budgets.c.slice_of)
             .where(name == budget)
         )
-        start = _bucket_expr(self._store.dialect, bucket, journal.c.created_at).label("bucket")
+        start = bucket_start(self._store.dialect, bucket, journal.c.created_at).label("bucket")
         query = (
             select(start, func.sum(journal.c.spent_delta).label("spent"))
             .where(journal.c.period_id.in_(periods))
@@ -186,7 +171,7 @@ class Views:
             query = query.where(journal.c.created_at < literal(until, UTCDateTime()))
         with self._store.driver.transaction() as cur:
             rows = cur.execute(query).all()
-        return [(_as_utc(r.bucket), int(r.spent)) for r in rows]
+        return [(as_utc(r.bucket), int(r.spent)) for r in rows]
 
     def provider_usage(
         self, provider: str, *, start: datetime, end: datetime, bucket: str = "1h"

@@ -77,13 +77,18 @@ def _models(part: Part) -> list[str]:
     not a snapshot of the one asked for, the one asked for too (the dearer stands: an
     answer's word alone never prices a call below its request)."""
     asked = part.asked
-    if not asked or part.model == asked or _SNAPSHOT.fullmatch(part.model.removeprefix(asked)):
+    if (
+        not asked
+        or part.model == asked
+        or SNAPSHOT_SUFFIX.fullmatch(part.model.removeprefix(asked))
+    ):
         return [part.model]
     return [part.model, asked]
 
 
-#: What a snapshot adds to its alias: ``-2024-08-06``, ``-0125`` or ``-20251001``.
-_SNAPSHOT = re.compile(r"-(\d{4}(-\d{2}-\d{2})?|\d{8})")
+#: What a snapshot adds to the end of its alias: ``-2024-08-06``, ``-0125`` or
+#: ``-20251001``.
+SNAPSHOT_SUFFIX = re.compile(r"-(\d{4}(-\d{2}-\d{2})?|\d{8})$")
 
 
 def _at(context: PriceContext, at: datetime) -> PriceContext:

@@ -30,7 +30,7 @@ from budget_tasks.pricing.prices import Pricing
 from budget_tasks.pricing.table import parse_prices
 from budget_tasks.providers import registry
 from budget_tasks.providers.base import Vendor, sdk_client
-from budget_tasks.testing import FakeProvider
+from budget_tasks.testing import FakeProvider, ManualClock
 from budget_tasks.transport import guarded_anthropic_client, guarded_openai_client
 
 from ..workers import Worker
@@ -42,6 +42,27 @@ ANTHROPIC_ADMIN = "sk-ant-admin01-drift-0123456789abcdef"
 KEY_A = "sk-proj-alpha-0123456789abcdefABCD"
 KEY_B = "sk-proj-bravo-9876543210fedcbaWXYZ"
 ASK = [{"role": "user", "content": "How far did the ledger drift?"}]
+#: ``python -m budget_tasks.cli`` with its ledger on a clock set by hand (``argv[1]``,
+#: an ISO time), for a run as if made later than now.
+CLI_AT = """
+import sys
+from datetime import datetime
+
+from budget_tasks import Ledger
+from budget_tasks.cli import _common, run
+from budget_tasks.testing import ManualClock
+
+clock = ManualClock(datetime.fromisoformat(sys.argv.pop(1)))
+
+
+def open_ledger(url):
+    _common.refuse_missing_sqlite(url)
+    return Ledger(url, clock=clock)
+
+
+_common.open_ledger = open_ledger
+run()
+"""
 
 
 @pytest.fixture
@@ -120,6 +141,14 @@ def check(
         )
     finally:
         ledger.dispose()
+
+
+def minutes_on(minutes: int = 2) -> ManualClock:
+    """A clock ``minutes`` past the real one (moved by hand): the minute a call was just
+    sent in has ended by it, and its window is final (``settle`` 0)."""
+    clock = ManualClock(datetime.now(UTC))
+    clock.advance(minutes=minutes)
+    return clock
 
 
 def measured(report: DriftReport, measure: str, group: str | None = None) -> tuple[int, int]:
@@ -414,11 +443,11 @@ def test_the_beat_job_exports_the_drift_and_signals_it(
         heard.append({"sender": sender, **facts})
 
     signals.drift.connect(receiver)
-    ledger = Ledger(backend_url)
+    # the job's windows end at the ledger's now: on this clock, after the minute the
+    # calls were sent in
+    ledger = Ledger(backend_url, clock=minutes_on())
     vendor = registry.vendor("openai")
     try:
-        # the job's windows end now: wait for the minute the calls were sent in to end
-        time.sleep(61 - datetime.now(UTC).second)
         counts = check_provider_drift(
             ledger,
             [vendor],
@@ -488,18 +517,20 @@ def test_a_real_worker_keeps_what_its_answers_used_and_the_cli_names_the_key_pas
     finally:
         ledger.dispose()
     answer = bypass(fake, KEY_B)
-    time.sleep(61 - datetime.now(UTC).second)  # the minute they were sent in has ended
     env = {
         **os.environ,
         "BUDGET_TASKS_LEDGER_URL": pg_url,
         "OPENAI_BASE_URL": fake.openai_base_url,
         "OPENAI_ADMIN_KEY": OPENAI_ADMIN,
     }
-    command = [sys.executable, "-m", "budget_tasks.cli", "drift", "--provider", "openai"]
+    args = ["drift", "--provider", "openai"]
+    command = [sys.executable, "-m", "budget_tasks.cli", *args]
+    # as if run later: the minute they were sent in has ended by the CLI ledger's clock
+    later = [sys.executable, "-c", CLI_AT, minutes_on()().isoformat(), *args]
     options = ["--since", "1h", "--bucket", "1m", "--settle", "0s", "--by", "api_key"]
     exact = ["--relative", "0", "--min-tokens", "0", "--min-cost", "0"]
     done = subprocess.run(
-        [*command, *options, *exact, "--json"], env=env, capture_output=True, text=True, timeout=60
+        [*later, *options, *exact, "--json"], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 1, done.stderr
     report = json.loads(done.stdout)
@@ -516,7 +547,7 @@ def test_a_real_worker_keeps_what_its_answers_used_and_the_cli_names_the_key_pas
         "output_tokens": answer.usage.completion_tokens,
     }
     table = subprocess.run(
-        [*command, *options, *exact], env=env, capture_output=True, text=True, timeout=60
+        [*later, *options, *exact], env=env, capture_output=True, text=True, timeout=60
     )
     assert table.returncode == 1 and key_b in table.stdout and "drift" in table.stdout
     # without the admin key: one clear line, exit 2
