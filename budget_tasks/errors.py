@@ -117,6 +117,41 @@ class BudgetFrozen(LedgerError):
     budget: str
 
 
+class RateWindowFull(LedgerError):
+    """A rate window of the call's scope has no room now: nothing was admitted, and the
+    call is booked to send in ``wait_ms`` milliseconds, in order of arrival (the task
+    waits, then sends under the same key without taking again)."""
+
+    template = (
+        "the {provider} rate limit of {scope!r} ({kind} a minute) is full: "
+        "the call is booked to send in {wait_ms} ms"
+    )
+    provider: str
+    scope: str
+    kind: str
+    wait_ms: int
+
+    @property
+    def wait(self) -> float:
+        """Seconds until the call's booking falls due."""
+        return self.wait_ms / 1000
+
+
+class RateAskTooLarge(LedgerError):
+    """One call asks more of a rate window than its whole limit a minute: it could
+    never be admitted (lower ``max_tokens``, or raise the limit)."""
+
+    template = (
+        "a call asks {ask} {kind} of the {provider} rate limit of {scope!r}, "
+        "which is {per_minute} a minute: it could never be sent"
+    )
+    provider: str
+    scope: str
+    kind: str
+    ask: int
+    per_minute: int
+
+
 class CapBelowCommitted(LedgerError):
     """A cap may not go below what its current period has already spent and holds:
     that money is committed. Freeze the budget to stop new admissions instead."""

@@ -63,13 +63,18 @@ SELECT decision, operation_id, stored, runs FROM budget_tasks_admit(
     :step, :granted, :lookup, :model, :timeout_ms, :request_digest, :input_bound,
     :output_bound,
     CAST(:holds AS bigint[]), :escrow_period, CAST(:escrow_chain AS bigint[]),
-    CAST(:escrow_sources AS bigint[]), :draw_share)"""
+    CAST(:escrow_sources AS bigint[]), :draw_share, :r_provider,
+    CAST(:r_scopes AS text[]), CAST(:r_requests AS bigint), CAST(:r_tokens AS bigint),
+    CAST(:r_input_tokens AS bigint), CAST(:r_output_tokens AS bigint),
+    CAST(:now_ms AS bigint))"""
 
 FINISH = """
 SELECT amount FROM budget_tasks_finish(
     :operation_id, :owner, :key, :actual, :estimate_only, :note, :request_id,
     :response_id, :result, :now, :record, :answer, :provider, :credential,
-    CAST(:input_tokens AS bigint), CAST(:output_tokens AS bigint), :answered_by)"""
+    CAST(:input_tokens AS bigint), CAST(:output_tokens AS bigint), :answered_by,
+    CAST(:counted_tokens AS bigint), CAST(:counted_input AS bigint),
+    CAST(:counted_output AS bigint), CAST(:now_ms AS bigint))"""
 
 #: Every parameter ADMIT names, in order.
 ADMIT_PARAMS = tuple(re.findall(r"(?<!:):(\w+)", ADMIT))

@@ -22,10 +22,11 @@ from .records import (
     CallAdmission,
     CallAsk,
     CallFacts,
+    RateClaim,
     Reservation,
 )
 from .states import ATTEMPT_REASONS
-from .store import Chain, HoldPlan, Store, attempt_row, made_now
+from .store import Chain, HoldPlan, Store, attempt_row, epoch_ms, made_now
 
 
 def check_reservation(
@@ -82,7 +83,11 @@ def attempt_params(
     periods it holds in (``found``)."""
     bound = None if facts is None else facts.bound
     stop = found.escrow
+    rate = None if facts is None else facts.rate
     return {
+        **_rate_params(rate),
+        # the functions run on PostgreSQL, where a stamp is the aware datetime
+        "now_ms": epoch_ms(stamp),
         "now": stamp,
         "a_key": row["key"],
         "budget_id": row["budget_id"],
@@ -113,6 +118,26 @@ def attempt_params(
             escrow.GRANT_SHARE if stop is not None and escrow.aligned(stop, found.periods) else None
         ),
     }
+
+
+def _rate_params(rate: RateClaim | None) -> dict[str, Any]:
+    """The rate claim's part of :data:`.functions.ADMIT` (``r_provider`` None: none)."""
+    if rate is None:
+        return {"r_provider": None}
+    ask = rate.ask
+    return {
+        "r_provider": rate.provider,
+        # the scopes as a PostgreSQL array literal, each quoted (a scope is any text)
+        "r_scopes": "{" + ",".join(_quoted(scope) for scope in rate.scopes) + "}",
+        "r_requests": ask.requests,
+        "r_tokens": ask.tokens,
+        "r_input_tokens": ask.input_tokens,
+        "r_output_tokens": ask.output_tokens,
+    }
+
+
+def _quoted(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _array(ids: Iterable[int]) -> str:

@@ -14,9 +14,17 @@ A window holds a minute's worth and refills continuously (as Anthropic documents
 limits): after a quiet minute a burst may take the whole window and then what refills,
 up to twice the limit in one rolling minute, never more.
 
-``ledger.rates`` (:class:`RateLimits`) holds them for every caller: the operator sets
-them, the calls will take from them. This is the ledger's primitive; the delivery does
-not take from it yet (issue 45).
+A call whose facts carry a :class:`~.records.RateClaim` takes from its windows in the
+transaction that admits its money (:func:`take_in`, called by the admission), so both
+have room or neither is taken. A window without room books the call ahead instead
+(:func:`book`): the window goes below 0 by its ask, at most 60 minutes of its limit,
+and the call is told when that has refilled (:class:`~budget_tasks.errors.RateWindowFull`);
+it comes back then under the same attempt key and sends without taking again. Calls are
+so sent in order of arrival within a scope: one that arrives later finds the window
+owing what the earlier ones booked. Settlement gives back the tokens the vendor did not
+count (:func:`give_back_in`); a release gives back every token, an unknown outcome none.
+
+``ledger.rates`` (:class:`RateLimits`) is the operator's: set, clear, list.
 """
 
 from __future__ import annotations
@@ -24,36 +32,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from .. import _validate as check
 from . import statements as sql
-from .schema import RATE_KINDS
+from .driver import Cursor
+from .rate_takes import MILLI, Window, claimed, refill_ms, took
+from .records import RATE_KINDS, RateAsk, RateClaim
 from .store import Store
 
-#: One unit is this many of a window's level.
-MILLI = 1000
+__all__ = ["RateAsk", "RateClaim", "RateLimits", "RateTaken", "RateWindow"]
+
 #: The largest limit a minute (its level in thousandths, refilled a minute at a time,
 #: stays far inside a BIGINT).
 MOST_PER_MINUTE = 10**12
-
-
-@dataclass(frozen=True, slots=True)
-class RateAsk:
-    """What one call counts against its scope's limits."""
-
-    requests: int = 1
-    tokens: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        for kind in RATE_KINDS:
-            check.count(getattr(self, kind), kind)
-
-    def of(self, kind: str) -> int:
-        value: int = getattr(self, kind)
-        return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,24 +125,19 @@ def take(store: Store, provider: str, scope: str, ask: RateAsk) -> RateTaken:
     now_ms = _now_ms(store)
     try:
         with store.driver.transaction() as cur:
-            scope_windows = cur.all(sql.RATE_WINDOWS_OF, {"provider": provider, "scope": scope})
-            for window_id, kind in scope_windows:
-                params = {"id": window_id, "ask": ask.of(kind) * MILLI, "now_ms": now_ms}
-                # a window cleared since it was listed holds nothing back
-                if cur.one(sql.TAKE_RATE, params) is None and cur.one(sql.RATE_LEVEL, params):
-                    raise _Short(_refusal(cur, scope_windows, ask, now_ms))
+            windows = claimed(cur, RateClaim(provider, (scope,), ask))
+            if not took(cur, windows, ask, now_ms, None):
+                raise _Short(_refusal(cur, windows, ask, now_ms))
     except _Short as short:  # raised inside the transaction: what it took rolled back
         return short.taken
     return RateTaken(True)
 
 
-def _refusal(
-    cur: Any, scope_windows: list[tuple[Any, ...]], ask: RateAsk, now_ms: int
-) -> RateTaken:
+def _refusal(cur: Cursor, windows: list[Window], ask: RateAsk, now_ms: int) -> RateTaken:
     """The limit that keeps ``ask`` out longest, and how long until every window holds
     it (None: one never will), read in the refused transaction."""
     worst: tuple[str, int] | None = None
-    for window_id, kind in scope_windows:
+    for window_id, _, kind, _ in windows:
         found = cur.one(sql.RATE_LEVEL, {"id": window_id, "now_ms": now_ms})
         if found is None:
             continue
@@ -160,13 +146,12 @@ def _refusal(
         if wanted > per_minute * MILLI:
             return RateTaken(False, kind, None)
         if wanted > level:
-            # the level refills per_minute thousandths every 60 ms
-            wait = math.ceil((wanted - level) * 60 / per_minute)
+            wait = refill_ms(wanted - level, per_minute)
             if worst is None or wait > worst[1]:
                 worst = (kind, wait)
     if worst is None:  # freed meanwhile (a give-back): try again in a millisecond
         return RateTaken(False, None, timedelta(milliseconds=1))
-    return RateTaken(False, worst[0], timedelta(milliseconds=max(1, worst[1])))
+    return RateTaken(False, worst[0], timedelta(milliseconds=worst[1]))
 
 
 def give_back(

@@ -84,6 +84,47 @@ def not_kept(value: Any) -> dict[str, Any] | None:
 UNTRUSTED_LOOKUP = "untrusted"
 
 
+#: The kinds of a provider's rate limit, each counted a minute.
+RATE_KINDS = ("requests", "tokens", "input_tokens", "output_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class RateAsk:
+    """What one call counts against its scope's rate limits (or, settled, what its
+    vendor counted it as in the end)."""
+
+    requests: int = 1
+    tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for kind in RATE_KINDS:
+            check.count(getattr(self, kind), kind)
+
+    def of(self, kind: str) -> int:
+        value: int = getattr(self, kind)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class RateClaim:
+    """Which rate windows a call takes from, and what: ``provider``'s windows whose
+    scope is one of ``scopes`` (its model, the groups it is in, ``*``, its key), each
+    taking ``ask`` of its kind."""
+
+    provider: str
+    scopes: tuple[str, ...]
+    ask: RateAsk = RateAsk()
+
+    def __post_init__(self) -> None:
+        check.text(self.provider, "provider", max_length=64)
+        if not self.scopes:
+            raise ValueError("a rate claim names at least one scope")
+        for scope in self.scopes:
+            check.text(scope, "rate scope", max_length=100)
+
+
 @dataclass(frozen=True, slots=True)
 class Answered:
     """What a call's answer said, written with its settlement (or its unknown): the
@@ -101,6 +142,9 @@ class Answered:
     input_tokens: int | None = None
     output_tokens: int | None = None
     answered_by: str | None = None
+    #: what the vendor's rate limits count the call as in the end: the tokens its
+    #: admission took and this does not count go back to its windows
+    counted: RateAsk | None = None
 
     def __post_init__(self) -> None:
         check.optional_text(self.request_id, "request_id")
@@ -123,6 +167,16 @@ class Answered:
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
             "answered_by": self.answered_by,
+        }
+
+    def rate_params(self) -> dict[str, Any]:
+        """What goes back to the call's rate windows: the tokens it was counted as
+        (None: not known, nothing goes back)."""
+        counted = self.counted
+        return {
+            "counted_tokens": None if counted is None else counted.tokens,
+            "counted_input": None if counted is None else counted.input_tokens,
+            "counted_output": None if counted is None else counted.output_tokens,
         }
 
 
@@ -190,6 +244,8 @@ class CallFacts:
     request: str | None = None
     #: the most tokens the request allowed, which its answer's usage is vetted against
     bound: Bound | None = None
+    #: the rate windows its send takes from, in the admission's transaction
+    rate: RateClaim | None = None
 
     def __post_init__(self) -> None:
         for name, value, limit in (

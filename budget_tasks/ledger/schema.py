@@ -36,6 +36,7 @@ from sqlalchemy.types import TypeDecorator
 
 from .functions import FUNCTIONS_DDL
 from .partitions import FIXED_DDL
+from .records import RATE_KINDS
 from .states import ATTEMPT_REASONS, ATTEMPT_STATES, OPERATION_STATUSES
 
 NAMING = {
@@ -430,8 +431,9 @@ archived_periods = Table(
     *_journal_sums(),
 )
 
-#: The limits a rate window holds, per minute.
-RATE_KINDS = ("requests", "tokens", "input_tokens", "output_tokens")
+#: How far ahead a rate window may be booked: 60 minutes of its limit, in thousandths
+#: (``level >= -per_minute * RATE_MOST_OWED``).
+RATE_MOST_OWED = 60 * 1000
 
 # Added in migration 0021: a provider's rate limit held across the fleet, one token
 # bucket per provider, scope (a model, a group of models, an API key) and kind. Its
@@ -449,8 +451,24 @@ rate_windows = Table(
     Column("refilled_ms", BigInteger, nullable=False),
     UniqueConstraint("provider", "scope", "kind"),
     CheckConstraint("per_minute > 0", name="per_minute_positive"),
-    CheckConstraint("level >= 0", name="level_not_negative"),
+    # below 0 by what is booked ahead (migration 0022): calls told to wait, in order
+    # of arrival, for what refills; at most an hour of it
+    CheckConstraint(f"level >= -per_minute * {RATE_MOST_OWED}", name="owed_within_an_hour"),
     CheckConstraint(f"kind IN ({_in(RATE_KINDS)})", name="kind_known"),
+)
+
+# Added in migration 0022: what each call took from each rate window (``taken``, in
+# units), kept until its settlement gives back what it did not use; and, with a
+# ``due_ms``, what a call told to wait booked ahead: it sends then, under the same key,
+# without taking again.
+rate_takes = Table(
+    "rate_takes",
+    metadata,
+    Column("key", String(255), primary_key=True),
+    Column("window_id", Id, primary_key=True),
+    Column("taken", BigInteger, nullable=False),
+    Column("due_ms", BigInteger, nullable=True),
+    CheckConstraint("taken >= 0", name="taken_not_negative"),
 )
 
 # Added in migration 0007: this ledger's own id, made once when its tables are made.

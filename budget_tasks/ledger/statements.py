@@ -976,10 +976,10 @@ _NOW = "CAST(:now_ms AS BIGINT)"
 def _rate_level(t: str = "") -> str:
     """A window's level refilled to now (``t``: its table's name and a dot, where an
     upsert must say which row it means): per_minute a minute, never past per_minute;
-    refilled for no time backwards, and for at most the minute that fills it from
-    empty (which also keeps the product from overflowing)."""
+    refilled for no time backwards, and for at most the 61 minutes that fill it from
+    the most it may owe (which also keeps the product from overflowing)."""
     elapsed = f"""(CASE WHEN {_NOW} <= {t}refilled_ms THEN 0
-    WHEN {_NOW} - {t}refilled_ms >= 60000 THEN 60000 ELSE {_NOW} - {t}refilled_ms END)"""
+    WHEN {_NOW} - {t}refilled_ms >= 3660000 THEN 3660000 ELSE {_NOW} - {t}refilled_ms END)"""
     refilled = f"{t}level + {t}per_minute * {elapsed} / 60"
     return f"""(CASE WHEN {refilled} >= {t}per_minute * 1000
     THEN {t}per_minute * 1000 ELSE {refilled} END)"""
@@ -1029,3 +1029,48 @@ CLEAR_RATE_WINDOW = "DELETE FROM rate_windows WHERE id = :id"
 RATE_WINDOWS = f"""
 SELECT provider, scope, kind, per_minute, {_RATE_LEVEL} AS level FROM rate_windows
 ORDER BY provider, scope, kind"""
+
+#: The windows of a provider, for a claim's scopes to pick from (by id: the order every
+#: taker takes them).
+RATE_WINDOWS_OF_PROVIDER = """
+SELECT id, scope, kind, per_minute FROM rate_windows WHERE provider = :provider
+ORDER BY id"""
+
+#: What a key took or booked, window by window.
+RATE_TAKEN = "SELECT window_id, taken, due_ms FROM rate_takes WHERE key = :key ORDER BY window_id"
+
+#: Record what a key took from a window (``due_ms``: booked ahead, sent then).
+RECORD_RATE_TAKE = """
+INSERT INTO rate_takes (key, window_id, taken, due_ms)
+VALUES (:key, :window_id, CAST(:taken AS BIGINT), CAST(:due_ms AS BIGINT))"""
+
+#: When a booking falls due: with the longest wait of its windows.
+SET_RATE_DUE = "UPDATE rate_takes SET due_ms = CAST(:due_ms AS BIGINT) WHERE key = :key"
+
+#: A booking come due: what it took is now the sent call's.
+RATE_BOOKING_SENT = "UPDATE rate_takes SET due_ms = NULL WHERE key = :key"
+
+#: What a sent call took, window by window, with each window's kind (a window cleared
+#: since is not listed: nothing goes back to it).
+RATE_TAKEN_KINDS = """
+SELECT t.window_id, t.taken, w.kind FROM rate_takes t JOIN rate_windows w ON w.id = t.window_id
+WHERE t.key = :key ORDER BY t.window_id"""
+
+#: What a key took, dropped (its settlement, release or unknown outcome).
+DROP_RATE_TAKES = "DELETE FROM rate_takes WHERE key = :key"
+
+#: Book :ask ahead: take it from the window although it is short, owing what it lacks,
+#: at most 60 minutes of the window's limit; its level after.
+BOOK_RATE = f"""
+UPDATE rate_windows SET level = {_RATE_LEVEL} - {_ASK}, {_RATE_STAMP}
+WHERE id = :id AND {_RATE_LEVEL} - {_ASK} >= -per_minute * 60000
+RETURNING level, per_minute"""
+
+#: Narrow a window to what the provider says remains (never widened: the lower wins).
+NARROW_RATE = f"""
+UPDATE rate_windows SET level = CASE WHEN {_RATE_LEVEL} <= CAST(:cap AS BIGINT)
+    THEN {_RATE_LEVEL} ELSE CAST(:cap AS BIGINT) END, {_RATE_STAMP}
+WHERE id = :id"""
+
+#: Bookings no call came back for, long after they fell due (``upkeep``).
+PURGE_RATE_BOOKINGS = "DELETE FROM rate_takes WHERE due_ms IS NOT NULL AND due_ms < :before_ms"

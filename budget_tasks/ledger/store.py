@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 import threading
 import time
@@ -29,12 +30,13 @@ from ..errors import (
     IdempotencyConflict,
     InvalidTransition,
     LedgerUnavailable,
+    RateWindowFull,
     SettlementConflict,
     UnknownAttempt,
     UnknownBudget,
     UsageRecorded,
 )
-from . import escrow, functions, partitions
+from . import escrow, functions, partitions, rate_takes
 from . import statements as sql
 from .counters import _apply, _journal
 from .driver import DEADLOCK, Cursor, Declined, Driver
@@ -51,6 +53,7 @@ from .records import (
     Answered,
     Attempt,
     CallFacts,
+    RateAsk,
     Reservation,
     kept,
     stored_limit,
@@ -443,11 +446,29 @@ class Store:
             found = None if chain is None else self.find_holds(chain, now)
             try:
                 return self.deadlock_retried(partial(self.in_transaction, body, found, now))
+            except rate_takes.RateShort as short:
+                raise self.booked(short, now) from None
             except PeriodClosed:
                 if again or chain is None:
                     raise
                 self.forget_periods(budget_id for budget_id, _, _ in chain)
         raise AssertionError("unreachable")
+
+    def booked(self, short: rate_takes.RateShort, now: datetime) -> RateWindowFull:
+        """What a call whose rate window was short is told: booked ahead (in a
+        transaction of its own, the admission's having rolled back), or already
+        booked, and when to come back."""
+        claim, now_ms = short.claim, epoch_ms(now)
+        if short.due_ms is not None:
+            wait = (claim.scopes[0], "requests", max(1, short.due_ms - now_ms))
+        else:
+            try:
+                with self.driver.transaction() as cur:
+                    wait = rate_takes.book_in(cur, claim, short.key, now_ms)
+            except rate_takes.Unbooked as unbooked:  # it rolled back
+                wait = unbooked.wait
+        scope, kind, wait_ms = wait
+        return RateWindowFull(claim.provider, scope, kind, wait_ms)
 
     def sent_alone(self, statement: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         """A call of one of the server-side functions (:mod:`.functions`), sent alone: its
@@ -497,6 +518,8 @@ class Store:
                 "estimate_only": estimate_only,
                 "note": None if note is None else redact(note),
                 **answered.params(),
+                **answered.rate_params(),
+                "now_ms": epoch_ms(self.now()),
                 "result": result,
                 "now": stamp,
                 "record": record,
@@ -588,6 +611,9 @@ class Store:
             return self.existing(cur, key, owner, amount, row["fingerprint"])
         for _, period_id in holds:
             _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
+        if call is not None and call.rate is not None:
+            # the rate windows before the budget rows, which are locked last
+            rate_takes.take_in(cur, call.rate, key, epoch_ms(now))
         self.admit_in(cur, found, amount, names, stamp)
         return made_now(owner, periods[chain[0][0]][1], row, call)
 
@@ -659,6 +685,8 @@ class Store:
         }
         if cur.one(sql.MARK_UNKNOWN, params) is not None:
             log.warning("attempt %s outcome unknown, its hold kept: %s", key, params["note"])
+            # the vendor may have counted all it took: nothing goes back
+            rate_takes.give_back_in(cur, key, epoch_ms(self.now()), None)
             return True
         state = cur.one(sql.ATTEMPT_STATE, {"key": key})
         if state is None:
@@ -800,6 +828,10 @@ class Store:
             },
         )
         assert done == 1  # the row is locked (SQLite: the whole database is)
+        # a settled call's uncounted tokens go back to its rate windows, a released
+        # one's every token (its request stays counted); the budget rows come last
+        counted = answered.counted if state == "settled" else RateAsk(0)
+        rate_takes.give_back_in(cur, key, epoch_ms(self.now()), counted)
         return Resolution(True, int(amount), actual, periods, key, stamp)
 
 
@@ -878,3 +910,8 @@ def attempt_of(r: Row[Any]) -> Attempt:
         credential=r.credential,
         answered_by=r.answered_by,
     )
+
+
+def epoch_ms(moment: datetime) -> int:
+    """``moment`` in milliseconds since the epoch: the rate windows' clock."""
+    return math.floor(moment.timestamp() * 1000)

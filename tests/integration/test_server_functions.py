@@ -38,6 +38,8 @@ from budget_tasks.ledger.records import (
     CallAsk,
     CallEnd,
     CallFacts,
+    RateAsk,
+    RateClaim,
     SettledCall,
 )
 from budget_tasks.migrations import upgrade
@@ -56,7 +58,16 @@ BUDGETS: dict[str, tuple[int, str, str | None, str, bool, int]] = {
 NAMES = list(BUDGETS)
 OWNERS = ("w1", "w2")
 #: what an answer said: ids, vendor, key hint and tokens, written with the settlement
-SAID = Answered("req_1", "resp_1", "openai", "sk-abc...wxyz", 120, 30, "gpt-4o-mini-2024-07-18")
+SAID = Answered(
+    "req_1",
+    "resp_1",
+    "openai",
+    "sk-abc...wxyz",
+    120,
+    30,
+    "gpt-4o-mini-2024-07-18",
+    counted=RateAsk(1, 150),
+)
 
 #: What the function path did over the whole run, counted by the instrumented driver.
 SEEN = {"ran": 0, "declined": 0}
@@ -99,6 +110,14 @@ DUMPS = {
         JOIN budgets b ON b.id = p.budget_id
         LEFT JOIN attempts a ON a.id = j.attempt_id
         WHERE b.name LIKE %(prefix)s ORDER BY j.id""",
+    # each machine's windows are its own provider's (named after its prefix)
+    "rate_windows": """
+        SELECT scope, kind, per_minute, level, refilled_ms FROM rate_windows
+        WHERE provider LIKE %(prefix)s ORDER BY scope, kind""",
+    "rate_takes": """
+        SELECT t.key, w.scope, w.kind, t.taken, t.due_ms FROM rate_takes t
+        JOIN rate_windows w ON w.id = t.window_id
+        WHERE t.key LIKE %(prefix)s ORDER BY t.key, w.scope, w.kind""",
     "side_effects": """
         SELECT o.key, s.name, s.state, s.result, s.created_at, s.completed_at
         FROM side_effects s JOIN operations o ON o.id = s.operation_id
@@ -147,6 +166,11 @@ class ParityMachine(RuleBasedStateMachine):
                     escrow=escrow,
                     slices=slices,
                 )
+        # rate windows the granted calls take from: small enough to fill and book
+        self.provider = self.prefix + "openai"
+        for ledger in self.ledgers:
+            ledger.rates.set_limit(self.provider, "m-1", "requests", 4)
+            ledger.rates.set_limit(self.provider, "*", "tokens", 1_500)
         self.count = 0
         self.side = 0
         #: operation key -> its id in each ledger (ids may differ: not compared)
@@ -174,7 +198,13 @@ class ParityMachine(RuleBasedStateMachine):
             except BudgetTasksError as exc:  # the typed errors are part of what must match
                 answers.append((type(exc).__name__, str(exc)))
         assert answers[0] == answers[1]
+        if answers[0][0] == "RateWindowFull":
+            SEEN["booked"] += 1
         return answers[0]
+
+    def claim(self, amount: int) -> RateClaim:
+        """A granted call's rate claim: a request, and tokens as its amount goes."""
+        return RateClaim(self.provider, ("m-1", "*"), RateAsk(1, amount * 5))
 
     def plan_for(self, key: str) -> Any:
         """The plan a BudgetTask's delivery gives (``CallPath._at_once``)."""
@@ -220,7 +250,9 @@ class ParityMachine(RuleBasedStateMachine):
         self.count += 1
         key = f"{self.prefix}op{self.count}"
         step = f"{key}:openai.chat:1"
-        facts = CallFacts(lookup="resp", model="m-1", timeout=30, request="e" * 64)
+        facts = CallFacts(
+            lookup="resp", model="m-1", timeout=30, request="e" * 64, rate=self.claim(amount)
+        )
         labelled = CallAsk(
             self.prefix + name,
             amount,
@@ -278,7 +310,13 @@ class ParityMachine(RuleBasedStateMachine):
                             "settle",
                             actual=actual,
                             answered=Answered(
-                                "req_1", "resp_1", "openai", "sk-abc...wxyz", 120, 30
+                                "req_1",
+                                "resp_1",
+                                "openai",
+                                "sk-abc...wxyz",
+                                120,
+                                30,
+                                counted=RateAsk(1, actual * 3),
                             ),
                         ),
                         record,
@@ -308,7 +346,9 @@ class ParityMachine(RuleBasedStateMachine):
             amount,
             fingerprint=f"req-{amount}",
             price_version="v1",
-            facts=CallFacts(lookup="resp", model="m-1", timeout=30, request="d" * 64),
+            facts=CallFacts(
+                lookup="resp", model="m-1", timeout=30, request="d" * 64, rate=self.claim(amount)
+            ),
         )
 
         def admit(ledger: Ledger) -> Any:
@@ -394,7 +434,7 @@ class ParityMachine(RuleBasedStateMachine):
         """A reservation alone (no operation), granted at once or not."""
         self.count += 1
         key = f"{self.prefix}r{self.count}"
-        facts = CallFacts(model="m-1") if granted else None
+        facts = CallFacts(model="m-1", rate=self.claim(amount)) if granted else None
 
         def reserve(ledger: Ledger) -> Any:
             made = ledger.calls.reserve(
@@ -424,6 +464,11 @@ class ParityMachine(RuleBasedStateMachine):
     @rule(hours=st.sampled_from([1, 13, 30, 200]))
     def advance(self, hours: int) -> None:
         self.clock.advance(hours=hours)
+
+    @rule(seconds=st.sampled_from([1, 5, 30]))
+    def wait(self, seconds: int) -> None:
+        """Time for the rate windows to refill and booked calls to fall due."""
+        self.clock.advance(seconds=seconds)
 
     @rule()
     def return_grants(self) -> None:
@@ -464,7 +509,7 @@ def test_the_function_path_and_the_statement_path_write_the_same_rows(
         pass
 
     Machine.urls = two_databases
-    SEEN.update(ran=0, declined=0)
+    SEEN.update(ran=0, declined=0, booked=0)
     run_state_machine_as_test(
         Machine,
         settings=settings(
@@ -476,7 +521,8 @@ def test_the_function_path_and_the_statement_path_write_the_same_rows(
     )
     # the comparison says something only if the function ran, and declined, in it
     print("SEEN", SEEN)
-    assert SEEN["ran"] > 0 and SEEN["declined"] > 0, SEEN
+    # ... and a rate window was short in it (the calls were booked ahead)
+    assert SEEN["ran"] > 0 and SEEN["declined"] > 0 and SEEN["booked"] > 0, SEEN
 
 
 def test_a_database_without_the_functions_runs_the_statements_and_says_so_once(

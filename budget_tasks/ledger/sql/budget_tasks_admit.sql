@@ -6,7 +6,8 @@ CREATE OR REPLACE FUNCTION budget_tasks_admit(
     a_granted boolean, a_lookup text, a_model text, a_timeout_ms bigint,
     a_request_digest text, a_input_bound bigint, a_output_bound bigint, a_holds bigint[],
     a_escrow_period bigint, a_escrow_chain bigint[], a_escrow_sources bigint[],
-    a_draw_share bigint,
+    a_draw_share bigint, r_provider text, r_scopes text[], r_requests bigint,
+    r_tokens bigint, r_input_tokens bigint, r_output_tokens bigint, r_now_ms bigint,
     OUT decision text, OUT operation_id bigint, OUT stored text, OUT runs integer)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -18,6 +19,8 @@ DECLARE
     closed boolean;
     smallest bigint;
     size bigint;
+    w record;
+    want bigint;
 BEGIN
     IF p_key IS NOT NULL THEN
         -- a finished key replays (statements.REPLAY)
@@ -73,6 +76,32 @@ BEGIN
             0, 0, 0,
             (SELECT period_start FROM budget_periods WHERE id = hold));
     END LOOP;
+    IF r_provider IS NOT NULL THEN
+        -- rate_takes.take_in, before the budget rows (a booking, or a window short,
+        -- is the statements')
+        IF EXISTS (SELECT 1 FROM rate_takes WHERE key = a_key) THEN
+            RAISE EXCEPTION USING ERRCODE = 'BT001', MESSAGE = 'the call was booked ahead';
+        END IF;
+        FOR w IN SELECT id, kind FROM rate_windows
+                 WHERE provider = r_provider AND scope = ANY(r_scopes) ORDER BY id LOOP
+            want := CASE w.kind WHEN 'requests' THEN r_requests WHEN 'tokens' THEN r_tokens
+                    WHEN 'input_tokens' THEN r_input_tokens ELSE r_output_tokens END;
+            CONTINUE WHEN want = 0;
+            -- statements.TAKE_RATE, statements.RECORD_RATE_TAKE
+            UPDATE rate_windows SET level = (CASE WHEN level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
+    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 >= per_minute * 1000
+    THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
+    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 END) - want * 1000, refilled_ms = CASE WHEN CAST(r_now_ms AS BIGINT) > refilled_ms THEN CAST(r_now_ms AS BIGINT) ELSE refilled_ms END
+            WHERE id = w.id AND (CASE WHEN level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
+    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 >= per_minute * 1000
+    THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
+    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 END) >= want * 1000;
+            IF NOT FOUND THEN
+                RAISE EXCEPTION USING ERRCODE = 'BT001', MESSAGE = 'a rate window is short';
+            END IF;
+            INSERT INTO rate_takes (key, window_id, taken, due_ms) VALUES (a_key, w.id, want, NULL);
+        END LOOP;
+    END IF;
     FOREACH hold IN ARRAY a_holds LOOP
         IF hold = a_escrow_period THEN
             -- escrow.admit's first statement (statements.escrow_admit)

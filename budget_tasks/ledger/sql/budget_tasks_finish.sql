@@ -3,6 +3,7 @@ CREATE OR REPLACE FUNCTION budget_tasks_finish(
     p_estimate_only boolean, p_note text, p_request_id text, p_response_id text,
     p_result text, p_now timestamptz, p_record text, p_answer text, p_provider text,
     p_credential text, p_input_tokens bigint, p_output_tokens bigint, p_answered_by text,
+    r_tokens bigint, r_input_tokens bigint, r_output_tokens bigint, r_now_ms bigint,
     OUT amount bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -14,6 +15,8 @@ DECLARE
     status_was text;
     owner_was text;
     after record;
+    took record;
+    back bigint;
 BEGIN
     -- the attempt first, then its operation: the order every writer locks them in
     SELECT a.id, a.amount, a.state, a.recorded_actual INTO made, amount, was, recorded
@@ -73,6 +76,29 @@ BEGIN
             runs = CASE WHEN runs > 0 THEN runs - 1 ELSE runs END
         WHERE id = p_operation_id;
     END IF;
+    -- rate_takes.give_back_in: the tokens the vendor did not count go back to the
+    -- call's rate windows (a request sent stays counted), before the budget rows
+    IF r_tokens IS NOT NULL THEN
+        FOR took IN SELECT t.window_id, t.taken, w.kind FROM rate_takes t
+                    JOIN rate_windows w ON w.id = t.window_id
+                    WHERE t.key = p_key ORDER BY t.window_id LOOP
+            back := CASE took.kind WHEN 'tokens' THEN took.taken - r_tokens
+                    WHEN 'input_tokens' THEN took.taken - r_input_tokens
+                    WHEN 'output_tokens' THEN took.taken - r_output_tokens ELSE 0 END;
+            CONTINUE WHEN back <= 0;
+            -- statements.GIVE_RATE_BACK
+            UPDATE rate_windows SET level = CASE WHEN (CASE WHEN level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
+    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 >= per_minute * 1000
+    THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
+    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 END) + back * 1000 >= per_minute * 1000
+                THEN per_minute * 1000 ELSE (CASE WHEN level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
+    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 >= per_minute * 1000
+    THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
+    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 END) + back * 1000 END, refilled_ms = CASE WHEN CAST(r_now_ms AS BIGINT) > refilled_ms THEN CAST(r_now_ms AS BIGINT) ELSE refilled_ms END
+            WHERE id = took.window_id;
+        END LOOP;
+    END IF;
+    DELETE FROM rate_takes WHERE key = p_key;
     -- statements.APPLY_SETTLEMENT, and what must follow it is the statement path's
     FOREACH hold IN ARRAY periods LOOP
         UPDATE budget_periods SET held = held - amount, spent = spent + p_actual,

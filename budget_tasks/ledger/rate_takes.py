@@ -1,0 +1,161 @@
+"""Rate windows inside a transaction the caller holds: what a call's admission takes,
+what its settlement gives back (see :mod:`.rates` for the rules; these are the
+statement path's, and the server-side functions repeat them)."""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import RateAskTooLarge
+from . import statements as sql
+from .driver import Cursor
+from .records import RateAsk, RateClaim
+
+#: One unit is this many of a window's level.
+MILLI = 1000
+#: How many minutes of its limit a window may owe to calls booked ahead.
+OWED_MINUTES = 60
+
+
+class RateShort(Exception):
+    """Internal: a window of ``claim`` is short for attempt ``key`` (raised inside the
+    admission's transaction, which rolls back); ``due_ms``: the key is booked and
+    falls due then."""
+
+    def __init__(self, claim: RateClaim, key: str, due_ms: int | None = None) -> None:
+        super().__init__(key)
+        self.claim = claim
+        self.key = key
+        self.due_ms = due_ms
+
+
+#: A rate window as a claim finds it: id, scope, kind, limit a minute.
+Window = tuple[int, str, str, int]
+
+
+def claimed(cur: Cursor, claim: RateClaim) -> list[Window]:
+    """The windows ``claim`` takes from, ``(id, scope, kind, per_minute)`` in id
+    order: its provider's, of its scopes, of the kinds it asks any of."""
+    return [
+        (int(window_id), scope, kind, int(per_minute))
+        for window_id, scope, kind, per_minute in cur.all(
+            sql.RATE_WINDOWS_OF_PROVIDER, {"provider": claim.provider}
+        )
+        if scope in claim.scopes and claim.ask.of(kind) > 0
+    ]
+
+
+def take_in(cur: Cursor, claim: RateClaim, key: str, now_ms: int) -> None:
+    """Take ``claim`` for attempt ``key`` from its windows in the caller's transaction
+    (all or none: a short window raises :class:`RateShort`, and the caller rolls
+    back). A booking of ``key`` that has come due is taken instead; one not yet due
+    raises :class:`RateShort` with its due time."""
+    windows = claimed(cur, claim)
+    if not windows:
+        return
+    ask = claim.ask
+    for _, scope, kind, per_minute in windows:
+        if ask.of(kind) > per_minute:
+            raise RateAskTooLarge(claim.provider, scope, kind, ask.of(kind), per_minute)
+    booked = cur.all(sql.RATE_TAKEN, {"key": key})
+    if booked:
+        dues = [due for _, _, due in booked]
+        if None not in dues:
+            due = max(int(d) for d in dues)
+            if due > now_ms:
+                raise RateShort(claim, key, due)
+            held = {int(window_id): int(taken) for window_id, taken, _ in booked}
+            if all(held.get(w[0], -1) >= ask.of(w[2]) for w in windows):
+                cur.run(sql.RATE_BOOKING_SENT, {"key": key})
+                return
+        # booked for another ask (or left by an attempt long gone): given back whole
+        # (nothing was sent under it), and taken as any call's
+        for window_id, taken, _ in booked:
+            back = int(taken) * MILLI
+            cur.run(sql.GIVE_RATE_BACK, {"id": window_id, "back": back, "now_ms": now_ms})
+        cur.run(sql.DROP_RATE_TAKES, {"key": key})
+    if not took(cur, windows, ask, now_ms, key):
+        raise RateShort(claim, key)
+
+
+def took(cur: Cursor, windows: list[Window], ask: RateAsk, now_ms: int, key: str | None) -> bool:
+    """Take ``ask`` from each of ``windows`` (compare-and-set, in id order), recording
+    what ``key`` took; False where one is short (the caller rolls back what was
+    taken)."""
+    for window_id, _, kind, _ in windows:
+        params = {"id": window_id, "ask": ask.of(kind) * MILLI, "now_ms": now_ms}
+        if cur.one(sql.TAKE_RATE, params) is None:
+            if cur.one(sql.RATE_LEVEL, params) is None:
+                continue  # cleared since it was listed: it holds nothing back
+            return False
+        if key is not None:
+            cur.run(
+                sql.RECORD_RATE_TAKE,
+                {"key": key, "window_id": window_id, "taken": ask.of(kind), "due_ms": None},
+            )
+    return True
+
+
+class Unbooked(Exception):
+    """Internal: a booking would owe more than :data:`OWED_MINUTES` (raised inside its
+    transaction, which rolls back); ``wait``: scope, kind and ms until it would not."""
+
+    def __init__(self, wait: tuple[str, str, int]) -> None:
+        super().__init__(wait)
+        self.wait = wait
+
+
+def book_in(cur: Cursor, claim: RateClaim, key: str, now_ms: int) -> tuple[str, str, int]:
+    """Book ``claim`` ahead for attempt ``key`` (it was short), in the caller's
+    transaction: each window takes it, going below 0 by what it lacks, at most
+    :data:`OWED_MINUTES` of its limit; every part falls due with the window that keeps
+    it longest, which is returned, ``(scope, kind, wait in ms)``. One that would owe
+    more raises :class:`Unbooked`. A booking of ``key`` not yet due stands."""
+    longest = (claim.scopes[0], "requests", 1)
+    booked = cur.all(sql.RATE_TAKEN, {"key": key})
+    dues = [int(due) for _, _, due in booked if due is not None]
+    if booked and len(dues) == len(booked) and max(dues) > now_ms:
+        return (claim.scopes[0], "requests", max(dues) - now_ms)  # booked meanwhile
+    if booked:
+        cur.run(sql.DROP_RATE_TAKES, {"key": key})
+    for window_id, scope, kind, per_minute in claimed(cur, claim):
+        ask = claim.ask.of(kind) * MILLI
+        params = {"id": window_id, "ask": ask, "now_ms": now_ms}
+        row = cur.one(sql.BOOK_RATE, params)
+        if row is None:
+            found = cur.one(sql.RATE_LEVEL, params)
+            if found is None:
+                continue  # cleared since it was listed
+            over = ask - (int(found[0]) + per_minute * OWED_MINUTES * 60 * MILLI)
+            raise Unbooked((scope, kind, refill_ms(over, per_minute)))
+        level = int(row[0])
+        wait = refill_ms(-level, per_minute) if level < 0 else 1
+        if wait > longest[2]:
+            longest = (scope, kind, wait)
+        cur.run(
+            sql.RECORD_RATE_TAKE,
+            {"key": key, "window_id": window_id, "taken": ask // MILLI, "due_ms": now_ms},
+        )
+    cur.run(sql.SET_RATE_DUE, {"key": key, "due_ms": now_ms + longest[2]})
+    return longest
+
+
+def refill_ms(thousandths: int, per_minute: int) -> int:
+    """How many milliseconds ``per_minute`` takes to refill ``thousandths`` (at least
+    1)."""
+    return max(1, math.ceil(thousandths * 60 / per_minute))
+
+
+def give_back_in(cur: Cursor, key: str, now_ms: int, counted: RateAsk | None) -> None:
+    """What attempt ``key`` took goes back to its windows, in the caller's
+    transaction: every token it took where ``counted`` is the vendor's count of the
+    call (a request sent stays counted); where ``counted`` is None, nothing (its
+    outcome is unknown: the vendor may have counted all of it)."""
+    if counted is not None:
+        for window_id, taken, kind in cur.all(sql.RATE_TAKEN_KINDS, {"key": key}):
+            if kind == "requests":
+                continue
+            back = max(0, int(taken) - counted.of(kind)) * MILLI
+            if back:
+                cur.run(sql.GIVE_RATE_BACK, {"id": window_id, "back": back, "now_ms": now_ms})
+    cur.run(sql.DROP_RATE_TAKES, {"key": key})

@@ -1,0 +1,236 @@
+"""A call's rate windows are taken in the transaction that admits its money, on every
+path (SQLite, PostgreSQL's statements, PostgreSQL's function): both have room or
+neither is taken; a short window books the call ahead, in order of arrival, and tells
+it when to come back; settlement gives back what the vendor did not count, a release
+every token, an unknown outcome none; and eight processes at once take exactly what
+the windows hold."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
+
+import pytest
+
+from budget_tasks import Ledger
+from budget_tasks.errors import BudgetExceeded, RateAskTooLarge, RateWindowFull, UnknownAttempt
+from budget_tasks.ledger import CallFacts
+from budget_tasks.ledger.records import Answered, RateAsk, RateClaim
+from budget_tasks.testing.clock import ManualClock
+
+from ..services import check_postgres
+
+START = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
+MINI = RateClaim("openai", ("gpt-4o-mini", "*"), RateAsk(requests=1, tokens=600))
+
+
+@pytest.fixture(params=["sqlite", "pg-statements", "pg-function"])
+def rated(request: pytest.FixtureRequest) -> Iterator[Ledger]:
+    from ..conftest import empty_ledger_tables
+
+    if request.param == "sqlite":
+        url = str(request.getfixturevalue("sqlite_url"))
+    else:
+        url = str(request.getfixturevalue("pg_url"))
+        empty_ledger_tables(url)
+    clock = ManualClock(START)
+    ledger = Ledger(url, clock=clock, server_functions=request.param == "pg-function")
+    ledger.clock = clock  # type: ignore[attr-defined]
+    ledger.create_budget("team", 1_000_000)
+    yield ledger
+    ledger.dispose()
+
+
+def send(ledger: Ledger, key: str, claim: RateClaim = MINI, amount: int = 100) -> None:
+    ledger.calls.reserve("team", key, amount, grant=CallFacts(model="gpt-4o-mini", rate=claim))
+
+
+def level(ledger: Ledger, kind: str) -> float:
+    return {w.kind: w.available for w in ledger.rates.windows()}[kind]
+
+
+def takes(ledger: Ledger) -> int:
+    with ledger._store.driver.transaction() as cur:
+        row = cur.one("SELECT count(*) FROM rate_takes", {})
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_window_admits_exactly_its_limit_and_books_the_next_call(rated: Ledger) -> None:
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 3)
+    for n in range(3):
+        send(rated, f"k{n}")
+    assert level(rated, "requests") == 0
+    with pytest.raises(RateWindowFull) as full:
+        send(rated, "k3")
+    # 3 a minute: the fourth is booked for the next one, refilled in 20 s
+    assert (full.value.scope, full.value.kind, full.value.wait_ms) == (
+        "gpt-4o-mini",
+        "requests",
+        20_000,
+    )
+    # nothing was admitted for it: no attempt, no money held
+    with pytest.raises(UnknownAttempt):
+        rated.attempt("k3")
+    assert rated.balance("team").held == 300
+    # the window owes the booked request: it stands below 0
+    assert level(rated, "requests") == -1
+    # back 1 ms early: still booked, told the time left, nothing taken again
+    rated.clock.advance(seconds=19.999)  # type: ignore[attr-defined]
+    with pytest.raises(RateWindowFull) as early:
+        send(rated, "k3")
+    assert early.value.wait_ms == 1
+    rated.clock.advance(seconds=0.001)  # type: ignore[attr-defined]
+    send(rated, "k3")  # due: sent without taking again
+    assert level(rated, "requests") == 0
+    assert rated.balance("team").held == 400
+    assert rated.attempt("k3").state == "sending"
+
+
+def test_calls_are_booked_in_order_of_arrival(rated: Ledger) -> None:
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 6)
+    for n in range(6):
+        send(rated, f"k{n}")
+    waits = []
+    for n in range(6, 9):
+        with pytest.raises(RateWindowFull) as full:
+            send(rated, f"k{n}")
+        waits.append(full.value.wait_ms)
+    # each arrival books the next 10 s of refill: 10, 20, 30 s
+    assert waits == [10_000, 20_000, 30_000]
+    rated.clock.advance(seconds=10)  # type: ignore[attr-defined]
+    # a newcomer cannot jump the queue: the refill is the first booked call's
+    with pytest.raises(RateWindowFull) as newcomer:
+        send(rated, "late")
+    assert newcomer.value.wait_ms == 30_000
+    send(rated, "k6")
+    with pytest.raises(RateWindowFull):
+        send(rated, "k7")  # due at 20 s, not yet
+    rated.clock.advance(seconds=20)  # type: ignore[attr-defined]
+    send(rated, "k7")
+    send(rated, "k8")
+    with pytest.raises(RateWindowFull):
+        send(rated, "late")  # booked at 10 s for 30 s on: due at 40 s
+    rated.clock.advance(seconds=10)  # type: ignore[attr-defined]
+    send(rated, "late")
+    assert level(rated, "requests") == 0
+
+
+def test_a_budget_refusal_takes_nothing_from_the_window(rated: Ledger) -> None:
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 10)
+    rated.rates.set_limit("openai", "*", "tokens", 6_000)
+    rated.create_budget("small", 150)
+    with pytest.raises(BudgetExceeded):
+        rated.calls.reserve("small", "big", 151, grant=CallFacts(rate=MINI))
+    assert (level(rated, "requests"), level(rated, "tokens")) == (10, 6_000)
+    assert takes(rated) == 0
+    # exactly what is left of both passes
+    rated.calls.reserve("small", "fits", 150, grant=CallFacts(rate=MINI))
+    assert (level(rated, "requests"), level(rated, "tokens")) == (9, 5_400)
+
+
+def test_a_window_short_admits_no_money_and_takes_nothing_from_the_others(
+    rated: Ledger,
+) -> None:
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 10)
+    rated.rates.set_limit("openai", "*", "tokens", 1_000)
+    send(rated, "a")  # 600 of 1,000 tokens
+    with pytest.raises(RateWindowFull) as full:
+        send(rated, "b")
+    assert (full.value.scope, full.value.kind) == ("*", "tokens")
+    # 200 tokens short at 1,000 a minute: 12 s; the request window was booked too
+    assert full.value.wait_ms == 12_000
+    assert rated.balance("team").held == 100
+    assert level(rated, "requests") == 8 and level(rated, "tokens") == -200
+
+
+def test_an_ask_larger_than_a_whole_limit_is_refused_for_good(rated: Ledger) -> None:
+    rated.rates.set_limit("openai", "*", "tokens", 599)
+    with pytest.raises(RateAskTooLarge, match="asks 600 tokens"):
+        send(rated, "a")
+    assert level(rated, "tokens") == 599 and takes(rated) == 0
+    assert rated.balance("team").held == 0
+
+
+def test_settlement_gives_back_what_the_vendor_did_not_count(rated: Ledger) -> None:
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 10)
+    rated.rates.set_limit("openai", "*", "tokens", 6_000)
+    send(rated, "a")
+    send(rated, "b")
+    send(rated, "c")
+    assert level(rated, "tokens") == 6_000 - 3 * 600
+    # a: counted 250 of the 600 taken; b: released (not billed); c: unknown
+    rated.calls.settle("a", 80, answered=Answered(counted=RateAsk(1, 250)))
+    rated.calls.release("b", "a 429")
+    rated.calls.mark_unknown("c", "timed out")
+    assert level(rated, "tokens") == 6_000 - 250 - 600
+    # a request sent stays counted, whatever came of it
+    assert level(rated, "requests") == 7
+    assert takes(rated) == 0
+    assert rated.balance("team").spent == 80
+
+
+def test_a_settlement_never_gives_back_past_the_limit(rated: Ledger) -> None:
+    rated.rates.set_limit("openai", "*", "tokens", 1_000)
+    send(rated, "a")
+    rated.clock.advance(seconds=60)  # type: ignore[attr-defined]
+    rated.calls.settle("a", 10, answered=Answered(counted=RateAsk(1, 0)))
+    assert level(rated, "tokens") == 1_000
+
+
+def _sender(
+    url: str, functions: bool, who: int, barrier: Barrier, out: Queue[tuple[float, float, int]]
+) -> None:
+    ledger = Ledger(url, clock=ManualClock(START), server_functions=functions)
+    barrier.wait()
+    began, sent = time.time(), -1  # -1: this process failed (its error is on stderr)
+    try:
+        sent = 0
+        for n in range(25):
+            try:
+                send(ledger, f"p{who}-{n}", amount=1)
+                sent += 1
+            except RateWindowFull:
+                pass
+    finally:
+        out.put((began, time.time(), sent))
+        ledger.dispose()
+
+
+@pytest.mark.parametrize("functions", [True, False], ids=["function", "statements"])
+def test_processes_at_once_send_exactly_what_the_windows_hold(pg_url: str, functions: bool) -> None:
+    """Eight processes send 25 calls each at a clock that stands still against 60
+    requests and 30,000 tokens (50 calls' worth) a minute: exactly 50 are admitted,
+    with their money, and every other is booked, whoever wins."""
+    check_postgres()
+    from ..conftest import empty_ledger_tables
+
+    empty_ledger_tables(pg_url)
+    setup = Ledger(pg_url, clock=ManualClock(START))
+    setup.create_budget("team", 1_000_000)
+    setup.rates.set_limit("openai", "gpt-4o-mini", "requests", 60)
+    setup.rates.set_limit("openai", "*", "tokens", 30_000)
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(8)
+    out: Queue[tuple[float, float, int]] = context.Queue()
+    procs = [
+        context.Process(target=_sender, args=(pg_url, functions, who, barrier, out))
+        for who in range(8)
+    ]
+    for proc in procs:
+        proc.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    assert sum(sent for _, _, sent in results) == 50
+    assert max(began for began, _, _ in results) < min(ended for _, ended, _ in results)
+    assert setup.balance("team").held == 50
+    windows = {w.kind: w.available for w in setup.rates.windows()}
+    # the 150 refused were booked ahead: each window owes exactly their asks
+    assert windows == {"requests": 60 - 200, "tokens": 30_000 - 200 * 600}
+    setup.dispose()
