@@ -20,6 +20,7 @@ log = logging.getLogger("budget_tasks.hooks")
 DENIAL_REASONS = ("exceeded", "frozen")
 RECONCILE_OUTCOMES = ("found", "not_found", "pending", "unknowable", "untrusted", "failed")
 UNTRUSTED_BY = ("task", "reconcile")
+RATE_LIMITED_BY = ("ledger", "provider")
 
 
 class Hooks:
@@ -61,6 +62,11 @@ class Hooks:
         """The ledger was compared with a vendor's usage and cost reports (a
         :class:`~budget_tasks.drift.DriftReport`; ``report.drifted`` are the lines
         beyond the thresholds)."""
+
+    def rate_limited(self, *, provider: str, scope: str, kind: str, wait: float, by: str) -> None:
+        """A call waits for a rate limit: ``by`` ``ledger``, a window of ``scope`` was
+        full and the call was booked ``wait`` seconds ahead; ``provider``, the provider
+        answered 429 (``wait``: its retry-after, 0 where it gave none)."""
 
     # -- a delivery's life, a provider call's, a beat job's (what tracing draws) --------
     # Told from the one place that knows each: the delivery flow (delivery/told.py) and
@@ -205,6 +211,9 @@ class _Fanout(Hooks):
 
     def drift_checked(self, **facts: Any) -> None:
         self._tell("drift_checked", facts)
+
+    def rate_limited(self, **facts: Any) -> None:
+        self._tell("rate_limited", facts)
 
     def delivery_started(self, **facts: Any) -> None:
         self._tell("delivery_started", facts)

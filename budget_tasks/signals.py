@@ -25,6 +25,7 @@ __all__ = [
     "delivery_replayed",
     "drift",
     "outcome_unknown",
+    "rate_limited",
     "stale_hold",
 ]
 
@@ -45,6 +46,9 @@ stale_hold = Signal(name="budget_tasks.stale_hold")
 #: A drift check found lines beyond its thresholds: ``sender`` is the provider's name;
 #: ``report`` (a DriftReport), ``lines`` (the drifted DriftLines).
 drift = Signal(name="budget_tasks.drift")
+#: a call waits for a rate limit (``by``: ``ledger``, its window was full and it was
+#: booked ahead; ``provider``, a 429): provider, scope, kind, wait (seconds), by
+rate_limited = Signal(name="budget_tasks.rate_limited")
 
 
 class SignalHooks(Hooks):
@@ -68,6 +72,9 @@ class SignalHooks(Hooks):
 
     def stale(self, *, hold: Any) -> None:
         stale_hold.send(sender="flag_stale_holds", hold=hold)
+
+    def rate_limited(self, *, provider: str, scope: str, kind: str, wait: float, by: str) -> None:
+        rate_limited.send(sender=provider, scope=scope, kind=kind, wait=wait, by=by)
 
 
 #: The one signals sink of this process: importing this module installs it.

@@ -35,10 +35,12 @@ from .errors import (
     BudgetFrozen,
     OperationFailed,
     OutcomeUnknown,
+    RateWindowFull,
     SideEffectUncertain,
     raised_by_transport,
 )
 from .ledger import CallFacts, Ledger
+from .providers.rate_headers import retry_after_of
 
 #: Options given to ``@app.task(...)`` that are plain functions of the task's arguments.
 _FUNCTION_OPTIONS = ("estimate_cost", "idempotency_key", "fingerprint", "budget", "describe_call")
@@ -101,6 +103,10 @@ class BudgetTask(Task):  # type: ignore[misc]
     describe_call: ClassVar[Any] = None
     in_progress_countdown: ClassVar[float] = 5.0
     rate_limit_countdown: ClassVar[float] = 10.0
+    #: how long a call may wait in the worker process, in all, for its rate windows
+    #: (seconds); a longer wait brings the message back when the call's booking is
+    #: due, and no wait spends a retry of the task's ``max_retries``
+    rate_wait_in_process: ClassVar[float] = 5.0
     ledger_unavailable_countdown: ClassVar[float] = 5.0
     price_version: ClassVar[str | None] = None
     idempotency_key: ClassVar[Any] = None
@@ -177,6 +183,7 @@ class BudgetTask(Task):  # type: ignore[misc]
             rerun_billed=self.rerun_billed,
             price_version=self.price_version,
             defer_writes=self.defer_writes,
+            rate_wait_in_process=self.rate_wait_in_process,
             retry_types=(Retry,),
         )
 
@@ -194,13 +201,22 @@ class BudgetTask(Task):  # type: ignore[misc]
         try:
             return OperationManager(self.ledger.calls, self._options()).deliver(delivery)
         except RetryLater as later:
-            countdown = {
-                "ledger": self.ledger_unavailable_countdown,
-                "in_progress": self.in_progress_countdown,
-                "rate_limited": self.rate_limit_countdown,
-                "budget": self.retry_when_budget_frees,
-            }[later.why]
-            raise self._later(later.cause, countdown) from later.cause
+            raise self._later(later.cause, self._countdown(later)) from later.cause
+
+    def _countdown(self, later: RetryLater) -> float:
+        """How long the message waits before it comes back (seconds)."""
+        cause = later.cause
+        if isinstance(cause, RateWindowFull):
+            return cause.wait  # when its booking falls due
+        if later.why == "rate_limited":
+            # the provider's retry-after, where its 429 says (never shorter than asked)
+            after = retry_after_of(cause)
+            return self.rate_limit_countdown if after is None else max(after, 0.001)
+        return {
+            "ledger": self.ledger_unavailable_countdown,
+            "in_progress": self.in_progress_countdown,
+            "budget": self.retry_when_budget_frees,
+        }[later.why]
 
     def _run_in(self, scope: AttemptScope, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         bypass.install(_whose)

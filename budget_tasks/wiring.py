@@ -16,7 +16,8 @@ from typing import Any
 
 from celery import Celery
 
-from .config import LEDGER_URL_SETTING
+from . import rate_limits
+from .config import LEDGER_URL_SETTING, ledger_of
 
 log = logging.getLogger("budget_tasks")
 
@@ -136,14 +137,39 @@ def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
         schedule = dict(BEAT_SCHEDULE)
         schedule.update(conf.beat_schedule or {})
         conf.beat_schedule = schedule
+        # the groups of models that share a quota: each process's (its calls' scopes)
+        rate_limits.set_groups(conf.get(RATE_GROUPS_SETTING) or {})
 
     if app.configured:
         wire(app)
     else:
         app.on_after_configure.connect(wire, weak=False)
     metrics.install(app)
+    _install_rate_limits(app)
     _install_tracing()
     return app
+
+
+#: The limits the worker sets in the ledger as it starts, and the groups of models.
+RATE_LIMITS_SETTING = "budget_rate_limits"
+RATE_GROUPS_SETTING = "budget_rate_groups"
+
+
+def _install_rate_limits(app: Celery) -> None:
+    """Set the app's ``budget_rate_limits`` in the ledger as a worker starts (its
+    main process, once): every worker of the fleet takes from those windows."""
+    from celery.signals import worker_init
+
+    if getattr(app, "_budget_tasks_rate_limits", False):
+        return
+    app._budget_tasks_rate_limits = True
+
+    @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _set(sender: Any = None, **_: Any) -> None:
+        config = app.conf.get(RATE_LIMITS_SETTING)
+        if config:
+            limits = rate_limits.apply_limits(ledger_of(app).rates, config)
+            log.info("budget-tasks: %d rate limits set from %s", len(limits), RATE_LIMITS_SETTING)
 
 
 #: ``1`` draws spans (the ``otel`` extra required), ``0`` does not; unset: drawn when

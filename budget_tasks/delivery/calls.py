@@ -10,6 +10,7 @@ does with an error: before ``run`` (the main call) the delivery ends its run; in
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -19,6 +20,7 @@ from ..errors import (
     BudgetFrozen,
     InvalidTransition,
     LedgerUnavailable,
+    RateWindowFull,
     StepNotReplayable,
 )
 from ..ledger import CallLedger, Reservation
@@ -148,7 +150,7 @@ class CallPath:
             return made
 
         try:
-            return admission(plan)
+            return self.waiting(lambda: admission(plan))
         except (BudgetExceeded, BudgetFrozen) as exc:
             if tell:
                 self.told.denied(exc, amount)
@@ -157,6 +159,22 @@ class CallPath:
             operation_id, key = seen[0] if seen else (None, None)
             # 0: the plan of a first delivery, made before its operation had an id
             raise GrantUnanswered(exc, operation_id or None, key) from exc
+
+    def waiting(self, admission: Callable[[], T]) -> T:
+        """``admission``, run again after each wait its rate windows book it for, while
+        those waits add up to no more than the task's ``rate_wait_in_process``; a
+        longer one raises RateWindowFull (the message comes back when it is due). A
+        booked call comes back under the same key and takes nothing again."""
+        waited = 0.0
+        while True:
+            try:
+                return admission()
+            except RateWindowFull as full:
+                self.told.rate_waited(full)
+                if waited + full.wait > self.options.rate_wait_in_process:
+                    raise
+                waited += full.wait
+                time.sleep(full.wait)
 
     @staticmethod
     def _at_once(site: CallSite, here: CallAdmission) -> tuple[str, str] | None:
@@ -187,8 +205,9 @@ class CallPath:
         if latest is None:
             return Send(site.key(count), site.reason(None))
         if latest.state == AttemptState.RESERVED:
-            if latest.amount == site.ask.amount:
+            if latest.amount == site.ask.amount and site.ask.facts.rate is None:
                 return Send(latest.key, latest.reason, reuse=True)  # never sent: as it is
+            # (one with rate windows to take is made again: its grant takes them)
             self._release(latest, "never sent; re-estimated", AttemptState.RESERVED)
         elif latest.state == AttemptState.SETTLED:
             if latest.answer is not None:
@@ -256,17 +275,19 @@ class CallPath:
             if verdict.reuse:
                 self.ledger.mark_sending(verdict.key)
                 return Opened(verdict.key, verdict.reason, described=False)
-            reservation = self.ledger.reserve(
-                ask.budget,
-                verdict.key,
-                ask.amount,
-                fingerprint=ask.fingerprint,
-                reason=verdict.reason,
-                price_version=ask.price_version,
-                operation_id=operation_id,
-                label=ask.label,
-                step=ask.step,
-                grant=ask.facts,
+            reservation = self.waiting(
+                lambda: self.ledger.reserve(
+                    ask.budget,
+                    verdict.key,
+                    ask.amount,
+                    fingerprint=ask.fingerprint,
+                    reason=verdict.reason,
+                    price_version=ask.price_version,
+                    operation_id=operation_id,
+                    label=ask.label,
+                    step=ask.step,
+                    grant=ask.facts,
+                )
             )
         except InvalidTransition:
             raise Moved(verdict.key) from None

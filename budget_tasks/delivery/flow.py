@@ -41,6 +41,7 @@ from ..errors import (
     OperationInProgress,
     OutcomeUnknown,
     PoisonMessage,
+    RateWindowFull,
     StepNotReplayable,
 )
 from ..hooks import Hooks, hooks
@@ -100,7 +101,7 @@ _WARNED_UNUSED: set[str] = set()
 
 class RetryLater(Exception):
     """Not an error: the delivery asks its driver to bring the message back later
-    (``why``: ledger, in_progress, rate_limited, budget). ``cause`` is what to raise
+    (``why``: ledger, in_progress, rate_limited, rate_window, budget). ``cause`` is what to raise
     where there is no later (eager mode)."""
 
     def __init__(self, why: str, cause: BaseException) -> None:
@@ -295,6 +296,10 @@ class OperationManager:
         """What a stopped run returns (a replay) or raises."""
         if isinstance(cause, _Replayed):
             return replayable(d.key, cause.result)
+        if isinstance(cause, RateWindowFull):
+            # its first call was booked ahead before the run was admitted: nothing of
+            # it was written; the message comes back when the booking is due
+            raise RetryLater("rate_window", cause) from cause
         raise cause
 
     def _decided(self, d: Delivery, start: OperationStart) -> None:
@@ -381,6 +386,11 @@ class OperationManager:
             if self.options.retry_when_budget_frees and first is None:
                 raise RetryLater("budget", exc) from exc
             raise
+        except RateWindowFull as exc:
+            # nothing was admitted (the transaction rolled back): booked, it comes back
+            if first is not None:
+                raise
+            raise RetryLater("rate_window", exc) from exc
         except GrantUnanswered as lost:
             # Fail closed: nothing is sent. The lease and a grant may have committed all
             # the same (a COMMIT whose answer was lost): this process, which knows it sent
@@ -427,6 +437,10 @@ class OperationManager:
             # Nothing was sent: fail closed now, and let the message come back later.
             self._end_quietly(d, operation, OperationStatus.PENDING, str(exc), site.next_reason)
             raise RetryLater("ledger", exc) from exc
+        except RateWindowFull as exc:
+            # booked ahead: the run ends before anything was sent, and comes back then
+            self._end_quietly(d, operation, OperationStatus.PENDING, str(exc), site.next_reason)
+            raise RetryLater("rate_window", exc) from exc
         except StepNotReplayable as exc:
             self._end_quietly(d, operation, OperationStatus.FAILED, describe_error(exc))
             raise
@@ -596,6 +610,9 @@ class OperationManager:
                 next_reason="rate_limited_retry",
                 later=None if retried else "rate_limited",
             )
+        if isinstance(cause, RateWindowFull) and rerun_safe:
+            # a call was booked ahead by its rate windows: the run comes back when due
+            return _RunEnd(OperationStatus.PENDING, later=None if retried else "rate_window")
         if retried and rerun_safe:
             return _RunEnd(OperationStatus.PENDING)  # the task asked to run again later
         if isinstance(cause, BudgetExceeded | BudgetFrozen) and rerun_safe:

@@ -11,6 +11,7 @@ from contextvars import ContextVar
 from typing import Any, Protocol
 
 from .. import _validate as check
+from .._rate_ask import RATE_KINDS, RateAsk
 from .._trust import Bound, doubt
 from ..errors import LedgerUnavailable, ResendRefused
 from ..ledger import CallFacts, CallLedger
@@ -121,6 +122,8 @@ class Recorded:
         self.input_tokens: int | None = None
         self.output_tokens: int | None = None
         self.answered_by: str | None = None
+        #: what the vendor's rate limits counted its answers as (summed)
+        self.counted: RateAsk | None = None
         self._ledger: _Grants | None = ledger
         #: what the ledger records of the call (written with the admission)
         self._described = described
@@ -193,6 +196,7 @@ class Recorded:
             self.input_tokens,
             self.output_tokens,
             self.answered_by,
+            self.counted,
         )
 
     def record_usage(self, cost: int) -> None:
@@ -279,6 +283,7 @@ class Recorded:
                     sent.usage.output_tokens if counted else 0
                 )
                 self.answered_by = sent.model or self.answered_by
+                self.counted = _added(self.counted, getattr(sent, "rate_counted", None))
         else:
             self.awaiting_usage = True
         self.in_flight = False
@@ -505,3 +510,10 @@ class Call(Recorded):
         """Record the call's ids and cost, and the result to replay on redelivery."""
         super().record(sent)
         self.result = sent.result if result is None else result
+
+
+def _added(total: RateAsk | None, more: RateAsk | None) -> RateAsk | None:
+    """Two counts of one call's answers, added (a call that reports twice)."""
+    if more is None or total is None:
+        return more or total
+    return RateAsk(*(total.of(kind) + more.of(kind) for kind in RATE_KINDS))

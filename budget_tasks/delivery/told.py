@@ -10,7 +10,13 @@ from contextvars import ContextVar, Token
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
-from ..errors import BudgetExceeded, BudgetFrozen, LedgerUnavailable, OutcomeUnknown
+from ..errors import (
+    BudgetExceeded,
+    BudgetFrozen,
+    LedgerUnavailable,
+    OutcomeUnknown,
+    RateWindowFull,
+)
 from ..hooks import Hooks
 from .fates import HoldFate
 
@@ -125,6 +131,12 @@ class Told:
     def denied(self, exc: BudgetExceeded | BudgetFrozen, amount: int) -> None:
         reason = "exceeded" if isinstance(exc, BudgetExceeded) else "frozen"
         self._sink.denied(budget=exc.budget, reason=reason, amount=amount)
+
+    def rate_waited(self, exc: RateWindowFull) -> None:
+        """A call's rate window was full: it was booked ``exc.wait`` seconds ahead."""
+        self._sink.rate_limited(
+            provider=exc.provider, scope=exc.scope, kind=exc.kind, wait=exc.wait, by="ledger"
+        )
 
     def replayed(self, operation: str) -> None:
         self.decided(operation, "replay")

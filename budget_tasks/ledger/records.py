@@ -11,6 +11,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from .. import _validate as check
+from .._rate_ask import RATE_KINDS as RATE_KINDS
+from .._rate_ask import RateAsk as RateAsk
 from .._trust import Bound
 
 
@@ -84,29 +86,6 @@ def not_kept(value: Any) -> dict[str, Any] | None:
 UNTRUSTED_LOOKUP = "untrusted"
 
 
-#: The kinds of a provider's rate limit, each counted a minute.
-RATE_KINDS = ("requests", "tokens", "input_tokens", "output_tokens")
-
-
-@dataclass(frozen=True, slots=True)
-class RateAsk:
-    """What one call counts against its scope's rate limits (or, settled, what its
-    vendor counted it as in the end)."""
-
-    requests: int = 1
-    tokens: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        for kind in RATE_KINDS:
-            check.count(getattr(self, kind), kind)
-
-    def of(self, kind: str) -> int:
-        value: int = getattr(self, kind)
-        return value
-
-
 @dataclass(frozen=True, slots=True)
 class RateClaim:
     """Which rate windows a call takes from, and what: ``provider``'s windows whose
@@ -115,7 +94,7 @@ class RateClaim:
 
     provider: str
     scopes: tuple[str, ...]
-    ask: RateAsk = RateAsk()
+    ask: RateAsk = field(default_factory=RateAsk)
 
     def __post_init__(self) -> None:
         check.text(self.provider, "provider", max_length=64)

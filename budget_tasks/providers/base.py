@@ -22,6 +22,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from .. import bypass
+from .._rate_ask import RateAsk
 from .._trust import Bound
 from ..errors import RetriesEnabled, UnusableApiKey, UsageUnreadable
 from ..pricing import Estimate, Prices, Usage, default_prices
@@ -297,6 +298,23 @@ class Vendor:
         """Ask the provider what became of a call (default: it keeps no record)."""
         return Unknowable(f"{self.name} keeps no record of {facts.lookup} to look up")
 
+    def rate_ask(self, bound: Bound | None) -> RateAsk:
+        """What a request counts against this vendor's rate limits as it is sent: one
+        request, and its input with the most output it allows (``bound``; None: it
+        counts no tokens), as both vendors take it on arrival."""
+        if bound is None:
+            return RateAsk()
+        both = bound.input_tokens + bound.output_tokens
+        return RateAsk(1, both, bound.input_tokens, bound.output_tokens)
+
+    def rate_counted(self, usage: Usage, bound: Bound | None) -> RateAsk:
+        """What this vendor counted a call as in the end, from its answer's ``usage``:
+        what its admission took and this does not count goes back to its windows.
+        OpenAI's rule (the default): its input as the answer counts it, and the most
+        output it allowed, never corrected by what it produced."""
+        output = usage.output_tokens if bound is None else bound.output_tokens
+        return RateAsk(1, usage.input_total + output, usage.input_total, output)
+
     def rate_state(self, headers: Mapping[str, str], now: datetime) -> RateState:
         """What an answer's ``headers`` say of this vendor's rate limits (see
         :mod:`.rate_headers`); empty where it names none."""
@@ -407,3 +425,5 @@ class Sent:
     #: whether the vendor's usage reports count its tokens (its endpoint's
     #: ``tokens_reported``)
     tokens_reported: bool = True
+    #: what the vendor's rate limits count it as in the end (``Vendor.rate_counted``)
+    rate_counted: RateAsk | None = None

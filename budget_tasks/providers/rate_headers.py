@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 
+from .._rate_ask import RATE_KINDS
+
 #: The limits a provider's answer may name.
-KINDS = ("requests", "tokens", "input_tokens", "output_tokens")
+KINDS = RATE_KINDS
 #: The longest wait a header is believed for (a day): past it, a header is not read.
 MOST_WAIT = timedelta(days=1)
 
@@ -163,3 +165,14 @@ def state_of(
         if window != Window():
             windows[kind] = window
     return RateState(windows, retry_after(found, now))
+
+
+def retry_after_of(exc: BaseException, now: datetime | None = None) -> float | None:
+    """The seconds a provider's refusal says to wait (its response's ``retry-after``),
+    read from an SDK error that carries the response; None where it says nothing
+    readable."""
+    headers = getattr(getattr(exc, "response", None), "headers", None)
+    if not isinstance(headers, Mapping):
+        return None
+    wait = retry_after(lower(headers), now or datetime.now(UTC))
+    return None if wait is None else wait.total_seconds()

@@ -39,9 +39,10 @@ from ..errors import (
 )
 from ..ledger import CallFacts
 from ..pricing import Estimate, Prices
-from ..providers.base import Endpoint, Kind, Reported, Sent, request_digest
+from ..providers.base import Endpoint, Kind, Reported, Sent, Vendor, request_digest
 from ..providers.registry import Route, registry
 from ..providers.reports import hint_of
+from ..rate_limits import claim_of
 from .positions import position_label
 
 #: The header by which the official SDKs mark a request they send again on their own.
@@ -135,8 +136,9 @@ class Metered:
 
     @property
     def provider(self) -> str:
-        vendor = self.route.vendor
-        return vendor.name if vendor is not None else self.endpoint.name.split(".")[0]
+        rate = self.facts.rate
+        assert rate is not None  # every metered request claims its rate windows
+        return rate.provider
 
     @property
     def price_provider(self) -> str | None:
@@ -192,8 +194,13 @@ def prepare(route: Route, request: httpx2.Request, options: Options) -> Metered:
     except BudgetTasksError as exc:
         raise marked(exc) from None
     digest = request_digest(body)
+    bound = Bound.of(estimate)
+    vendor = route.vendor
+    provider = vendor.name if vendor is not None else endpoint.name.split(".")[0]
+    # the rate windows it takes from, with its money, in the admission's transaction
+    rate = claim_of(vendor, provider, estimate.model, credential_of(request), bound)
     facts = CallFacts(
-        endpoint.lookup(body), estimate.model, timeout_of(request), digest, Bound.of(estimate)
+        endpoint.lookup(body), estimate.model, timeout_of(request), digest, bound, rate
     )
     return Metered(
         route,
@@ -316,6 +323,8 @@ def _sent(
         )
     cost = reported.cost(m.prices, m.price_provider, datetime.now(UTC))
     model = reported.parts[0].model if reported.parts else m.estimate.model
+    # what the vendor's rate limits count it as: what it took and this does not, back
+    counted = (m.route.vendor or Vendor()).rate_counted(reported.usage, bound)
     return Sent(
         m.provider,
         model or m.estimate.model,
@@ -327,6 +336,7 @@ def _sent(
         bound=bound,
         credential=m.credential,
         tokens_reported=m.endpoint.tokens_reported,
+        rate_counted=counted,
     )
 
 

@@ -421,5 +421,26 @@ if SIGNALS_FILE:
 
         return receiver
 
-    for _name in ("budget_denied", "delivery_replayed", "outcome_unknown"):
+    for _name in ("budget_denied", "delivery_replayed", "outcome_unknown", "rate_limited"):
         getattr(signals, _name).connect(_record(_name), weak=False)
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    name="tests.rated_chat",
+    budget=BUDGET,
+    idempotency_key=lambda n: f"rated:{n}",
+    estimate_cost=lambda n: 0,
+    max_retries=0,
+    rate_wait_in_process=float(os.environ.get("BUDGET_TASKS_TEST_RATE_WAIT", "5")),
+)
+def rated_chat(self: BudgetTask, n: int) -> int:
+    """One short chat through the guarded client: a call the fleet's rate windows admit
+    (``max_retries=0``: a wait for a window must not spend a retry)."""
+    answer = guarded().chat.completions.create(
+        model="gpt-4o-mini",
+        max_completion_tokens=16,
+        messages=[{"role": "user", "content": f"count {n}"}],
+    )
+    return int(answer.usage.total_tokens)

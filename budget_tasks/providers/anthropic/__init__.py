@@ -12,7 +12,9 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from types import MappingProxyType
 
-from ...pricing import Prices
+from ..._rate_ask import RateAsk
+from ..._trust import Bound
+from ...pricing import Prices, Usage
 from ..base import Clients, Endpoint, Kind, LookupFacts, Rule, Vendor
 from ..lookups import Lookup, Unknowable
 from . import estimates
@@ -49,6 +51,12 @@ class Anthropic(Vendor):
         }
     )
     rate_resets_at_a_time = True
+
+    def rate_counted(self, usage: Usage, bound: Bound | None) -> RateAsk:
+        """Anthropic's rule: input tokens a minute do not count cache reads, and output
+        tokens are corrected to what the message produced."""
+        counted = usage.input_total - usage.cached_input_tokens
+        return RateAsk(1, counted + usage.output_tokens, counted, usage.output_tokens)
 
     def __init__(
         self,
