@@ -65,7 +65,10 @@ class RateWindow:
     scope: str
     kind: str
     per_minute: int
+    #: what it holds now (below 0: what it owes the calls booked ahead)
     available: float
+    #: calls booked ahead on it, waiting for their turn
+    booked: int = 0
 
 
 class _Short(Exception):
@@ -180,8 +183,8 @@ def windows(store: Store) -> list[RateWindow]:
     with store.driver.transaction() as cur:
         rows = cur.all(sql.RATE_WINDOWS, {"now_ms": _now_ms(store)})
     return [
-        RateWindow(provider, scope, kind, int(per_minute), int(level) / MILLI)
-        for provider, scope, kind, per_minute, level in rows
+        RateWindow(provider, scope, kind, int(per_minute), int(level) / MILLI, int(booked))
+        for provider, scope, kind, per_minute, level, booked in rows
     ]
 
 

@@ -1027,8 +1027,10 @@ CLEAR_RATE_WINDOW = "DELETE FROM rate_windows WHERE id = :id"
 
 #: Every window, refilled to now, for the operator.
 RATE_WINDOWS = f"""
-SELECT provider, scope, kind, per_minute, {_RATE_LEVEL} AS level FROM rate_windows
-ORDER BY provider, scope, kind"""
+SELECT provider, scope, kind, per_minute, {_RATE_LEVEL} AS level,
+    (SELECT count(*) FROM rate_takes t WHERE t.window_id = rate_windows.id
+     AND t.due_ms IS NOT NULL) AS booked
+FROM rate_windows ORDER BY provider, scope, kind"""
 
 #: The windows of a provider, for a claim's scopes to pick from (by id: the order every
 #: taker takes them).
