@@ -94,7 +94,9 @@ def claim_of(
     """What a call takes from its rate windows as it is sent (see the module): its
     vendor's count of the request (one request, its input and the output it allows)."""
     ask = (vendor or Vendor()).rate_ask(bound)
-    return RateClaim(provider, scopes_of(provider, model, credential), ask)
+    own = () if not model else (model, SNAPSHOT_SUFFIX.sub("", model))
+    scopes = scopes_of(provider, model, credential)
+    return RateClaim(provider, scopes, ask, tuple(dict.fromkeys(s[:100] for s in own)))
 
 
 def limits_of(config: Mapping[str, Any]) -> list[Limit]:

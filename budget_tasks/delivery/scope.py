@@ -11,7 +11,7 @@ from contextvars import ContextVar
 from typing import Any, Protocol
 
 from .. import _validate as check
-from .._rate_ask import RATE_KINDS, RateAsk
+from .._rate_ask import RATE_KINDS, RateAsk, RateSeen
 from .._trust import Bound, doubt
 from ..errors import LedgerUnavailable, ResendRefused
 from ..ledger import CallFacts, CallLedger
@@ -124,6 +124,8 @@ class Recorded:
         self.answered_by: str | None = None
         #: what the vendor's rate limits counted its answers as (summed)
         self.counted: RateAsk | None = None
+        #: what the provider's last answer said remains of its rate limits
+        self.rate_seen: RateSeen | None = None
         self._ledger: _Grants | None = ledger
         #: what the ledger records of the call (written with the admission)
         self._described = described
@@ -197,6 +199,7 @@ class Recorded:
             self.output_tokens,
             self.answered_by,
             self.counted,
+            self.rate_seen,
         )
 
     def record_usage(self, cost: int) -> None:

@@ -66,7 +66,7 @@ SELECT decision, operation_id, stored, runs FROM budget_tasks_admit(
     CAST(:escrow_sources AS bigint[]), :draw_share, :r_provider,
     CAST(:r_scopes AS text[]), CAST(:r_requests AS bigint), CAST(:r_tokens AS bigint),
     CAST(:r_input_tokens AS bigint), CAST(:r_output_tokens AS bigint),
-    CAST(:now_ms AS bigint))"""
+    CAST(:now_ms AS bigint), CAST(:r_own AS text[]))"""
 
 FINISH = """
 SELECT amount FROM budget_tasks_finish(
@@ -74,7 +74,11 @@ SELECT amount FROM budget_tasks_finish(
     :response_id, :result, :now, :record, :answer, :provider, :credential,
     CAST(:input_tokens AS bigint), CAST(:output_tokens AS bigint), :answered_by,
     CAST(:counted_tokens AS bigint), CAST(:counted_input AS bigint),
-    CAST(:counted_output AS bigint), CAST(:now_ms AS bigint))"""
+    CAST(:counted_output AS bigint), CAST(:now_ms AS bigint), CAST(:seen_at_ms AS bigint),
+    CAST(:seen_requests AS bigint), CAST(:seen_tokens AS bigint), CAST(:seen_input AS bigint),
+    CAST(:seen_output AS bigint), CAST(:seen_wait_ms AS bigint),
+    CAST(:seen_requests_limit AS bigint), CAST(:seen_tokens_limit AS bigint),
+    CAST(:seen_input_tokens_limit AS bigint), CAST(:seen_output_tokens_limit AS bigint))"""
 
 #: Every parameter ADMIT names, in order.
 ADMIT_PARAMS = tuple(re.findall(r"(?<!:):(\w+)", ADMIT))

@@ -129,6 +129,7 @@ def _rate_params(rate: RateClaim | None) -> dict[str, Any]:
         "r_provider": rate.provider,
         # the scopes as a PostgreSQL array literal, each quoted (a scope is any text)
         "r_scopes": "{" + ",".join(_quoted(scope) for scope in rate.scopes) + "}",
+        "r_own": "{" + ",".join(_quoted(scope) for scope in rate.own) + "}",
         "r_requests": ask.requests,
         "r_tokens": ask.tokens,
         "r_input_tokens": ask.input_tokens,

@@ -283,7 +283,12 @@ def end_call_in(
         # journal, kept for ever, says only what happened.
         note = call.note or "not billed"
         journal = "released by its run: not billed"
-        return store.release_in(cur, call.key, note, stamp, journal_note=journal), False
+        return (
+            store.release_in(
+                cur, call.key, note, stamp, journal_note=journal, seen=call.answered.seen
+            ),
+            False,
+        )
     if call.action == "unsent":
         note = call.note or "never sent: the ledger went down as it was granted"
         try:

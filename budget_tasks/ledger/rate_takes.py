@@ -9,7 +9,7 @@ import math
 from ..errors import RateAskTooLarge
 from . import statements as sql
 from .driver import Cursor
-from .records import RateAsk, RateClaim
+from .records import RATE_KINDS, RateAsk, RateClaim, RateSeen
 
 #: One unit is this many of a window's level.
 MILLI = 1000
@@ -74,25 +74,30 @@ def take_in(cur: Cursor, claim: RateClaim, key: str, now_ms: int) -> None:
             back = int(taken) * MILLI
             cur.run(sql.GIVE_RATE_BACK, {"id": window_id, "back": back, "now_ms": now_ms})
         cur.run(sql.DROP_RATE_TAKES, {"key": key})
-    if not took(cur, windows, ask, now_ms, key):
+    if not took(cur, windows, ask, now_ms, key, claim.own):
         raise RateShort(claim, key)
 
 
-def took(cur: Cursor, windows: list[Window], ask: RateAsk, now_ms: int, key: str | None) -> bool:
+def took(
+    cur: Cursor,
+    windows: list[Window],
+    ask: RateAsk,
+    now_ms: int,
+    key: str | None,
+    own: tuple[str, ...] = (),
+) -> bool:
     """Take ``ask`` from each of ``windows`` (compare-and-set, in id order), recording
     what ``key`` took; False where one is short (the caller rolls back what was
     taken)."""
-    for window_id, _, kind, _ in windows:
+    for window_id, scope, kind, _ in windows:
         params = {"id": window_id, "ask": ask.of(kind) * MILLI, "now_ms": now_ms}
         if cur.one(sql.TAKE_RATE, params) is None:
             if cur.one(sql.RATE_LEVEL, params) is None:
                 continue  # cleared since it was listed: it holds nothing back
             return False
         if key is not None:
-            cur.run(
-                sql.RECORD_RATE_TAKE,
-                {"key": key, "window_id": window_id, "taken": ask.of(kind), "due_ms": None},
-            )
+            taken = {"window_id": window_id, "taken": ask.of(kind), "own": scope in own}
+            cur.run(sql.RECORD_RATE_TAKE, {"key": key, **taken, "due_ms": None})
     return True
 
 
@@ -132,10 +137,8 @@ def book_in(cur: Cursor, claim: RateClaim, key: str, now_ms: int) -> tuple[str, 
         wait = refill_ms(-level, per_minute) if level < 0 else 1
         if wait > longest[2]:
             longest = (scope, kind, wait)
-        cur.run(
-            sql.RECORD_RATE_TAKE,
-            {"key": key, "window_id": window_id, "taken": ask // MILLI, "due_ms": now_ms},
-        )
+        taken = {"window_id": window_id, "taken": ask // MILLI, "own": scope in claim.own}
+        cur.run(sql.RECORD_RATE_TAKE, {"key": key, **taken, "due_ms": now_ms})
     cur.run(sql.SET_RATE_DUE, {"key": key, "due_ms": now_ms + longest[2]})
     return longest
 
@@ -146,16 +149,50 @@ def refill_ms(thousandths: int, per_minute: int) -> int:
     return max(1, math.ceil(thousandths * 60 / per_minute))
 
 
-def give_back_in(cur: Cursor, key: str, now_ms: int, counted: RateAsk | None) -> None:
+def give_back_in(
+    cur: Cursor, key: str, now_ms: int, counted: RateAsk | None, seen: RateSeen | None = None
+) -> None:
     """What attempt ``key`` took goes back to its windows, in the caller's
     transaction: every token it took where ``counted`` is the vendor's count of the
     call (a request sent stays counted); where ``counted`` is None, nothing (its
-    outcome is unknown: the vendor may have counted all of it)."""
-    if counted is not None:
-        for window_id, taken, kind in cur.all(sql.RATE_TAKEN_KINDS, {"key": key}):
-            if kind == "requests":
-                continue
+    outcome is unknown: the vendor may have counted all of it). Then each window is
+    narrowed to what the provider's answer said remains (``seen``)."""
+    for window_id, taken, kind, own in cur.all(sql.RATE_TAKEN_KINDS, {"key": key}):
+        if counted is not None and kind != "requests":
             back = max(0, int(taken) - counted.of(kind)) * MILLI
             if back:
                 cur.run(sql.GIVE_RATE_BACK, {"id": window_id, "back": back, "now_ms": now_ms})
+        told = narrowing(seen, kind)
+        if seen is not None and told is not None:
+            remaining, wait_ms, limit = told
+            params = {"id": window_id, "now_ms": now_ms, "at_ms": seen.at_ms, "own": bool(own)}
+            cur.run(
+                sql.NARROW_RATE,
+                {**params, "remaining": remaining, "wait_ms": wait_ms, "limit": limit},
+            )
     cur.run(sql.DROP_RATE_TAKES, {"key": key})
+
+
+#: The most a provider's "remaining" is believed (a window's largest limit) and the
+#: longest refusal's wait (what a window may owe), so their products stay in a BIGINT.
+MOST_REMAINING = 10**12
+MOST_WAIT_MS = OWED_MINUTES * 60 * 1000
+
+
+def narrowing(seen: RateSeen | None, kind: str) -> tuple[int, int, int | None] | None:
+    """What a window of ``kind`` is narrowed to, ``(remaining, wait in ms, limit)``:
+    what the answer said remains of that kind (not said: no bound), owing the
+    refusal's wait where nothing remains (a refusal that named no limit: every
+    window), and the limit it stated; None: the answer told this window nothing."""
+    if seen is None:
+        return None
+    remaining, limit = seen.of(kind), seen.limit_of(kind)
+    if remaining is None and limit is None:
+        told = any(seen.of(other) is not None for other in RATE_KINDS)
+        if told or not seen.wait_ms:
+            return None
+        remaining = 0
+    wait_ms = seen.wait_ms if remaining == 0 else 0
+    remaining = MOST_REMAINING if remaining is None else min(remaining, MOST_REMAINING)
+    limit = None if limit is None else min(limit, MOST_REMAINING)
+    return remaining, min(wait_ms, MOST_WAIT_MS), limit

@@ -13,6 +13,7 @@ from typing import Any
 from .. import _validate as check
 from .._rate_ask import RATE_KINDS as RATE_KINDS
 from .._rate_ask import RateAsk as RateAsk
+from .._rate_ask import RateSeen as RateSeen
 from .._trust import Bound
 
 
@@ -86,6 +87,23 @@ def not_kept(value: Any) -> dict[str, Any] | None:
 UNTRUSTED_LOOKUP = "untrusted"
 
 
+def seen_params(seen: RateSeen | None) -> dict[str, Any]:
+    """What a provider's answer said of its rate limits, as the statements' parameters
+    (``seen_at_ms`` None: it said nothing)."""
+    return {
+        "seen_at_ms": None if seen is None else seen.at_ms,
+        "seen_requests": None if seen is None else seen.requests,
+        "seen_tokens": None if seen is None else seen.tokens,
+        "seen_input": None if seen is None else seen.input_tokens,
+        "seen_output": None if seen is None else seen.output_tokens,
+        "seen_wait_ms": None if seen is None else seen.wait_ms,
+        **{
+            f"seen_{kind}_limit": None if seen is None else seen.limit_of(kind)
+            for kind in RATE_KINDS
+        },
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class RateClaim:
     """Which rate windows a call takes from, and what: ``provider``'s windows whose
@@ -95,6 +113,9 @@ class RateClaim:
     provider: str
     scopes: tuple[str, ...]
     ask: RateAsk = field(default_factory=RateAsk)
+    #: the scopes that are the call's own model's (its name, without its date): a
+    #: limit the provider states for the call lowers these windows, never the shared
+    own: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check.text(self.provider, "provider", max_length=64)
@@ -102,6 +123,8 @@ class RateClaim:
             raise ValueError("a rate claim names at least one scope")
         for scope in self.scopes:
             check.text(scope, "rate scope", max_length=100)
+        if not set(self.own) <= set(self.scopes):
+            raise ValueError("a rate claim's own scopes are among its scopes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +147,9 @@ class Answered:
     #: what the vendor's rate limits count the call as in the end: the tokens its
     #: admission took and this does not count go back to its windows
     counted: RateAsk | None = None
+    #: what the provider's answer said remains of its rate limits: the call's windows
+    #: are narrowed to it
+    seen: RateSeen | None = None
 
     def __post_init__(self) -> None:
         check.optional_text(self.request_id, "request_id")
@@ -151,11 +177,12 @@ class Answered:
     def rate_params(self) -> dict[str, Any]:
         """What goes back to the call's rate windows: the tokens it was counted as
         (None: not known, nothing goes back)."""
-        counted = self.counted
+        counted, seen = self.counted, self.seen
         return {
             "counted_tokens": None if counted is None else counted.tokens,
             "counted_input": None if counted is None else counted.input_tokens,
             "counted_output": None if counted is None else counted.output_tokens,
+            **seen_params(seen),
         }
 
 

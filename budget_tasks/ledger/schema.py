@@ -468,6 +468,8 @@ rate_takes = Table(
     Column("window_id", Id, primary_key=True),
     Column("taken", BigInteger, nullable=False),
     Column("due_ms", BigInteger, nullable=True),
+    # the window is the call's own model's: a limit the provider states lowers it
+    Column("own", Boolean, nullable=False),
     CheckConstraint("taken >= 0", name="taken_not_negative"),
 )
 

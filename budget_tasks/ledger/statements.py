@@ -1043,8 +1043,8 @@ RATE_TAKEN = "SELECT window_id, taken, due_ms FROM rate_takes WHERE key = :key O
 
 #: Record what a key took from a window (``due_ms``: booked ahead, sent then).
 RECORD_RATE_TAKE = """
-INSERT INTO rate_takes (key, window_id, taken, due_ms)
-VALUES (:key, :window_id, CAST(:taken AS BIGINT), CAST(:due_ms AS BIGINT))"""
+INSERT INTO rate_takes (key, window_id, taken, due_ms, own)
+VALUES (:key, :window_id, CAST(:taken AS BIGINT), CAST(:due_ms AS BIGINT), :own)"""
 
 #: When a booking falls due: with the longest wait of its windows.
 SET_RATE_DUE = "UPDATE rate_takes SET due_ms = CAST(:due_ms AS BIGINT) WHERE key = :key"
@@ -1055,7 +1055,8 @@ RATE_BOOKING_SENT = "UPDATE rate_takes SET due_ms = NULL WHERE key = :key"
 #: What a sent call took, window by window, with each window's kind (a window cleared
 #: since is not listed: nothing goes back to it).
 RATE_TAKEN_KINDS = """
-SELECT t.window_id, t.taken, w.kind FROM rate_takes t JOIN rate_windows w ON w.id = t.window_id
+SELECT t.window_id, t.taken, w.kind, t.own FROM rate_takes t
+JOIN rate_windows w ON w.id = t.window_id
 WHERE t.key = :key ORDER BY t.window_id"""
 
 #: What a key took, dropped (its settlement, release or unknown outcome).
@@ -1068,11 +1069,45 @@ UPDATE rate_windows SET level = {_RATE_LEVEL} - {_ASK}, {_RATE_STAMP}
 WHERE id = :id AND {_RATE_LEVEL} - {_ASK} >= -per_minute * 60000
 RETURNING level, per_minute"""
 
-#: Narrow a window to what the provider says remains (never widened: the lower wins).
+_SEEN_FOR = f"""(CASE WHEN {_NOW} <= CAST(:at_ms AS BIGINT) THEN 0
+    WHEN {_NOW} - CAST(:at_ms AS BIGINT) >= 3660000 THEN 3660000
+    ELSE {_NOW} - CAST(:at_ms AS BIGINT) END)"""
+_SEEN_CAP = f"""(CAST(:remaining AS BIGINT) * 1000 - per_minute * CAST(:wait_ms AS BIGINT) / 60
+    + per_minute * {_SEEN_FOR} / 60)"""
+#: What a provider said remains (``:remaining`` at ``:at_ms``, owing ``:wait_ms`` of a
+#: refusal's wait), refilled since, in thousandths: at most 60 minutes owed.
+RATE_SEEN_CAP = f"""(CASE WHEN {_SEEN_CAP} < -per_minute * 60000 THEN -per_minute * 60000
+    ELSE {_SEEN_CAP} END)"""
+
+#: The limit a window is lowered to: the provider's stated limit where it is lower and
+#: the window is the call's own model's (``:own``), else its own.
+RATE_SEEN_LIMIT = """(CASE WHEN :own AND CAST(:limit AS BIGINT) < per_minute
+    THEN CAST(:limit AS BIGINT) ELSE per_minute END)"""
+
+
+def _least(*values: str) -> str:
+    first, *rest = values
+    if not rest:
+        return first
+    other = _least(*rest)
+    return f"(CASE WHEN {first} <= {other} THEN {first} ELSE {other} END)"
+
+
+def _at_least(value: str, floor: str) -> str:
+    return f"(CASE WHEN {value} >= {floor} THEN {value} ELSE {floor} END)"
+
+
+#: Narrow a window to what the provider said remains, and lower its limit to the one it
+#: stated (never widened: where the window holds no more, nothing changes).
 NARROW_RATE = f"""
-UPDATE rate_windows SET level = CASE WHEN {_RATE_LEVEL} <= CAST(:cap AS BIGINT)
-    THEN {_RATE_LEVEL} ELSE CAST(:cap AS BIGINT) END, {_RATE_STAMP}
-WHERE id = :id"""
+UPDATE rate_windows SET per_minute = {RATE_SEEN_LIMIT},
+    level = {
+    _at_least(
+        _least(_RATE_LEVEL, RATE_SEEN_CAP, RATE_SEEN_LIMIT + " * 1000"),
+        "-" + RATE_SEEN_LIMIT + " * 60000",
+    )
+}, {_RATE_STAMP}
+WHERE id = :id AND ({_RATE_LEVEL} > {RATE_SEEN_CAP} OR {RATE_SEEN_LIMIT} < per_minute)"""
 
 #: Bookings no call came back for, long after they fell due (``upkeep``).
 PURGE_RATE_BOOKINGS = "DELETE FROM rate_takes WHERE due_ms IS NOT NULL AND due_ms < :before_ms"

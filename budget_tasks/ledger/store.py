@@ -54,6 +54,7 @@ from .records import (
     Attempt,
     CallFacts,
     RateAsk,
+    RateSeen,
     Reservation,
     kept,
     stored_limit,
@@ -686,7 +687,7 @@ class Store:
         if cur.one(sql.MARK_UNKNOWN, params) is not None:
             log.warning("attempt %s outcome unknown, its hold kept: %s", key, params["note"])
             # the vendor may have counted all it took: nothing goes back
-            rate_takes.give_back_in(cur, key, epoch_ms(self.now()), None)
+            rate_takes.give_back_in(cur, key, epoch_ms(self.now()), None, answered.seen)
             return True
         state = cur.one(sql.ATTEMPT_STATE, {"key": key})
         if state is None:
@@ -713,6 +714,7 @@ class Store:
         *,
         expected: str | None = None,
         journal_note: str | None = None,
+        seen: RateSeen | None = None,
     ) -> Resolution:
         return self.resolve_in(
             cur,
@@ -724,6 +726,7 @@ class Store:
             stamp,
             expected=expected,
             journal_note=journal_note,
+            answered=Answered(seen=seen),
         )
 
     def resolve(
@@ -831,7 +834,7 @@ class Store:
         # a settled call's uncounted tokens go back to its rate windows, a released
         # one's every token (its request stays counted); the budget rows come last
         counted = answered.counted if state == "settled" else RateAsk(0)
-        rate_takes.give_back_in(cur, key, epoch_ms(self.now()), counted)
+        rate_takes.give_back_in(cur, key, epoch_ms(self.now()), counted, answered.seen)
         return Resolution(True, int(amount), actual, periods, key, stamp)
 
 

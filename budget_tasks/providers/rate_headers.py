@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 
-from .._rate_ask import RATE_KINDS
+from .._rate_ask import RATE_KINDS, RateSeen
 
 #: The limits a provider's answer may name.
 KINDS = RATE_KINDS
@@ -176,3 +176,21 @@ def retry_after_of(exc: BaseException, now: datetime | None = None) -> float | N
         return None
     wait = retry_after(lower(headers), now or datetime.now(UTC))
     return None if wait is None else wait.total_seconds()
+
+
+def seen_of(state: RateState, now: datetime, refused: bool) -> RateSeen | None:
+    """What ``state`` (an answer's, read at ``now``) tells the ledger's windows: what
+    remains of each limit it names, and for a refusal (``refused``: a 429) its wait;
+    None where it tells nothing."""
+    remaining = {kind: w.remaining for kind, w in state.windows.items() if w.remaining is not None}
+    limits = {
+        f"{kind}_limit": w.limit
+        for kind, w in state.windows.items()
+        if w.limit  # 0: no limit
+    }
+    wait = state.retry_after if refused else None
+    if not remaining and not limits and wait is None:
+        return None
+    wait_ms = 0 if wait is None else math.ceil(wait.total_seconds() * 1000)
+    at_ms = math.floor(now.timestamp() * 1000)
+    return RateSeen(at_ms, wait_ms=wait_ms, **remaining, **limits)

@@ -5,11 +5,14 @@ settle the one that came, keep a live stream's state, and end it whatever happen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import httpx2
 
 from ..delivery.scope import Call
 from ..errors import BudgetTasksError, StreamIncomplete
+from ..hooks import hooks
+from ..providers.rate_headers import seen_of
 from ..providers.registry import Route
 from . import guard
 from .scopes import ScopedCall, find
@@ -51,6 +54,24 @@ class Begun:
         request_id = guard.request_id_of(response)
         if request_id:
             self.call.record_request_id(request_id)
+        vendor = self.m.route.vendor
+        if vendor is not None:
+            # what the provider says remains of its limits narrows the call's windows
+            # with its settlement (or release), in the same commit
+            now = datetime.now(UTC)
+            state = vendor.rate_state(response.headers, now)
+            refused = response.status_code == 429
+            self.call.rate_seen = seen_of(state, now, refused)
+            if refused:
+                wait = state.retry_after
+                short = [k for k, w in state.windows.items() if w.remaining == 0]
+                hooks.rate_limited(
+                    provider=self.m.provider,
+                    scope=self.m.estimate.model or "*",
+                    kind=short[0] if short else "requests",
+                    wait=0.0 if wait is None else wait.total_seconds(),
+                    by="provider",
+                )
 
     def answered(
         self, response: httpx2.Response, full: bytes, request: httpx2.Request

@@ -10,7 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
 
@@ -19,7 +19,7 @@ import pytest
 from budget_tasks import Ledger
 from budget_tasks.errors import BudgetExceeded, RateAskTooLarge, RateWindowFull, UnknownAttempt
 from budget_tasks.ledger import CallFacts
-from budget_tasks.ledger.records import Answered, RateAsk, RateClaim
+from budget_tasks.ledger.records import Answered, CallAsk, CallEnd, RateAsk, RateClaim, RateSeen
 from budget_tasks.testing.clock import ManualClock
 
 from ..services import check_postgres
@@ -234,3 +234,60 @@ def test_processes_at_once_send_exactly_what_the_windows_hold(pg_url: str, funct
     # the 150 refused were booked ahead: each window owes exactly their asks
     assert windows == {"requests": 60 - 200, "tokens": 30_000 - 200 * 600}
     setup.dispose()
+
+
+def now_ms(ledger: Ledger) -> int:
+    return int(ledger.clock().timestamp() * 1000)  # type: ignore[attr-defined]
+
+
+def test_what_the_provider_says_remains_narrows_the_window_never_widens_it(
+    rated: Ledger,
+) -> None:
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 60)
+    rated.rates.set_limit("openai", "*", "tokens", 60_000)
+    for key in ("a", "b", "c"):
+        send(rated, key)
+    # a: the provider says 5 requests remain, 2 s ago (2 more refilled since), and
+    # more tokens than the window holds (left as it is)
+    said = RateSeen(now_ms(rated) - 2_000, requests=5, tokens=59_999)
+    rated.calls.settle("a", 10, answered=Answered(counted=RateAsk(1, 600), seen=said))
+    assert level(rated, "requests") == 7
+    assert level(rated, "tokens") == 60_000 - 3 * 600
+    # b: more than the window holds remains: nothing widens
+    rated.calls.settle(
+        "b",
+        10,
+        answered=Answered(counted=RateAsk(1, 600), seen=RateSeen(now_ms(rated), requests=50)),
+    )
+    assert level(rated, "requests") == 7
+
+
+def test_a_429_puts_the_window_in_debt_for_its_retry_after(rated: Ledger) -> None:
+    """A run's call answered 429 (no requests remain, come back in 3 s): released,
+    the request stays counted, and the window owes 3 s of its refill, so the next
+    call is booked for then, not sent into another 429."""
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 60)
+    ask = CallAsk("team", 100, facts=CallFacts(model="gpt-4o-mini", rate=MINI))
+    start = rated.calls.admit(
+        "op",
+        fingerprint="f",
+        owner="w1",
+        lease=timedelta(minutes=5),
+        max_runs=3,
+        call=ask,
+        plan=lambda here: ("op:0", "first"),
+    )
+    assert start.call is not None and start.call.reservation is not None
+    assert level(rated, "requests") == 59
+    refused = RateSeen(now_ms(rated), requests=0, wait_ms=3_000)
+    rated.calls.end_call(
+        CallEnd("op:0", "release", answered=Answered(seen=refused)),
+        operation_id=start.operation_id,
+        owner="w1",
+    )
+    assert rated.attempt("op:0").state == "released"
+    assert level(rated, "requests") == -3  # 3 s of 60 a minute owed
+    assert takes(rated) == 0
+    with pytest.raises(RateWindowFull) as full:
+        send(rated, "next")
+    assert full.value.wait_ms == 4_000  # the 3 s owed, then its own turn

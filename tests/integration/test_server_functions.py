@@ -18,6 +18,7 @@ import os
 import random
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +41,7 @@ from budget_tasks.ledger.records import (
     CallFacts,
     RateAsk,
     RateClaim,
+    RateSeen,
     SettledCall,
 )
 from budget_tasks.migrations import upgrade
@@ -201,6 +203,9 @@ class ParityMachine(RuleBasedStateMachine):
         if answers[0][0] == "RateWindowFull":
             SEEN["booked"] += 1
         return answers[0]
+
+    def now_ms(self) -> int:
+        return int(self.clock().timestamp() * 1000)
 
     def claim(self, amount: int) -> RateClaim:
         """A granted call's rate claim: a request, and tokens as its amount goes."""
@@ -402,7 +407,8 @@ class ParityMachine(RuleBasedStateMachine):
                     calls[-1],
                     "settle",
                     actual=actual,
-                    answered=SAID,
+                    # what remains as the provider says, a second ago: it narrows
+                    answered=replace(SAID, seen=RateSeen(self.now_ms() - 1000, 2, 300)),
                 ),
                 owner=owner,
             )

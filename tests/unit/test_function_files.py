@@ -25,3 +25,26 @@ def test_the_functions_repeat_the_statement_paths_expressions_verbatim() -> None
         assert expression in admit, expression
     assert f"ERRCODE = '{functions.NOT_HERE}'" in admit
     assert f"ERRCODE = '{functions.NOT_HERE}'" in finish
+
+
+def test_the_functions_repeat_the_rate_windows_expressions_verbatim() -> None:
+    """The rate windows' refill, give-back and narrowing, as the statements write
+    them, with the functions' own names for the parameters."""
+    admit, finish = functions.FUNCTIONS_DDL
+
+    def as_in_function(expression: str) -> str:
+        return (
+            expression.replace("CAST(:now_ms AS BIGINT)", "r_now_ms")
+            .replace("CAST(:at_ms AS BIGINT)", "s_at_ms")
+            .replace("CAST(:remaining AS BIGINT)", "remaining")
+            .replace("CAST(:wait_ms AS BIGINT)", "waited")
+            .replace("CAST(:limit AS BIGINT)", "stated")
+            .replace(":own", "took.own")
+        )
+
+    level = as_in_function(statements._RATE_LEVEL)
+    assert f"SET level = {level} - want * 1000" in admit
+    assert f"AND {level} >= want * 1000" in admit
+    narrow = as_in_function(statements.NARROW_RATE.strip()).replace(":id", "took.window_id")
+    assert " ".join(narrow.split()) in " ".join(finish.split())
+    assert " ".join(as_in_function(statements.RATE_SEEN_CAP).split()) in " ".join(finish.split())

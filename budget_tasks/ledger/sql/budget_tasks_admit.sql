@@ -8,6 +8,7 @@ CREATE OR REPLACE FUNCTION budget_tasks_admit(
     a_escrow_period bigint, a_escrow_chain bigint[], a_escrow_sources bigint[],
     a_draw_share bigint, r_provider text, r_scopes text[], r_requests bigint,
     r_tokens bigint, r_input_tokens bigint, r_output_tokens bigint, r_now_ms bigint,
+    r_own text[],
     OUT decision text, OUT operation_id bigint, OUT stored text, OUT runs integer)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -82,24 +83,25 @@ BEGIN
         IF EXISTS (SELECT 1 FROM rate_takes WHERE key = a_key) THEN
             RAISE EXCEPTION USING ERRCODE = 'BT001', MESSAGE = 'the call was booked ahead';
         END IF;
-        FOR w IN SELECT id, kind FROM rate_windows
+        FOR w IN SELECT id, scope, kind FROM rate_windows
                  WHERE provider = r_provider AND scope = ANY(r_scopes) ORDER BY id LOOP
             want := CASE w.kind WHEN 'requests' THEN r_requests WHEN 'tokens' THEN r_tokens
                     WHEN 'input_tokens' THEN r_input_tokens ELSE r_output_tokens END;
             CONTINUE WHEN want = 0;
             -- statements.TAKE_RATE, statements.RECORD_RATE_TAKE
-            UPDATE rate_windows SET level = (CASE WHEN level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
-    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 >= per_minute * 1000
-    THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
-    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 END) - want * 1000, refilled_ms = CASE WHEN CAST(r_now_ms AS BIGINT) > refilled_ms THEN CAST(r_now_ms AS BIGINT) ELSE refilled_ms END
-            WHERE id = w.id AND (CASE WHEN level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
-    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 >= per_minute * 1000
-    THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
-    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 END) >= want * 1000;
+            UPDATE rate_windows SET level = (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+    THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) - want * 1000, refilled_ms = CASE WHEN r_now_ms > refilled_ms THEN r_now_ms ELSE refilled_ms END
+            WHERE id = w.id AND (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+    THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) >= want * 1000;
             IF NOT FOUND THEN
                 RAISE EXCEPTION USING ERRCODE = 'BT001', MESSAGE = 'a rate window is short';
             END IF;
-            INSERT INTO rate_takes (key, window_id, taken, due_ms) VALUES (a_key, w.id, want, NULL);
+            INSERT INTO rate_takes (key, window_id, taken, due_ms, own)
+            VALUES (a_key, w.id, want, NULL, w.scope = ANY(r_own));
         END LOOP;
     END IF;
     FOREACH hold IN ARRAY a_holds LOOP

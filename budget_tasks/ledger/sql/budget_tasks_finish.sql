@@ -4,6 +4,9 @@ CREATE OR REPLACE FUNCTION budget_tasks_finish(
     p_result text, p_now timestamptz, p_record text, p_answer text, p_provider text,
     p_credential text, p_input_tokens bigint, p_output_tokens bigint, p_answered_by text,
     r_tokens bigint, r_input_tokens bigint, r_output_tokens bigint, r_now_ms bigint,
+    s_at_ms bigint, s_requests bigint, s_tokens bigint, s_input_tokens bigint,
+    s_output_tokens bigint, s_wait_ms bigint, s_requests_limit bigint, s_tokens_limit bigint,
+    s_input_tokens_limit bigint, s_output_tokens_limit bigint,
     OUT amount bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -17,6 +20,9 @@ DECLARE
     after record;
     took record;
     back bigint;
+    remaining bigint;
+    waited bigint;
+    stated bigint;
 BEGIN
     -- the attempt first, then its operation: the order every writer locks them in
     SELECT a.id, a.amount, a.state, a.recorded_actual INTO made, amount, was, recorded
@@ -77,27 +83,136 @@ BEGIN
         WHERE id = p_operation_id;
     END IF;
     -- rate_takes.give_back_in: the tokens the vendor did not count go back to the
-    -- call's rate windows (a request sent stays counted), before the budget rows
-    IF r_tokens IS NOT NULL THEN
-        FOR took IN SELECT t.window_id, t.taken, w.kind FROM rate_takes t
-                    JOIN rate_windows w ON w.id = t.window_id
-                    WHERE t.key = p_key ORDER BY t.window_id LOOP
-            back := CASE took.kind WHEN 'tokens' THEN took.taken - r_tokens
-                    WHEN 'input_tokens' THEN took.taken - r_input_tokens
-                    WHEN 'output_tokens' THEN took.taken - r_output_tokens ELSE 0 END;
-            CONTINUE WHEN back <= 0;
+    -- call's rate windows (a request sent stays counted), and each is narrowed to
+    -- what the answer said remains (rate_takes.narrowing), before the budget rows
+    FOR took IN SELECT t.window_id, t.taken, w.kind, t.own FROM rate_takes t
+                JOIN rate_windows w ON w.id = t.window_id
+                WHERE t.key = p_key ORDER BY t.window_id LOOP
+        back := CASE took.kind WHEN 'tokens' THEN took.taken - r_tokens
+                WHEN 'input_tokens' THEN took.taken - r_input_tokens
+                WHEN 'output_tokens' THEN took.taken - r_output_tokens ELSE 0 END;
+        IF back > 0 THEN
             -- statements.GIVE_RATE_BACK
-            UPDATE rate_windows SET level = CASE WHEN (CASE WHEN level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
-    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 >= per_minute * 1000
-    THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
-    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 END) + back * 1000 >= per_minute * 1000
-                THEN per_minute * 1000 ELSE (CASE WHEN level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
-    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 >= per_minute * 1000
-    THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN CAST(r_now_ms AS BIGINT) <= refilled_ms THEN 0
-    WHEN CAST(r_now_ms AS BIGINT) - refilled_ms >= 3660000 THEN 3660000 ELSE CAST(r_now_ms AS BIGINT) - refilled_ms END) / 60 END) + back * 1000 END, refilled_ms = CASE WHEN CAST(r_now_ms AS BIGINT) > refilled_ms THEN CAST(r_now_ms AS BIGINT) ELSE refilled_ms END
+            UPDATE rate_windows SET level = CASE WHEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+    THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) + back * 1000 >= per_minute * 1000
+                THEN per_minute * 1000 ELSE (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+    THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) + back * 1000 END, refilled_ms = CASE WHEN r_now_ms > refilled_ms THEN r_now_ms ELSE refilled_ms END
             WHERE id = took.window_id;
-        END LOOP;
-    END IF;
+        END IF;
+        -- rate_takes.narrowing
+        remaining := CASE took.kind WHEN 'requests' THEN s_requests WHEN 'tokens' THEN s_tokens
+                     WHEN 'input_tokens' THEN s_input_tokens ELSE s_output_tokens END;
+        stated := CASE took.kind WHEN 'requests' THEN s_requests_limit
+                  WHEN 'tokens' THEN s_tokens_limit WHEN 'input_tokens' THEN s_input_tokens_limit
+                  ELSE s_output_tokens_limit END;
+        IF remaining IS NULL AND stated IS NULL AND s_wait_ms > 0 AND s_requests IS NULL
+           AND s_tokens IS NULL AND s_input_tokens IS NULL AND s_output_tokens IS NULL THEN
+            remaining := 0;
+        END IF;
+        IF s_at_ms IS NOT NULL AND (remaining IS NOT NULL OR stated IS NOT NULL) THEN
+            waited := CASE WHEN remaining = 0 THEN LEAST(s_wait_ms, 3600000) ELSE 0 END;
+            remaining := LEAST(COALESCE(remaining, 1000000000000), 1000000000000);
+            stated := LEAST(stated, 1000000000000);
+            -- statements.NARROW_RATE
+            UPDATE rate_windows SET per_minute = (CASE WHEN took.own AND stated < per_minute
+                THEN stated ELSE per_minute END),
+                level = (CASE WHEN (CASE WHEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+                THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) <= (CASE WHEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+                ELSE (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) END) <= (CASE WHEN took.own AND stated < per_minute
+                THEN stated ELSE per_minute END) * 1000 THEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+                ELSE (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) END) ELSE (CASE WHEN took.own AND stated < per_minute
+                THEN stated ELSE per_minute END) * 1000 END) THEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+                THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) ELSE (CASE WHEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+                ELSE (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) END) <= (CASE WHEN took.own AND stated < per_minute
+                THEN stated ELSE per_minute END) * 1000 THEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+                ELSE (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) END) ELSE (CASE WHEN took.own AND stated < per_minute
+                THEN stated ELSE per_minute END) * 1000 END) END) >= -(CASE WHEN took.own AND stated < per_minute
+                THEN stated ELSE per_minute END) * 60000 THEN (CASE WHEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+                THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) <= (CASE WHEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+                ELSE (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) END) <= (CASE WHEN took.own AND stated < per_minute
+                THEN stated ELSE per_minute END) * 1000 THEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+                ELSE (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) END) ELSE (CASE WHEN took.own AND stated < per_minute
+                THEN stated ELSE per_minute END) * 1000 END) THEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+                THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) ELSE (CASE WHEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+                ELSE (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) END) <= (CASE WHEN took.own AND stated < per_minute
+                THEN stated ELSE per_minute END) * 1000 THEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+                ELSE (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) END) ELSE (CASE WHEN took.own AND stated < per_minute
+                THEN stated ELSE per_minute END) * 1000 END) END) ELSE -(CASE WHEN took.own AND stated < per_minute
+                THEN stated ELSE per_minute END) * 60000 END), refilled_ms = CASE WHEN r_now_ms > refilled_ms THEN r_now_ms ELSE refilled_ms END
+            WHERE id = took.window_id AND ((CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+                THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) > (CASE WHEN (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+                ELSE (remaining * 1000 - per_minute * waited / 60
+                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+                ELSE r_now_ms - s_at_ms END) / 60) END) OR (CASE WHEN took.own AND stated < per_minute
+                THEN stated ELSE per_minute END) < per_minute);
+        END IF;
+    END LOOP;
     DELETE FROM rate_takes WHERE key = p_key;
     -- statements.APPLY_SETTLEMENT, and what must follow it is the statement path's
     FOREACH hold IN ARRAY periods LOOP
