@@ -24,7 +24,14 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .config import ledger_of
-from .hooks import DENIAL_REASONS, RECONCILE_OUTCOMES, UNTRUSTED_BY, Hooks, add_sink
+from .hooks import (
+    DENIAL_REASONS,
+    RATE_LIMITED_BY,
+    RECONCILE_OUTCOMES,
+    UNTRUSTED_BY,
+    Hooks,
+    add_sink,
+)
 
 log = logging.getLogger("budget_tasks.metrics")
 
@@ -63,6 +70,19 @@ UNTRUSTED_ANSWERS = Counter(
     "budget_tasks_untrusted_answers_total",
     "Answers whose usage was past what their request allowed: not charged, held unknown",
     ["budget", "by"],
+)
+RATE_LIMITED = Counter(
+    "budget_tasks_rate_limited_total",
+    "Calls held back by a rate limit, by provider, scope and who held them: the ledger "
+    "(a window full, the call booked ahead) or the provider (a 429)",
+    ["provider", "scope", "by"],
+)
+RATE_WAIT = Histogram(
+    "budget_tasks_rate_wait_seconds",
+    "How long a call held back by a rate limit was told to wait (a 429 without a retry-after: 0)",
+    ["provider", "by"],
+    # a booking waits at most an hour (what a window may owe); a 429's wait is seconds
+    buckets=(0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0, 3600.0),
 )
 
 PROVIDER_DRIFT = Gauge(
@@ -111,6 +131,10 @@ class PrometheusHooks(Hooks):
     def untrusted(self, *, budget: str, attempt: str, reason: str, by: str) -> None:
         UNTRUSTED_ANSWERS.labels(budget, by).inc()
 
+    def rate_limited(self, *, provider: str, scope: str, kind: str, wait: float, by: str) -> None:
+        RATE_LIMITED.labels(provider, scope, by).inc()
+        RATE_WAIT.labels(provider, by).observe(wait)
+
     def drift_checked(self, *, report: Any) -> None:
         by = report.by or "all"
         now = {
@@ -150,8 +174,24 @@ def label_budgets(budgets: Iterable[str]) -> None:
         _LABELLED.add(budget)
 
 
+#: The (provider, scope) pairs whose rate-limit series this process has made (at 0).
+_RATE_LABELLED: set[tuple[str, str]] = set()
+
+
+def label_rates(windows: Iterable[Any]) -> None:
+    """Make each window's provider and scope's rate-limit series at 0, so that a
+    limit never reached reads 0, not "no data"."""
+    for window in windows:
+        if (window.provider, window.scope) in _RATE_LABELLED:
+            continue
+        for by in RATE_LIMITED_BY:
+            RATE_LIMITED.labels(window.provider, window.scope, by)
+            RATE_WAIT.labels(window.provider, by)
+        _RATE_LABELLED.add((window.provider, window.scope))
+
+
 class LedgerCollector(Collector):
-    """Balances and hold ages read from the ledger at each scrape."""
+    """Balances, hold ages and rate windows read from the ledger at each scrape."""
 
     def __init__(self, ledger: Any) -> None:
         self.ledger = ledger
@@ -207,6 +247,37 @@ class LedgerCollector(Collector):
             age = 0.0 if row.oldest_hold is None else row.oldest_hold.total_seconds()
             gauges["oldest_hold_seconds"].add_metric([row.budget], age)
         yield from gauges.values()
+        yield from self._rate_windows()
+
+    def _rate_windows(self) -> Iterator[Metric]:
+        labels = ["provider", "scope", "kind"]
+        limit = GaugeMetricFamily(
+            "budget_tasks_rate_window_limit", "A rate window's limit a minute", labels=labels
+        )
+        available = GaugeMetricFamily(
+            "budget_tasks_rate_window_available",
+            "What a rate window holds now (below 0: owed to the calls booked ahead)",
+            labels=labels,
+        )
+        booked = GaugeMetricFamily(
+            "budget_tasks_rate_window_booked",
+            "Calls booked ahead on a rate window, waiting for their turn",
+            labels=labels,
+        )
+        windows = _windows_of(self.ledger)
+        label_rates(windows)
+        for w in windows:
+            at = [w.provider, w.scope, w.kind]
+            limit.add_metric(at, w.per_minute)
+            available.add_metric(at, w.available)
+            booked.add_metric(at, w.booked)
+        yield from (limit, available, booked)
+
+
+def _windows_of(ledger: Any) -> list[Any]:
+    """The ledger's rate windows (none for a stand-in ledger that only reports balances)."""
+    rates = getattr(ledger, "rates", None)
+    return [] if rates is None else list(rates.windows())
 
 
 def _collector_of_written_files() -> Any:
@@ -248,13 +319,16 @@ def registry_for(ledger: Any) -> CollectorRegistry:
             STALE_HOLDS,
             RECONCILIATIONS,
             UNTRUSTED_ANSWERS,
+            RATE_LIMITED,
+            RATE_WAIT,
         ):
             registry.register(collector)
     registry.register(LedgerCollector(ledger))
     try:  # the budgets' counters at 0 from the first scrape (each scrape adds new ones)
         label_budgets(row.budget for row in ledger.report())
+        label_rates(_windows_of(ledger))
     except Exception as exc:  # the ledger down at start: the first scrapes make them
-        log.warning("budget-tasks metrics: budgets not labelled at start: %s", exc)
+        log.warning("budget-tasks metrics: budgets and rate limits not labelled at start: %s", exc)
     return registry
 
 

@@ -1,7 +1,7 @@
 """The ``budget-tasks`` command line, one module per verb group: migrations (``db``),
 budgets, the money's record (holds, corrections, resolutions, actions, the audit),
 operations, retention, what is known of the providers, drift against their reports,
-status and the dashboard,
+the providers' rate limits, status and the dashboard,
 and the offline tools (the fake provider, the demo, the walkthrough)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from . import (  # noqa: F401
     budgets,
     db,
     drift,
+    limits,
     money,
     offline,
     operations,

@@ -45,6 +45,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1", "testserver")
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
 TEMPLATES.env.filters["usd"] = usd
 TEMPLATES.env.filters["age"] = age
+TEMPLATES.env.filters["units"] = views.units
 TEMPLATES.env.filters["q"] = lambda text: quote(str(text), safe="")
 
 
@@ -160,6 +161,10 @@ def api_worklist(request: Request) -> Any:
     return views.worklist_view(_ledger(request))
 
 
+def api_rates(request: Request) -> Any:
+    return views.rates_view(_ledger(request))
+
+
 def api_attempt(request: Request) -> Any:
     return views.attempt_view(_ledger(request), request.query_params.get("key", ""))
 
@@ -194,6 +199,7 @@ def index(request: Request) -> Response:
         holds=views.holds_view(_ledger(request)),
         worklist=views.worklist_view(_ledger(request)),
         age_classes=[name for _, name in views.AGE_CLASSES],
+        rates=views.rates_view(_ledger(request)),
         done=request.query_params.get("done"),
     )
 
@@ -401,6 +407,7 @@ def create_app(
         Route("/api/holds", listing(api_holds, lambda d: d["holds"], "holds")),
         Route("/api/holds/summary", listing(api_holds_summary, lambda d: d, "holds-by-age")),
         Route("/api/worklist", listing(api_worklist, lambda d: d, "worklist")),
+        Route("/api/rates", listing(api_rates, lambda d: d, "rate-limits")),
         Route("/api/attempt", listing(api_attempt, lambda d: d["journal"], "journal")),
         Route("/api/operations", listing(api_operations, flat_operations, "operations")),
         Route("/api/resolve", api_resolve, methods=["POST"]),

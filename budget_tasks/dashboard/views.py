@@ -278,3 +278,25 @@ def operations_view(ledger: Ledger, status: str | None, limit: int) -> list[dict
         }
         for o in ops
     ]
+
+
+def rates_view(ledger: Ledger) -> list[dict[str, Any]]:
+    """Every rate window (by provider, scope and kind): its limit a minute, what it
+    holds now (below 0: owed to the calls booked ahead) and how many are booked."""
+    return [
+        {
+            "provider": w.provider,
+            "scope": w.scope,
+            "kind": w.kind,
+            "per_minute": w.per_minute,
+            "available": w.available,
+            "booked": w.booked,
+        }
+        for w in ledger.rates.windows()
+    ]
+
+
+def units(value: float) -> str:
+    """A count as the page shows it: thousands separated, fractions (a window refills
+    in thousandths) to three places and only where there are some."""
+    return f"{value:,.3f}".rstrip("0").rstrip(".")

@@ -1,0 +1,130 @@
+"""Rate limits: the providers' limits the fleet holds itself to (set, clear, list)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from .._rate_ask import RATE_KINDS
+from ..providers.registry import registry
+from . import _common
+from ._common import _emit, _safe, _table, json_option, ledger_url_option, main
+
+
+class PerMinute(click.ParamType[int]):
+    """A limit a minute: a whole number from 1 to the ledger's largest."""
+
+    name = "count"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        # imported here: the CLI imports no ledger to print its help
+        from ..ledger.rates import MOST_PER_MINUTE
+
+        try:
+            count = value if isinstance(value, int) else int(str(value).replace(",", ""))
+        except ValueError:
+            self.fail(f"{value!r} is not a whole number a minute", param, ctx)
+        if count == 0:
+            self.fail("0 a minute would admit nothing: clear the limit instead", param, ctx)
+        if not 0 < count <= MOST_PER_MINUTE:
+            self.fail(f"{count} is not from 1 to {MOST_PER_MINUTE:,} a minute", param, ctx)
+        return count
+
+
+PER_MINUTE = PerMinute()
+
+
+def _units(value: float) -> str:
+    """A count as the table shows it: thousands separated, fractions (a window refills
+    in thousandths) to three places and only where there are some."""
+    return f"{value:,.3f}".rstrip("0").rstrip(".")
+
+
+def _windows_table(windows: list[Any]) -> str:
+    rows = [
+        [w.provider, w.scope, w.kind, _units(w.per_minute), _units(w.available), w.booked]
+        for w in windows
+    ]
+    headers = ["provider", "scope", "kind", "limit / min", "available", "booked"]
+    text = _table(headers, rows)
+    return text if windows else text + "\nno rate limits are set"
+
+
+@main.group()
+def limits() -> None:
+    """Set, clear and list the providers' rate limits, held in the ledger for every
+    worker (per provider and scope: a model, a group of models, *, key:HINT)."""
+
+
+@limits.command("set")
+@ledger_url_option
+@click.argument("provider")
+@click.argument("scope")
+@click.option("--requests", type=PER_MINUTE, default=None, help="Requests a minute.")
+@click.option("--tokens", type=PER_MINUTE, default=None, help="Tokens a minute.")
+@click.option("--input-tokens", type=PER_MINUTE, default=None, help="Input tokens a minute.")
+@click.option("--output-tokens", type=PER_MINUTE, default=None, help="Output tokens a minute.")
+@json_option
+def limits_set(
+    ledger_url: str,
+    provider: str,
+    scope: str,
+    requests: int | None,
+    tokens: int | None,
+    input_tokens: int | None,
+    output_tokens: int | None,
+    as_json: bool,
+) -> None:
+    """Hold PROVIDER's SCOPE to each limit given (a new one starts full; a changed one
+    keeps what it holds, never more than its new limit). Limits not given stay."""
+    given = dict(zip(RATE_KINDS, (requests, tokens, input_tokens, output_tokens), strict=True))
+    chosen = {kind: n for kind, n in given.items() if n is not None}
+    if not chosen:
+        raise click.UsageError(
+            "give at least one of --requests, --tokens, --input-tokens, --output-tokens"
+        )
+    rates = _common.open_ledger(ledger_url).rates
+    # every value was checked by click before this line: a bad one sets none of them
+    for kind, per_minute in chosen.items():
+        rates.set_limit(provider, scope, kind, per_minute)
+    if registry.find(provider) is None:
+        # only calls that name this provider take from its windows: a typo holds nothing
+        known = ", ".join(sorted(v.name for v in registry.vendors()))
+        click.echo(_safe(f"note: no provider named {provider!r} is known here ({known})"), err=True)
+    shown = [w for w in rates.windows() if (w.provider, w.scope) == (provider, scope)]
+    _emit(
+        as_json,
+        shown,
+        lambda: (
+            f"set {provider} {scope}: "
+            + ", ".join(f"{kind} {per_minute:,} a minute" for kind, per_minute in chosen.items())
+        ),
+    )
+
+
+@limits.command("clear")
+@ledger_url_option
+@click.argument("provider")
+@click.argument("scope")
+@click.option("--kind", type=click.Choice(RATE_KINDS), default=None, help="Only this limit.")
+@json_option
+def limits_clear(
+    ledger_url: str, provider: str, scope: str, kind: str | None, as_json: bool
+) -> None:
+    """Stop holding PROVIDER's SCOPE to its limits (or to --kind only); says how many
+    went."""
+    gone = _common.open_ledger(ledger_url).rates.clear_limit(provider, scope, kind)
+    data = {"provider": provider, "scope": scope, "kind": kind, "cleared": gone}
+    of = f"{provider} {scope}" + (f" {kind}" if kind else "")
+    _emit(as_json, data, lambda: f"cleared {gone} limit(s) of {of}")
+
+
+@limits.command("list")
+@ledger_url_option
+@json_option
+def limits_list(ledger_url: str, as_json: bool) -> None:
+    """Every limit set: its limit a minute, what it holds now (below 0: owed to the
+    calls booked ahead) and how many calls are booked ahead on it."""
+    windows = _common.open_ledger(ledger_url).rates.windows()
+    _emit(as_json, windows, lambda: _windows_table(windows))

@@ -1,0 +1,163 @@
+"""`budget-tasks limits`: the providers' rate limits set, listed and cleared from the
+command line on a PostgreSQL ledger, as an operator would (a subprocess), and what a
+window holds after known takes (in process, on the ledger's manual clock)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from budget_tasks import Ledger
+from budget_tasks.cli import _common, main
+from budget_tasks.errors import RateWindowFull
+from budget_tasks.ledger import CallFacts
+from budget_tasks.ledger.records import RateAsk, RateClaim
+from budget_tasks.testing import ManualClock
+
+from .test_cli import as_json, cli, ok
+
+
+def test_set_list_and_clear_from_the_command_line(pg_url: str, pg_ledger: Ledger) -> None:
+    said = ok(
+        pg_url, "limits", "set", "openai", "gpt-4o-mini", "--requests", "600", "--tokens", "60000"
+    )
+    assert said == "set openai gpt-4o-mini: requests 600 a minute, tokens 60,000 a minute\n"
+    ok(pg_url, "limits", "set", "anthropic", "*", "--output-tokens", "8000")
+    # a new window starts full (and a refill never passes the limit): exact on any clock
+    assert as_json(pg_url, "limits", "list") == [
+        {"provider": "anthropic", "scope": "*", "kind": "output_tokens", "per_minute": 8000,
+         "available": 8000.0, "booked": 0},
+        {"provider": "openai", "scope": "gpt-4o-mini", "kind": "requests", "per_minute": 600,
+         "available": 600.0, "booked": 0},
+        {"provider": "openai", "scope": "gpt-4o-mini", "kind": "tokens", "per_minute": 60000,
+         "available": 60000.0, "booked": 0},
+    ]  # fmt: skip
+    assert ok(pg_url, "limits", "list").splitlines() == [
+        "provider         scope           kind  limit / min  available  booked",
+        "---------  -----------  -------------  -----------  ---------  ------",
+        "anthropic            *  output_tokens        8,000      8,000       0",
+        "openai     gpt-4o-mini       requests          600        600       0",
+        "openai     gpt-4o-mini         tokens       60,000     60,000       0",
+    ]
+    # what the ledger holds is what the CLI said
+    assert [(w.provider, w.scope, w.kind, w.per_minute) for w in pg_ledger.rates.windows()] == [
+        ("anthropic", "*", "output_tokens", 8000),
+        ("openai", "gpt-4o-mini", "requests", 600),
+        ("openai", "gpt-4o-mini", "tokens", 60000),
+    ]
+
+    said = ok(pg_url, "limits", "clear", "openai", "gpt-4o-mini", "--kind", "tokens")
+    assert said == "cleared 1 limit(s) of openai gpt-4o-mini tokens\n"
+    assert ok(pg_url, "limits", "clear", "openai", "gpt-4o-mini", "--kind", "tokens") == (
+        "cleared 0 limit(s) of openai gpt-4o-mini tokens\n"
+    )
+    assert as_json(pg_url, "limits", "clear", "openai", "gpt-4o-mini") == {
+        "provider": "openai",
+        "scope": "gpt-4o-mini",
+        "kind": None,
+        "cleared": 1,
+    }
+    assert [(w.provider, w.kind) for w in pg_ledger.rates.windows()] == [
+        ("anthropic", "output_tokens")
+    ]
+    ok(pg_url, "limits", "clear", "anthropic", "*")
+    assert as_json(pg_url, "limits", "list") == []
+    assert ok(pg_url, "limits", "list").splitlines()[-1] == "no rate limits are set"
+
+
+def test_a_changed_limit_keeps_what_the_window_holds_up_to_the_new_limit(
+    pg_url: str, pg_ledger: Ledger
+) -> None:
+    ok(pg_url, "limits", "set", "openai", "team", "--tokens", "60000")
+    ok(pg_url, "limits", "set", "openai", "team", "--tokens", "1000", "--requests", "5")
+    assert [(w.kind, w.per_minute, w.available) for w in pg_ledger.rates.windows()] == [
+        ("requests", 5, 5.0),
+        ("tokens", 1000, 1000.0),  # cut to its new limit, not left at 60,000
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--requests", "0"], "'--requests': 0 a minute would admit nothing: clear the limit"),
+        (["--tokens", "-5"], "'--tokens': -5 is not from 1 to 1,000,000,000,000 a minute"),
+        (["--tokens", "1.5"], "'--tokens': '1.5' is not a whole number a minute"),
+        (["--input-tokens", "lots"], "'--input-tokens': 'lots' is not a whole number a minute"),
+        (["--output-tokens", str(10**12 + 1)], "is not from 1 to 1,000,000,000,000 a minute"),
+        # a good value beside a bad one: neither is set
+        (["--requests", "10", "--tokens", "0"], "'--tokens': 0 a minute would admit nothing"),
+        ([], "give at least one of --requests, --tokens, --input-tokens, --output-tokens"),
+        (["--kind", "tokens"], "No such option '--kind'"),
+    ],
+)
+def test_a_bad_limit_is_one_line_exit_2_and_sets_nothing(
+    pg_url: str, pg_ledger: Ledger, args: list[str], says: str
+) -> None:
+    done = cli(pg_url, "limits", "set", "openai", "gpt-4o-mini", *args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+    assert done.stdout == ""
+    assert pg_ledger.rates.windows() == []
+
+
+def test_a_bad_provider_scope_or_kind_is_one_line_exit_2(pg_url: str, pg_ledger: Ledger) -> None:
+    for args, says in [
+        (("set", "", "gpt-4o-mini", "--requests", "1"), "error: provider must not be empty"),
+        (("set", "openai", "s" * 101, "--requests", "1"), "error: rate scope is 101 characters"),
+        (("clear", "openai", "x", "--kind", "watts"), "'--kind': 'watts' is not one of"),
+    ]:
+        done = cli(pg_url, "limits", *args)
+        assert done.returncode == 2, args
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], (args, lines)
+    assert pg_ledger.rates.windows() == []
+
+
+def test_a_provider_no_vendor_is_named_gets_a_note_and_the_limit(
+    pg_url: str, pg_ledger: Ledger
+) -> None:
+    done = cli(pg_url, "limits", "set", "opnai", "gpt-4o-mini", "--requests", "5")
+    assert done.returncode == 0
+    assert done.stdout == "set opnai gpt-4o-mini: requests 5 a minute\n"
+    assert done.stderr == "note: no provider named 'opnai' is known here (anthropic, openai)\n"
+    assert [w.provider for w in pg_ledger.rates.windows()] == ["opnai"]
+    assert cli(pg_url, "limits", "set", "openai", "x", "--requests", "5").stderr == ""
+
+
+def test_list_shows_what_each_window_holds_after_known_takes_and_a_booking(
+    pg_url: str, pg_ledger: Ledger, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the ledger's manual clock (nothing refills): 1,200 of 60,000 tokens taken,
+    and a fourth call on 3 requests a minute booked ahead (the window owes it)."""
+    monkeypatch.setattr(_common, "open_ledger", lambda url: pg_ledger)
+    monkeypatch.setenv("BUDGET_TASKS_LEDGER_URL", pg_url)
+    runner = CliRunner()
+
+    def run(*args: str) -> str:
+        done = runner.invoke(main, list(args))
+        assert done.exit_code == 0, done.output
+        return done.output
+
+    run("limits", "set", "openai", "gpt-4o-mini", "--requests", "3", "--tokens", "60000")
+    assert pg_ledger.rates.take("openai", "gpt-4o-mini", RateAsk(requests=0, tokens=1_200)).granted
+    pg_ledger.create_budget("team", 1_000_000)
+    claim = RateClaim("openai", ("gpt-4o-mini",), RateAsk(requests=1))
+    for n in range(3):  # three take the window's requests
+        pg_ledger.calls.reserve("team", f"k{n}", 100, grant=CallFacts(rate=claim))
+    with pytest.raises(RateWindowFull):  # the fourth is booked ahead
+        pg_ledger.calls.reserve("team", "k3", 100, grant=CallFacts(rate=claim))
+    listed = json.loads(run("limits", "list", "--json"))
+    assert [(w["kind"], w["per_minute"], w["available"], w["booked"]) for w in listed] == [
+        ("requests", 3, -1.0, 1),
+        ("tokens", 60_000, 58_800.0, 0),
+    ]
+    assert run("limits", "list").splitlines()[2:] == [
+        "openai    gpt-4o-mini  requests            3         -1       1",
+        "openai    gpt-4o-mini    tokens       60,000     58,800       0",
+    ]
+    # a fifth of a second later: a refill of 3 a minute shows in thousandths
+    clock.advance(seconds=0.2)
+    assert run("limits", "list").splitlines()[2].split()[4] == "-0.99"
