@@ -5,6 +5,7 @@ statement path's, and the server-side functions repeat them)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ..errors import RateAskTooLarge
 from . import statements as sql
@@ -68,12 +69,8 @@ def take_in(cur: Cursor, claim: RateClaim, key: str, now_ms: int) -> None:
             if all(held.get(w[0], -1) >= ask.of(w[2]) for w in windows):
                 cur.run(sql.RATE_BOOKING_SENT, {"key": key})
                 return
-        # booked for another ask (or left by an attempt long gone): given back whole
-        # (nothing was sent under it), and taken as any call's
-        for window_id, taken, _ in booked:
-            back = int(taken) * MILLI
-            cur.run(sql.GIVE_RATE_BACK, {"id": window_id, "back": back, "now_ms": now_ms})
-        cur.run(sql.DROP_RATE_TAKES, {"key": key})
+        # booked for another ask (or left by an attempt long gone): taken as any call's
+        unbooked(cur, key, booked, now_ms)
     if not took(cur, windows, ask, now_ms, key, claim.own):
         raise RateShort(claim, key)
 
@@ -122,7 +119,7 @@ def book_in(cur: Cursor, claim: RateClaim, key: str, now_ms: int) -> tuple[str, 
     if booked and len(dues) == len(booked) and max(dues) > now_ms:
         return (claim.scopes[0], "requests", max(dues) - now_ms)  # booked meanwhile
     if booked:
-        cur.run(sql.DROP_RATE_TAKES, {"key": key})
+        unbooked(cur, key, booked, now_ms)
     for window_id, scope, kind, per_minute in claimed(cur, claim):
         ask = claim.ask.of(kind) * MILLI
         params = {"id": window_id, "ask": ask, "now_ms": now_ms}
@@ -141,6 +138,15 @@ def book_in(cur: Cursor, claim: RateClaim, key: str, now_ms: int) -> tuple[str, 
         cur.run(sql.RECORD_RATE_TAKE, {"key": key, **taken, "due_ms": now_ms})
     cur.run(sql.SET_RATE_DUE, {"key": key, "due_ms": now_ms + longest[2]})
     return longest
+
+
+def unbooked(cur: Cursor, key: str, booked: list[tuple[Any, ...]], now_ms: int) -> None:
+    """Drop what ``key`` booked (or took, and its attempt never was: a stale row),
+    giving it back whole: nothing was sent under it."""
+    for window_id, taken, _ in booked:
+        back = int(taken) * MILLI
+        cur.run(sql.GIVE_RATE_BACK, {"id": window_id, "back": back, "now_ms": now_ms})
+    cur.run(sql.DROP_RATE_TAKES, {"key": key})
 
 
 def refill_ms(thousandths: int, per_minute: int) -> int:

@@ -5,10 +5,12 @@ ceilings), then any interleaving of reserve, send, settle, release, unknown, res
 corrections, set_cap, set_slices, freeze, clock moves, beat's jobs in any budget order
 (period renewal, the return of idle grants, retention), and operations: deliveries
 (first, again, after success or failure), runs that succeed or fail (settled, released
-or unknown), and an operator's reopen. After every step every view of every budget
-(``balance``, ``report``, the holds; every fifth step what a Prometheus scrape and
-``budget-tasks status --json`` show) equals the model, and the audit is clean (the full
-audit every fifth step). It runs on each execution path the ledger has: PostgreSQL with
+or unknown), an operator's reopen, and calls that take from the providers' rate windows
+with their money (set limits, booked ahead, back when due, settled with what the vendor
+counted). After every step every view of every budget (``balance``, ``report``, the
+holds; every fifth step what a Prometheus scrape and ``budget-tasks status --json``
+show) and every rate window equals the model, and the audit is clean (the full audit
+every fifth step). It runs on each execution path the ledger has: PostgreSQL with
 its server-side functions, PostgreSQL statement by statement, and SQLite (no retention:
 it is PostgreSQL's).
 
@@ -52,10 +54,17 @@ from sqlalchemy import text
 
 from budget_tasks import BudgetExceeded, BudgetFrozen, Ledger, cli
 from budget_tasks.cli import _common as cli_common
-from budget_tasks.errors import CannotReopen, CapBelowCommitted, RetentionRefused, UnknownAttempt
-from budget_tasks.ledger import partitions
+from budget_tasks.errors import (
+    CannotReopen,
+    CapBelowCommitted,
+    RateAskTooLarge,
+    RateWindowFull,
+    RetentionRefused,
+    UnknownAttempt,
+)
+from budget_tasks.ledger import CallFacts, partitions
 from budget_tasks.ledger.operations import Decision, OperationStart
-from budget_tasks.ledger.records import CallAsk, CallEnd
+from budget_tasks.ledger.records import Answered, CallAsk, CallEnd, RateAsk, RateClaim
 from budget_tasks.metrics import LedgerCollector
 from budget_tasks.testing import ManualClock
 
@@ -74,6 +83,8 @@ THEN = ("nothing", "reopen", "reopen, redeliver")  # what an operator does after
 OWNER = "host-a:1:run"  # the one worker that runs every operation here
 LEASE = timedelta(days=3650)  # no run dies here: a lease never runs out
 KEEP = timedelta(days=1)
+#: The scopes a rated call takes from: its model's, and every model of the provider.
+RATE_SCOPES = ("m", "*")
 #: What the runs of this process did, by kind: what a test says it covered.
 SEEN: Counter[str] = Counter()
 
@@ -140,6 +151,9 @@ class Combined(RuleBasedStateMachine):
         self.checks = 0  # the steps checked
         self.asks: dict[str, tuple[str, int]] = {}  # an operation's budget and amount
         self.op_ids: dict[str, int] = {}
+        # the rate windows of this tree's own provider; the keys told to wait
+        self.provider = self.prefix + "openai"
+        self.booked: list[tuple[str, str, int, int]] = []
         self.archive = tempfile.mkdtemp(prefix="model-archive-")
         self.postgres = self.url.startswith("postgresql")
         if self.postgres:
@@ -156,6 +170,9 @@ class Combined(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def make_the_tree(self, data: st.DataObject) -> None:
+        # a rate limit from the start, small enough to fill (more may follow)
+        per_minute = data.draw(st.sampled_from([1, 2, 3, 60]))
+        self.set_rate_limit("m", "requests", per_minute)
         for b in tree_budgets(data.draw):
             parent = None if b["parent"] is None else f"b{b['parent']}"
             options = {
@@ -222,6 +239,76 @@ class Combined(RuleBasedStateMachine):
         made = self.ledger.calls.reserve(self.real(name), self.real(key), amount)
         assert made.created
 
+    @precondition(lambda self: self.names)
+    @rule(
+        data=st.data(),
+        amount=st.sampled_from([0, 10, 60]),
+        tokens=st.sampled_from([0, 1, 30, 61]),
+    )
+    def reserve_a_rated_call(self, data: st.DataObject, amount: int, tokens: int) -> None:
+        """A call granted at once that takes from its rate windows too (its model's
+        and the provider's ``*``), in the transaction that admits its money."""
+        name = data.draw(st.sampled_from(self.names))
+        self.count += 1
+        self.rated_call(name, f"k{self.count}", amount, tokens)
+
+    @precondition(lambda self: self.booked)
+    @rule(data=st.data())
+    def come_back_when_booked(self, data: st.DataObject) -> None:
+        """A call told to wait comes back under its key with its ask (due or not)."""
+        booked = data.draw(st.sampled_from(self.booked))
+        self.booked.remove(booked)
+        self.rated_call(*booked)
+
+    def rated_call(self, name: str, key: str, amount: int, tokens: int) -> None:
+        ask = {"requests": 1, "tokens": tokens}
+        expected: Any = None
+        try:
+            self.model.reserve(name, key, amount, rate=(self.provider, RATE_SCOPES, ask, ("m",)))
+        except (model.BudgetExceeded, model.BudgetFrozen) as refused:
+            expected = self.refused_as(name, refused)
+        except model.RateWindowFull as full:
+            expected = (full.scope, full.kind, full.wait_ms)
+        except model.RateAskTooLarge:
+            expected = RateAskTooLarge
+        if isinstance(expected, tuple) and isinstance(expected[0], str):
+            with pytest.raises(RateWindowFull) as told:
+                self.rated(name, key, amount, tokens)
+            assert (told.value.scope, told.value.kind, told.value.wait_ms) == expected
+            event("a rated call booked ahead")
+            self.booked.append((name, key, amount, tokens))
+            return
+        if expected is not None:
+            with pytest.raises(expected):
+                self.rated(name, key, amount, tokens)
+            return
+        if self.model.attempt(key).state == "reserved":
+            self.model.mark_sending(key)
+        made = self.rated(name, key, amount, tokens)
+        assert made.state == "sending"
+        event("a rated call sent" if made.created else "a rated key found made")
+
+    def rated(self, name: str, key: str, amount: int, tokens: int) -> Any:
+        claim = RateClaim(self.provider, RATE_SCOPES, RateAsk(1, tokens), own=("m",))
+        facts = CallFacts(model="m", rate=claim)
+        return self.ledger.calls.reserve(self.real(name), self.real(key), amount, grant=facts)
+
+    @precondition(lambda self: True)
+    @rule(
+        scope=st.sampled_from(RATE_SCOPES),
+        kind=st.sampled_from(["requests", "tokens"]),
+        per_minute=st.sampled_from([1, 2, 60, 100]),
+    )
+    def set_rate_limit(self, scope: str, kind: str, per_minute: int) -> None:
+        self.model.set_limit(self.provider, scope, kind, per_minute)
+        self.ledger.rates.set_limit(self.provider, scope, kind, per_minute)
+
+    @rule(seconds=st.sampled_from([1, 7, 30]))
+    def wait_seconds(self, seconds: int) -> None:
+        """Time for the rate windows to refill and booked calls to fall due."""
+        self.clock.advance(seconds=seconds)
+        self.model.advance(self.clock())
+
     @precondition(lambda self: self.keys("reserved"))
     @rule(data=st.data())
     def send(self, data: st.DataObject) -> None:
@@ -240,8 +327,12 @@ class Combined(RuleBasedStateMachine):
     @rule(data=st.data(), actual=st.sampled_from([0, 1, 10, 40, 60, 100, 200]))
     def settle(self, data: st.DataObject, actual: int) -> None:
         key = data.draw(st.sampled_from(self.keys("sending", "unknown", runs=False)))
-        self.model.settle(key, actual)
-        assert self.ledger.calls.settle(self.real(key), actual) is True
+        # what the vendor counted of its tokens (a rated call's take gives back the rest)
+        tokens = data.draw(st.sampled_from([None, 0, 12, 30]))
+        counted = None if tokens is None else {"requests": 1, "tokens": tokens}
+        self.model.settle(key, actual, counted)
+        said = Answered(counted=None if tokens is None else RateAsk(1, tokens))
+        assert self.ledger.calls.settle(self.real(key), actual, answered=said) is True
 
     @precondition(lambda self: self.keys(*STATES, runs=False))
     @rule(data=st.data())
@@ -498,6 +589,7 @@ class Combined(RuleBasedStateMachine):
             (family.name.removeprefix("budget_tasks_"), sample.labels["budget"]): sample.value
             for family in (LedgerCollector(self.ledger).collect() if rendered else ())
             for sample in family.samples
+            if "budget" in sample.labels  # the rate windows' are checked on their own
         }
         status = self.status() if rendered else {}
         for name in self.names:
@@ -528,6 +620,15 @@ class Combined(RuleBasedStateMachine):
             if h.key.startswith(self.prefix)
         )
         assert holds == sorted((h.key, h.budget, h.amount, h.state) for h in self.model.holds())
+
+    @invariant()
+    def every_rate_window_equals_the_model(self) -> None:
+        shown = {
+            (w.provider, w.scope, w.kind): (w.per_minute, w.available, w.booked)
+            for w in self.ledger.rates.windows()
+            if w.provider == self.provider
+        }
+        assert shown == self.model.rate_levels()
 
     def status(self) -> dict[str, dict[str, Any]]:
         """``budget-tasks status --json``, run by click on this ledger."""

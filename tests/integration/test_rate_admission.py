@@ -291,3 +291,38 @@ def test_a_429_puts_the_window_in_debt_for_its_retry_after(rated: Ledger) -> Non
     with pytest.raises(RateWindowFull) as full:
         send(rated, "next")
     assert full.value.wait_ms == 4_000  # the 3 s owed, then its own turn
+
+
+def test_a_busy_scope_delays_no_other_and_a_busy_tenant_starves_no_one(rated: Ledger) -> None:
+    """Two models, each its own limit: a queue on one keeps nothing of the other
+    waiting. Two tenants (budgets) on one model: their calls are booked in order of
+    arrival, so the second tenant's call is sent before the first tenant's later
+    ones, however many that tenant sends."""
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 6)
+    rated.rates.set_limit("openai", "gpt-4.1-nano", "requests", 6)
+    rated.create_budget("other-tenant", 1_000_000)
+    nano = RateClaim("openai", ("gpt-4.1-nano", "*"), RateAsk(1, 0))
+    for n in range(6):
+        send(rated, f"busy{n}")
+    waits = {}
+    for n in range(6, 26):  # the busy tenant's queue: 20 calls, 10 s apart
+        with pytest.raises(RateWindowFull) as full:
+            send(rated, f"busy{n}")
+        waits[f"busy{n}"] = full.value.wait_ms
+    assert waits["busy25"] == 200_000
+    # the other model: sent at once
+    send(rated, "nano-0", claim=nano)
+    assert rated.attempt("nano-0").state == "sending"
+    # the other tenant, on the busy model: booked behind the 20, not behind what the
+    # busy tenant sends after it
+    with pytest.raises(RateWindowFull) as theirs:
+        rated.calls.reserve("other-tenant", "t2", 100, grant=CallFacts(rate=MINI))
+    assert theirs.value.wait_ms == 210_000
+    with pytest.raises(RateWindowFull) as later:
+        send(rated, "busy26")
+    assert later.value.wait_ms == 220_000
+    rated.clock.advance(seconds=210)  # type: ignore[attr-defined]
+    rated.calls.reserve("other-tenant", "t2", 100, grant=CallFacts(rate=MINI))
+    assert rated.attempt("t2").state == "sending"
+    with pytest.raises(RateWindowFull):
+        send(rated, "busy26")  # its turn is 10 s later

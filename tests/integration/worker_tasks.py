@@ -444,3 +444,24 @@ def rated_chat(self: BudgetTask, n: int) -> int:
         messages=[{"role": "user", "content": f"count {n}"}],
     )
     return int(answer.usage.total_tokens)
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    name="tests.rated_claude",
+    budget=BUDGET,
+    idempotency_key=lambda n: f"rated-claude:{n}",
+    estimate_cost=lambda n: 0,
+    max_retries=0,
+)
+def rated_claude(self: BudgetTask, n: int) -> int:
+    """One message through the guarded Anthropic client: it may write 100 tokens and
+    writes 10, so its output window gets 90 back when it settles."""
+    answer = guarded_claude().messages.create(
+        model="claude-haiku-4-5",
+        max_tokens=100,
+        messages=[{"role": "user", "content": f"count {n}"}],
+        extra_headers={"x-fake-output-tokens": "10"},
+    )
+    return int(answer.usage.output_tokens)

@@ -78,6 +78,18 @@ class OperationFailed(ModelError): ...
 class OperationInProgress(ModelError): ...
 
 
+class RateWindowFull(ModelError):
+    """A rate window had no room: the call was booked (or was already) ``wait_ms``
+    ahead; ``scope`` and ``kind`` name the window that keeps it longest."""
+
+    def __init__(self, scope: str, kind: str, wait_ms: int) -> None:
+        super().__init__(scope, kind, wait_ms)
+        self.scope, self.kind, self.wait_ms = scope, kind, wait_ms
+
+
+class RateAskTooLarge(ModelError): ...
+
+
 def money(value: object, name: str = "amount") -> int:
     """Rule (money): an amount is an int of minor units, from 0 to MAX_MONEY; bool and
     float are refused (TypeError), negatives and amounts too large (ValueError)."""
@@ -187,7 +199,212 @@ class Operation:
     attempts: list[str] = field(default_factory=list)
 
 
-class LedgerModel:
+@dataclass
+class RateWindow:
+    """A provider's rate limit for a scope: a bucket of ``per_minute`` (in thousandths,
+    ``level``) refilled continuously as of ``refilled_ms``; below 0 by what is booked."""
+
+    id: int
+    provider: str
+    scope: str
+    kind: str
+    per_minute: int
+    level: int
+    refilled_ms: int
+
+
+#: How many minutes of its limit a window may owe to calls booked ahead.
+OWED_MINUTES = 60
+
+
+def _refill_ms(thousandths: int, per_minute: int) -> int:
+    return max(1, -(-thousandths * 60 // per_minute))
+
+
+#: What the rate windows' state is saved as, to undo a transaction that rolled back.
+Saved = tuple[dict[int, tuple[int, int]], dict[str, dict[int, tuple[int, int | None, bool]]]]
+
+
+def _ms(moment: datetime) -> int:
+    return int(moment.timestamp() * 1000)
+
+
+class RateRules:
+    """The rules of the providers' rate windows, over a :class:`LedgerModel`'s clock
+    and state (a mixin of its methods, kept apart for reading)."""
+
+    now: datetime
+    windows: dict[tuple[str, str, str], RateWindow]
+    rate_takes: dict[str, dict[int, tuple[int, int | None, bool]]]
+    _window_ids: int
+
+    def _level(self, w: RateWindow) -> int:
+        """Rule (refill): per_minute a minute, continuously, never past per_minute, for
+        no time backwards and at most the 61 minutes that fill it from the most owed."""
+        now = _ms(self.now)
+        elapsed = 0 if now <= w.refilled_ms else min(now - w.refilled_ms, 3_660_000)
+        return min(w.per_minute * 1000, w.level + w.per_minute * elapsed // 60)
+
+    def _set_level(self, w: RateWindow, level: int) -> None:
+        w.level, w.refilled_ms = level, max(w.refilled_ms, _ms(self.now))
+
+    def set_limit(self, provider: str, scope: str, kind: str, per_minute: int) -> None:
+        """Rule (a limit): a new window starts full; a changed one keeps what it held,
+        refilled at its old rate, never more than its new limit."""
+        w = self.windows.get((provider, scope, kind))
+        if w is None:
+            self._window_ids += 1
+            self.windows[(provider, scope, kind)] = RateWindow(
+                self._window_ids,
+                provider,
+                scope,
+                kind,
+                per_minute,
+                per_minute * 1000,
+                _ms(self.now),
+            )
+            return
+        level = min(self._level(w), per_minute * 1000)
+        w.per_minute = per_minute
+        self._set_level(w, level)
+
+    def _claimed(
+        self, provider: str, scopes: tuple[str, ...], ask: dict[str, int]
+    ) -> list[RateWindow]:
+        return sorted(
+            (
+                w
+                for w in self.windows.values()
+                if w.provider == provider and w.scope in scopes and ask.get(w.kind, 0) > 0
+            ),
+            key=lambda w: w.id,
+        )
+
+    def _by_id(self, window_id: int) -> RateWindow | None:
+        return next((w for w in self.windows.values() if w.id == window_id), None)
+
+    def _unbook(self, key: str) -> None:
+        for window_id, (taken, _, _) in self.rate_takes.pop(key, {}).items():
+            w = self._by_id(window_id)
+            if w is not None:
+                self._set_level(w, min(self._level(w) + taken * 1000, w.per_minute * 1000))
+
+    def take_rate(
+        self,
+        key: str,
+        provider: str,
+        scopes: tuple[str, ...],
+        ask: dict[str, int],
+        own: tuple[str, ...],
+    ) -> None:
+        """Rule (rate admission): a granted call takes its ask from every window of its
+        provider whose scope is its, all or none, before its money is admitted. An ask
+        past a whole limit is refused for good. A booking of the key come due is taken
+        instead; one not due says the time left; a short window books the call ahead
+        (each window going below 0 by its ask, at most an hour of its limit, all due
+        with the one that keeps it longest), in order of arrival."""
+        windows = self._claimed(provider, scopes, ask)
+        if not windows:
+            return
+        for w in windows:
+            if ask[w.kind] > w.per_minute:
+                raise RateAskTooLarge(w.scope, w.kind)
+        now = _ms(self.now)
+        booked = self.rate_takes.get(key)
+        saved = self._save()
+        if booked:
+            dues = [due for _, due, _ in booked.values()]
+            if None not in dues:
+                due = max(d for d in dues if d is not None)
+                if due > now:
+                    raise RateWindowFull(scopes[0], "requests", due - now)
+                if all(booked.get(w.id, (-1, 0, False))[0] >= ask[w.kind] for w in windows):
+                    self.rate_takes[key] = {i: (t, None, o) for i, (t, _, o) in booked.items()}
+                    return
+            self._unbook(key)
+        taken = {}
+        for w in windows:
+            level = self._level(w)
+            if level < ask[w.kind] * 1000:
+                self._restore(saved)
+                raise self._book(key, provider, scopes, ask, own)
+            self._set_level(w, level - ask[w.kind] * 1000)
+            taken[w.id] = (ask[w.kind], None, w.scope in own)
+        self.rate_takes[key] = taken
+
+    def _book(
+        self,
+        key: str,
+        provider: str,
+        scopes: tuple[str, ...],
+        ask: dict[str, int],
+        own: tuple[str, ...],
+    ) -> RateWindowFull:
+        saved = self._save()
+        now = _ms(self.now)
+        booked = self.rate_takes.get(key)
+        if booked:
+            dues = [due for _, due, _ in booked.values()]
+            if None not in dues and max(d for d in dues if d is not None) > now:
+                return RateWindowFull(
+                    scopes[0], "requests", max(d for d in dues if d is not None) - now
+                )
+            self._unbook(key)
+        longest = (scopes[0], "requests", 1)
+        taken = {}
+        for w in self._claimed(provider, scopes, ask):
+            want = ask[w.kind] * 1000
+            level = self._level(w) - want
+            if level < -w.per_minute * OWED_MINUTES * 60 * 1000:
+                over = want - (self._level(w) + w.per_minute * OWED_MINUTES * 60 * 1000)
+                self._restore(saved)
+                return RateWindowFull(w.scope, w.kind, _refill_ms(over, w.per_minute))
+            self._set_level(w, level)
+            wait = _refill_ms(-level, w.per_minute) if level < 0 else 1
+            if wait > longest[2]:
+                longest = (w.scope, w.kind, wait)
+            taken[w.id] = (ask[w.kind], 0, w.scope in own)
+        self.rate_takes[key] = {i: (t, now + longest[2], o) for i, (t, _, o) in taken.items()}
+        return RateWindowFull(*longest)
+
+    def _save(self) -> Saved:
+        return (
+            {w.id: (w.level, w.refilled_ms) for w in self.windows.values()},
+            {k: dict(v) for k, v in self.rate_takes.items()},
+        )
+
+    def _restore(self, saved: Saved) -> None:
+        levels, takes = saved
+        for w in self.windows.values():
+            w.level, w.refilled_ms = levels[w.id]
+        self.rate_takes = takes
+
+    def give_rate_back(self, key: str, counted: dict[str, int] | None) -> None:
+        """Rule (rate settlement): a settled call's windows get back what it took and
+        its vendor did not count (``counted``), a released call's every token (the
+        request sent stays counted), an unknown call's nothing; its takes are gone."""
+        for window_id, (taken, _, _) in self.rate_takes.pop(key, {}).items():
+            w = self._by_id(window_id)
+            if w is None or counted is None or w.kind == "requests":
+                continue
+            back = max(0, taken - counted.get(w.kind, 0)) * 1000
+            if back:
+                self._set_level(w, min(self._level(w) + back, w.per_minute * 1000))
+
+    def rate_levels(self) -> dict[tuple[str, str, str], tuple[int, float, int]]:
+        """Each window as ``ledger.rates.windows()`` shows it: limit, what it holds now
+        (in units), calls booked on it."""
+        return {
+            k: (
+                w.per_minute,
+                self._level(w) / 1000,
+                sum(1 for t in self.rate_takes.values() if w.id in t and t[w.id][1] is not None),
+            )
+            for k, w in self.windows.items()
+        }
+
+
+class LedgerModel(RateRules):
     """The whole ledger as the rules say it must behave."""
 
     def __init__(self, now: datetime = START) -> None:
@@ -200,6 +417,10 @@ class LedgerModel:
         self.operations: dict[str, Operation] = {}
         self.journal: list[Entry] = []
         self.archived: set[datetime] = set()
+        self.windows: dict[tuple[str, str, str], RateWindow] = {}
+        #: what each key took (or booked: a due time) from each window, by window id
+        self.rate_takes: dict[str, dict[int, tuple[int, int | None, bool]]] = {}
+        self._window_ids = 0
 
     def advance(self, to: datetime) -> None:
         """Rule (the clock): time only moves forward, and it moves nothing else. A
@@ -427,6 +648,7 @@ class LedgerModel:
         *,
         reason: str = "first",
         operation: str | None = None,
+        rate: tuple[str, tuple[str, ...], dict[str, int], tuple[str, ...]] | None = None,
     ) -> Attempt:
         """Rule (admission): admitted iff no budget of the chain is frozen and every
         budget X of the chain has, in its period containing now, cap - spent - held >=
@@ -444,12 +666,19 @@ class LedgerModel:
             if (found.budget, found.amount) != (budget, amount):
                 raise IdempotencyConflict(key)
             return found
-        for b in reversed(chain):
-            if b.frozen:
-                raise BudgetFrozen(b.name)
-        for b, period in reversed(list(zip(chain, periods, strict=True))):
-            if self.available(period) < amount:
-                raise BudgetExceeded(b.name, amount, self.available(period))
+        saved = self._save()
+        if rate is not None:
+            self.take_rate(key, *rate)  # its windows first: a short one admits no money
+        try:
+            for b in reversed(chain):
+                if b.frozen:
+                    raise BudgetFrozen(b.name)
+            for b, period in reversed(list(zip(chain, periods, strict=True))):
+                if self.available(period) < amount:
+                    raise BudgetExceeded(b.name, amount, self.available(period))
+        except (BudgetFrozen, BudgetExceeded):
+            self._restore(saved)  # one transaction: what the windows gave rolls back
+            raise
         holds_in = {period.budget: period.start for period in periods}
         made = Attempt(key, budget, amount, holds_in, reason, operation)
         self.attempts[key] = made
@@ -477,19 +706,20 @@ class LedgerModel:
         if attempt.state != "sending":
             raise InvalidTransition(key, attempt.state, "mark unknown")
         attempt.state = "unknown"
+        self.give_rate_back(key, None)
         return True
 
-    def settle(self, key: str, actual: int) -> bool:
+    def settle(self, key: str, actual: int, counted: dict[str, int] | None = None) -> bool:
         """Rule (settlement): from sending or unknown, held -= reserved and spent +=
         actual in every period the attempt holds in. An actual above the reservation is
         an overrun, charged as it is. Settling again at the same actual is a no-op
         (False); at another actual, a SettlementConflict."""
-        return self._resolve(key, money(actual, "actual"), "settled")
+        return self._resolve(key, money(actual, "actual"), "settled", counted)
 
     def release(self, key: str, reason: str = "not billed") -> bool:
         """Rule (release): from reserved, sending or unknown, held -= reserved; nothing
         is charged. Releasing again is a no-op; releasing a charged attempt conflicts."""
-        return self._resolve(key, 0, "released")
+        return self._resolve(key, 0, "released", {})
 
     def resolve(self, key: str, actual: int) -> bool:
         """Rule (resolution): an operator or reconciliation settles at ``actual`` > 0
@@ -498,7 +728,9 @@ class LedgerModel:
             return self.release(key, "resolved at 0")
         return self.settle(key, actual)
 
-    def _resolve(self, key: str, actual: int, state: str) -> bool:
+    def _resolve(
+        self, key: str, actual: int, state: str, counted: dict[str, int] | None = None
+    ) -> bool:
         attempt = self.attempt(key)
         if attempt.state in ("settled", "released"):
             if attempt.actual == actual:
@@ -511,6 +743,7 @@ class LedgerModel:
         self._write(kind, attempt, held=-attempt.amount, spent=actual)
         attempt.state, attempt.actual = state, actual
         self._give_back_carry(attempt)
+        self.give_rate_back(key, counted)
         return True
 
     def adjust(self, key: str, delta: int, ref: str | None = None) -> bool:
