@@ -60,9 +60,8 @@ def take_in(cur: Cursor, claim: RateClaim, key: str, now_ms: int) -> None:
             raise RateAskTooLarge(claim.provider, scope, kind, ask.of(kind), per_minute)
     booked = cur.all(sql.RATE_TAKEN, {"key": key})
     if booked:
-        dues = [due for _, _, due in booked]
-        if None not in dues:
-            due = max(int(d) for d in dues)
+        due = due_of(booked)
+        if due is not None:
             if due > now_ms:
                 raise RateShort(claim, key, due)
             held = {int(window_id): int(taken) for window_id, taken, _ in booked}
@@ -115,9 +114,9 @@ def book_in(cur: Cursor, claim: RateClaim, key: str, now_ms: int) -> tuple[str, 
     more raises :class:`Unbooked`. A booking of ``key`` not yet due stands."""
     longest = (claim.scopes[0], "requests", 1)
     booked = cur.all(sql.RATE_TAKEN, {"key": key})
-    dues = [int(due) for _, _, due in booked if due is not None]
-    if booked and len(dues) == len(booked) and max(dues) > now_ms:
-        return (claim.scopes[0], "requests", max(dues) - now_ms)  # booked meanwhile
+    due = due_of(booked)
+    if due is not None and due > now_ms:
+        return (claim.scopes[0], "requests", due - now_ms)  # booked meanwhile
     if booked:
         unbooked(cur, key, booked, now_ms)
     for window_id, scope, kind, per_minute in claimed(cur, claim):
@@ -138,6 +137,15 @@ def book_in(cur: Cursor, claim: RateClaim, key: str, now_ms: int) -> tuple[str, 
         cur.run(sql.RECORD_RATE_TAKE, {"key": key, **taken, "due_ms": now_ms})
     cur.run(sql.SET_RATE_DUE, {"key": key, "due_ms": now_ms + longest[2]})
     return longest
+
+
+def due_of(booked: list[tuple[Any, ...]]) -> int | None:
+    """When what a key booked falls due (None: nothing is booked under it, or what is
+    there was taken, not booked)."""
+    dues = [due for _, _, due in booked]
+    if not dues or None in dues:
+        return None
+    return max(int(due) for due in dues)
 
 
 def unbooked(cur: Cursor, key: str, booked: list[tuple[Any, ...]], now_ms: int) -> None:

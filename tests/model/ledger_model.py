@@ -283,6 +283,13 @@ class RateRules:
     def _by_id(self, window_id: int) -> RateWindow | None:
         return next((w for w in self.windows.values() if w.id == window_id), None)
 
+    def _due(self, key: str) -> int | None:
+        """When what ``key`` booked falls due (None: nothing booked, or taken)."""
+        dues = [due for _, due, _ in self.rate_takes.get(key, {}).values()]
+        if not dues or None in dues:
+            return None
+        return max(d for d in dues if d is not None)
+
     def _unbook(self, key: str) -> None:
         for window_id, (taken, _, _) in self.rate_takes.pop(key, {}).items():
             w = self._by_id(window_id)
@@ -313,9 +320,8 @@ class RateRules:
         booked = self.rate_takes.get(key)
         saved = self._save()
         if booked:
-            dues = [due for _, due, _ in booked.values()]
-            if None not in dues:
-                due = max(d for d in dues if d is not None)
+            due = self._due(key)
+            if due is not None:
                 if due > now:
                     raise RateWindowFull(scopes[0], "requests", due - now)
                 if all(booked.get(w.id, (-1, 0, False))[0] >= ask[w.kind] for w in windows):
@@ -344,11 +350,9 @@ class RateRules:
         now = _ms(self.now)
         booked = self.rate_takes.get(key)
         if booked:
-            dues = [due for _, due, _ in booked.values()]
-            if None not in dues and max(d for d in dues if d is not None) > now:
-                return RateWindowFull(
-                    scopes[0], "requests", max(d for d in dues if d is not None) - now
-                )
+            due = self._due(key)
+            if due is not None and due > now:
+                return RateWindowFull(scopes[0], "requests", due - now)
             self._unbook(key)
         longest = (scopes[0], "requests", 1)
         taken = {}
