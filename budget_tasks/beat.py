@@ -465,10 +465,14 @@ def _ledger(task: Any) -> Ledger:
 @shared_task(bind=True, name="budget_tasks.flag_stale_holds", ignore_result=False)  # type: ignore[untyped-decorator]
 def flag_stale_holds_task(self: Any) -> int:
     age = timedelta(seconds=float(self.app.conf.get("budget_stale_after", 900)))
-    flagged = _job(
-        "flag_stale_holds", lambda: {"flagged": len(flag_stale_holds(_ledger(self), age))}
-    )
-    return flagged["flagged"]
+
+    def flag() -> dict[str, int]:
+        ledger = _ledger(self)
+        flagged = len(flag_stale_holds(ledger, age))
+        # what calls booked on the rate windows and never came back for, an hour on
+        return {"flagged": flagged, "bookings_dropped": ledger.upkeep.drop_abandoned_bookings()}
+
+    return _job("flag_stale_holds", flag)["flagged"]
 
 
 @shared_task(bind=True, name="budget_tasks.reconcile_unknown", ignore_result=False)  # type: ignore[untyped-decorator]

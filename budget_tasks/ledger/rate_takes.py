@@ -176,7 +176,7 @@ def give_back_in(
             back = max(0, int(taken) - counted.of(kind)) * MILLI
             if back:
                 cur.run(sql.GIVE_RATE_BACK, {"id": window_id, "back": back, "now_ms": now_ms})
-        told = narrowing(seen, kind)
+        told = narrowing(seen, kind, bool(own))
         if seen is not None and told is not None:
             remaining, wait_ms, limit = told
             params = {"id": window_id, "now_ms": now_ms, "at_ms": seen.at_ms, "own": bool(own)}
@@ -193,14 +193,16 @@ MOST_REMAINING = 10**12
 MOST_WAIT_MS = OWED_MINUTES * 60 * 1000
 
 
-def narrowing(seen: RateSeen | None, kind: str) -> tuple[int, int, int | None] | None:
+def narrowing(seen: RateSeen | None, kind: str, own: bool) -> tuple[int, int, int | None] | None:
     """What a window of ``kind`` is narrowed to, ``(remaining, wait in ms, limit)``:
     what the answer said remains of that kind (not said: no bound), owing the
-    refusal's wait where nothing remains (a refusal that named no limit: every
-    window), and the limit it stated; None: the answer told this window nothing."""
+    refusal's wait where nothing remains, and the limit it stated; None: the answer
+    told this window nothing. The vendors state their limits per model: only the
+    call's own model's windows (``own``) are narrowed so; a shared one (``*``, a
+    group, a key) only by a refusal that named no limit at all."""
     if seen is None:
         return None
-    remaining, limit = seen.of(kind), seen.limit_of(kind)
+    remaining, limit = (seen.of(kind), seen.limit_of(kind)) if own else (None, None)
     if remaining is None and limit is None:
         told = any(seen.of(other) is not None for other in RATE_KINDS)
         if told or not seen.wait_ms:

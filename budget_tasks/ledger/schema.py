@@ -472,6 +472,8 @@ rate_takes = Table(
     Column("own", Boolean, nullable=False),
     CheckConstraint("taken >= 0", name="taken_not_negative"),
 )
+# what is booked on a window is counted by window (the operator's views)
+Index("ix_rate_takes_window_id", rate_takes.c.window_id)
 
 # Added in migration 0007: this ledger's own id, made once when its tables are made.
 # What the provider is sent as a call's key (Idempotency-Key, stored metadata) is a

@@ -1012,13 +1012,16 @@ SELECT id, kind FROM rate_windows WHERE provider = :provider AND scope = :scope
 ORDER BY id"""
 
 #: Set a limit: a new window starts full; a changed one keeps what it held, refilled
-#: at its old rate until now, never more than its new limit.
+#: at its old rate until now, never more than its new limit nor owing more than an hour
+#: of it.
 SET_RATE_LIMIT = f"""
 INSERT INTO rate_windows (provider, scope, kind, per_minute, level, refilled_ms)
 VALUES (:provider, :scope, :kind, {_LIMIT}, {_LIMIT} * 1000, {_NOW})
 ON CONFLICT (provider, scope, kind) DO UPDATE SET per_minute = excluded.per_minute,
     level = CASE WHEN {_rate_level("rate_windows.")} > excluded.per_minute * 1000
-        THEN excluded.per_minute * 1000 ELSE {_rate_level("rate_windows.")} END,
+        THEN excluded.per_minute * 1000
+        WHEN {_rate_level("rate_windows.")} < -excluded.per_minute * 60000
+        THEN -excluded.per_minute * 60000 ELSE {_rate_level("rate_windows.")} END,
     refilled_ms = CASE WHEN {_NOW} > rate_windows.refilled_ms THEN {_NOW}
         ELSE rate_windows.refilled_ms END"""
 
@@ -1109,5 +1112,7 @@ UPDATE rate_windows SET per_minute = {RATE_SEEN_LIMIT},
 }, {_RATE_STAMP}
 WHERE id = :id AND ({_RATE_LEVEL} > {RATE_SEEN_CAP} OR {RATE_SEEN_LIMIT} < per_minute)"""
 
-#: Bookings no call came back for, long after they fell due (``upkeep``).
-PURGE_RATE_BOOKINGS = "DELETE FROM rate_takes WHERE due_ms IS NOT NULL AND due_ms < :before_ms"
+#: Bookings no call came back for, long after they fell due (``upkeep``): what they
+#: booked was spent as the windows refilled.
+PURGE_RATE_BOOKINGS = """
+DELETE FROM rate_takes WHERE due_ms IS NOT NULL AND due_ms < CAST(:before_ms AS BIGINT)"""

@@ -614,7 +614,13 @@ class Store:
             _journal(cur, inserted[0], period_id, "hold", amount, 0, reason, stamp)
         if call is not None and call.rate is not None:
             # the rate windows before the budget rows, which are locked last
-            rate_takes.take_in(cur, call.rate, key, epoch_ms(now))
+            try:
+                rate_takes.take_in(cur, call.rate, key, epoch_ms(now))
+            except rate_takes.RateShort:
+                # a call its budget refuses is refused, not booked ahead of those
+                # that can pay (the transaction rolls back either way)
+                self.admit_in(cur, found, amount, names, stamp)
+                raise
         self.admit_in(cur, found, amount, names, stamp)
         return made_now(owner, periods[chain[0][0]][1], row, call)
 

@@ -40,9 +40,7 @@ from .records import (
     Retained,
 )
 from .states import OperationStatus, nothing_sent_under
-from .store import (
-    Store,
-)
+from .store import Store, epoch_ms
 
 
 class Upkeep:
@@ -147,6 +145,15 @@ class Upkeep:
                 stamp = self._store.driver.ts(self._store.now())
                 back += escrow.give_back(cur, int(period_id), stamp, "idle", busy_ok=True)
         return back
+
+    def drop_abandoned_bookings(self, older_than: timedelta = timedelta(hours=1)) -> int:
+        """Drop what calls booked ahead on the rate windows and never came back for
+        (the message lost, the budget refused it when it did): bookings due more than
+        ``older_than`` ago. Nothing goes back: the windows refilled past them. How many
+        rows went."""
+        before = self._store.now() - older_than
+        with self._store.driver.transaction() as cur:
+            return cur.run(sql.PURGE_RATE_BOOKINGS, {"before_ms": epoch_ms(before)})
 
     def flag_stale(self, older_than: timedelta) -> list[Hold]:
         """Flag, once, every hold in sending/unknown older than ``older_than``; return

@@ -7,6 +7,7 @@ the windows hold."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import time
 from collections.abc import Iterator
@@ -25,7 +26,9 @@ from budget_tasks.testing.clock import ManualClock
 from ..services import check_postgres
 
 START = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
-MINI = RateClaim("openai", ("gpt-4o-mini", "*"), RateAsk(requests=1, tokens=600))
+MINI = RateClaim(
+    "openai", ("gpt-4o-mini", "*"), RateAsk(requests=1, tokens=600), own=("gpt-4o-mini",)
+)
 
 
 @pytest.fixture(params=["sqlite", "pg-statements", "pg-function"])
@@ -326,3 +329,50 @@ def test_a_busy_scope_delays_no_other_and_a_busy_tenant_starves_no_one(rated: Le
     assert rated.attempt("t2").state == "sending"
     with pytest.raises(RateWindowFull):
         send(rated, "busy26")  # its turn is 10 s later
+
+
+def test_a_call_its_budget_refuses_is_refused_not_booked_ahead_of_those_that_can_pay(
+    rated: Ledger,
+) -> None:
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 1)
+    rated.create_budget("poor", 150)
+    send(rated, "first")  # the window is empty now
+    for n in range(3):
+        with pytest.raises(BudgetExceeded):
+            rated.calls.reserve("poor", f"poor{n}", 151, grant=CallFacts(rate=MINI))
+    assert takes(rated) == 1 and level(rated, "requests") == 0
+    with pytest.raises(RateWindowFull) as funded:
+        send(rated, "funded")
+    assert funded.value.wait_ms == 60_000  # next in line, not behind the refused
+
+
+def test_a_limit_lowered_while_owed_owes_at_most_an_hour_of_the_new_one(
+    rated: Ledger,
+) -> None:
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 100)
+    for n in range(170):
+        with contextlib.suppress(RateWindowFull):
+            send(rated, f"k{n}", amount=0)
+    assert level(rated, "requests") == -70  # 70 calls booked ahead
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 2)
+    assert level(rated, "requests") == -70  # within an hour of 2 a minute: kept
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 1)
+    assert level(rated, "requests") == -60  # an hour of the new limit, no more
+
+
+def test_bookings_no_call_came_back_for_are_dropped_an_hour_after_they_fell_due(
+    rated: Ledger,
+) -> None:
+    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 60)
+    for n in range(62):
+        with contextlib.suppress(RateWindowFull):
+            send(rated, f"k{n}")
+    assert [w.booked for w in rated.rates.windows()] == [2]
+    rated.clock.advance(minutes=60)  # type: ignore[attr-defined]
+    assert rated.upkeep.drop_abandoned_bookings() == 0  # due at 1 s and 2 s: not yet
+    rated.clock.advance(seconds=1.5)  # type: ignore[attr-defined]
+    assert rated.upkeep.drop_abandoned_bookings() == 1
+    rated.clock.advance(seconds=1)  # type: ignore[attr-defined]
+    assert rated.upkeep.drop_abandoned_bookings() == 1
+    assert [w.booked for w in rated.rates.windows()] == [0]
+    assert takes(rated) == 60  # the sent calls' takes stay until they settle

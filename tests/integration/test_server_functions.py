@@ -209,7 +209,7 @@ class ParityMachine(RuleBasedStateMachine):
 
     def claim(self, amount: int) -> RateClaim:
         """A granted call's rate claim: a request, and tokens as its amount goes."""
-        return RateClaim(self.provider, ("m-1", "*"), RateAsk(1, amount * 5))
+        return RateClaim(self.provider, ("m-1", "*"), RateAsk(1, amount * 5), own=("m-1",))
 
     def plan_for(self, key: str) -> Any:
         """The plan a BudgetTask's delivery gives (``CallPath._at_once``)."""

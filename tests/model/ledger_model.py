@@ -303,16 +303,16 @@ class RateRules:
         scopes: tuple[str, ...],
         ask: dict[str, int],
         own: tuple[str, ...],
-    ) -> None:
+    ) -> int | None:
         """Rule (rate admission): a granted call takes its ask from every window of its
         provider whose scope is its, all or none, before its money is admitted. An ask
         past a whole limit is refused for good. A booking of the key come due is taken
-        instead; one not due says the time left; a short window books the call ahead
-        (each window going below 0 by its ask, at most an hour of its limit, all due
-        with the one that keeps it longest), in order of arrival."""
+        instead. Returns None when taken; else when the key's booking falls due (0: a
+        window was short, nothing booked yet): a budget that refuses the call refuses
+        it, else the call is booked ahead (:meth:`_booked`)."""
         windows = self._claimed(provider, scopes, ask)
         if not windows:
-            return
+            return None
         for w in windows:
             if ask[w.kind] > w.per_minute:
                 raise RateAskTooLarge(w.scope, w.kind)
@@ -323,20 +323,37 @@ class RateRules:
             due = self._due(key)
             if due is not None:
                 if due > now:
-                    raise RateWindowFull(scopes[0], "requests", due - now)
+                    return due
                 if all(booked.get(w.id, (-1, 0, False))[0] >= ask[w.kind] for w in windows):
                     self.rate_takes[key] = {i: (t, None, o) for i, (t, _, o) in booked.items()}
-                    return
+                    return None
             self._unbook(key)
         taken = {}
         for w in windows:
             level = self._level(w)
             if level < ask[w.kind] * 1000:
                 self._restore(saved)
-                raise self._book(key, provider, scopes, ask, own)
+                return 0
             self._set_level(w, level - ask[w.kind] * 1000)
             taken[w.id] = (ask[w.kind], None, w.scope in own)
         self.rate_takes[key] = taken
+        return None
+
+    def _booked(
+        self,
+        key: str,
+        due: int,
+        provider: str,
+        scopes: tuple[str, ...],
+        ask: dict[str, int],
+        own: tuple[str, ...],
+    ) -> RateWindowFull:
+        """Rule (booking ahead): what a call short of its windows is told: the time
+        left on its booking, or a new booking (each window going below 0 by its ask, at
+        most an hour of its limit, all due with the one that keeps it longest)."""
+        if due:
+            return RateWindowFull(scopes[0], "requests", due - _ms(self.now))
+        return self._book(key, provider, scopes, ask, own)
 
     def _book(
         self,
@@ -671,8 +688,7 @@ class LedgerModel(RateRules):
                 raise IdempotencyConflict(key)
             return found
         saved = self._save()
-        if rate is not None:
-            self.take_rate(key, *rate)  # its windows first: a short one admits no money
+        short = None if rate is None else self.take_rate(key, *rate)
         try:
             for b in reversed(chain):
                 if b.frozen:
@@ -683,6 +699,10 @@ class LedgerModel(RateRules):
         except (BudgetFrozen, BudgetExceeded):
             self._restore(saved)  # one transaction: what the windows gave rolls back
             raise
+        if rate is not None and short is not None:
+            # a window was short and the budget has room: booked ahead, in order
+            self._restore(saved)
+            raise self._booked(key, short, *rate)
         holds_in = {period.budget: period.start for period in periods}
         made = Attempt(key, budget, amount, holds_in, reason, operation)
         self.attempts[key] = made

@@ -88,9 +88,9 @@ def test_what_an_answer_tells_the_windows() -> None:
         tokens_limit=60_000,
     )
     # the wait only where nothing remains; the others narrowed to what remains
-    assert narrowing(seen, "requests") == (0, 1_500, 30)
-    assert narrowing(seen, "tokens") == (5_000, 0, 60_000)
-    assert narrowing(seen, "output_tokens") is None
+    assert narrowing(seen, "requests", True) == (0, 1_500, 30)
+    assert narrowing(seen, "tokens", True) == (5_000, 0, 60_000)
+    assert narrowing(seen, "output_tokens", True) is None
     # an answer that is not a refusal carries no wait
     assert seen_of(told, NOW, refused=False).wait_ms == 0  # type: ignore[union-attr]
     assert seen_of(RateState(), NOW, refused=False) is None
@@ -98,7 +98,15 @@ def test_what_an_answer_tells_the_windows() -> None:
 
 def test_a_refusal_that_names_no_limit_narrows_every_window_and_values_are_bounded() -> None:
     bare = RateSeen(0, wait_ms=10**9)
-    assert narrowing(bare, "tokens") == (0, MOST_WAIT_MS, None)
-    assert narrowing(RateSeen(0), "tokens") is None
+    assert narrowing(bare, "tokens", False) == (0, MOST_WAIT_MS, None)
+    assert narrowing(RateSeen(0), "tokens", True) is None
     huge = RateSeen(0, requests=10**17, requests_limit=10**17)
-    assert narrowing(huge, "requests") == (MOST_REMAINING, 0, MOST_REMAINING)
+    assert narrowing(huge, "requests", True) == (MOST_REMAINING, 0, MOST_REMAINING)
+
+
+def test_one_models_headers_narrow_its_own_windows_and_no_shared_one() -> None:
+    told = RateSeen(0, requests=0, wait_ms=2_000, requests_limit=30)
+    assert narrowing(told, "requests", True) == (0, 2_000, 30)
+    assert narrowing(told, "requests", False) is None  # `*`, a group, a key: not by it
+    # a refusal that names no limit says nothing of which: every window owes its wait
+    assert narrowing(RateSeen(0, wait_ms=2_000), "requests", False) == (0, 2_000, None)

@@ -109,6 +109,10 @@ BEGIN
         stated := CASE took.kind WHEN 'requests' THEN s_requests_limit
                   WHEN 'tokens' THEN s_tokens_limit WHEN 'input_tokens' THEN s_input_tokens_limit
                   ELSE s_output_tokens_limit END;
+        IF NOT took.own THEN
+            remaining := NULL;
+            stated := NULL;
+        END IF;
         IF remaining IS NULL AND stated IS NULL AND s_wait_ms > 0 AND s_requests IS NULL
            AND s_tokens IS NULL AND s_input_tokens IS NULL AND s_output_tokens IS NULL THEN
             remaining := 0;

@@ -349,6 +349,10 @@ BEGIN
         stated := CASE took.kind WHEN 'requests' THEN s_requests_limit
                   WHEN 'tokens' THEN s_tokens_limit WHEN 'input_tokens' THEN s_input_tokens_limit
                   ELSE s_output_tokens_limit END;
+        IF NOT took.own THEN
+            remaining := NULL;
+            stated := NULL;
+        END IF;
         IF remaining IS NULL AND stated IS NULL AND s_wait_ms > 0 AND s_requests IS NULL
            AND s_tokens IS NULL AND s_input_tokens IS NULL AND s_output_tokens IS NULL THEN
             remaining := 0;
@@ -489,6 +493,7 @@ def upgrade() -> None:
         sa.Column("own", sa.Boolean, nullable=False),
         sa.CheckConstraint("taken >= 0", name="taken_not_negative"),
     )
+    op.create_index("ix_rate_takes_window_id", "rate_takes", ["window_id"])
     with op.batch_alter_table("rate_windows") as batch:
         batch.drop_constraint("level_not_negative", type_="check")
         batch.create_check_constraint("owed_within_an_hour", "level >= -per_minute * 60000")
