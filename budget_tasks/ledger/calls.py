@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -76,6 +76,7 @@ def _labelled_in(
     plan: CallPlan,
     *,
     created: bool = False,
+    before_money: Callable[[], None] | None = None,
 ) -> CallAdmission:
     """A labelled call's admission in the caller's transaction (see
     :meth:`CallLedger.admit_call`); ``created``: its operation was created in this
@@ -88,7 +89,7 @@ def _labelled_in(
             return CallAdmission(operation_id, stored=(stored[0], decode(stored[1])))
         latest, count = _step_of(cur, operation_id, call.step)
         here = CallAdmission(operation_id, latest, count)
-    return holds.admit_call_in(store, cur, call, here, chain, found, now, plan)
+    return holds.admit_call_in(store, cur, call, here, chain, found, now, plan, before_money)
 
 
 def _check_labelled(call: CallAsk, record: str) -> None:
@@ -556,11 +557,30 @@ class CallLedger:
             assert found is not None  # a chain has its periods
             stamp = self._store.driver.ts(now)
             ended[:] = operations.settle_calls_in(self._store, cur, operation_id, settled, stamp)
-            for each in ended:
-                operations.apply_call(cur, each)
-            return _labelled_in(
-                self._store, cur, operation_id, call, record, chain, found, now, plan
+            applied: list[bool] = []
+
+            def apply_settled() -> None:
+                # the settled calls' budget rows: after the new call's rate windows (every
+                # window before any budget row), before its money (what they free counts)
+                if not applied:
+                    applied.append(True)
+                    for each in ended:
+                        operations.apply_call(cur, each)
+
+            here = _labelled_in(
+                self._store,
+                cur,
+                operation_id,
+                call,
+                record,
+                chain,
+                found,
+                now,
+                plan,
+                before_money=apply_settled,
             )
+            apply_settled()  # where no attempt was made
+            return here
 
         here = self._store.admitting(chain, admission)
         for each in ended:

@@ -156,6 +156,7 @@ def admit_call_in(
     found: HoldPlan,
     now: datetime,
     plan: CallPlan,
+    before_money: Callable[[], None] | None = None,
 ) -> CallAdmission:
     """The one admission of a call, the main call or a labelled one, in the
     caller's transaction: where ``plan`` names the attempt to make from what was
@@ -166,7 +167,7 @@ def admit_call_in(
     if planned is None:
         return found_here
     row = call_row(chain, ask, planned, found_here.operation_id)
-    reservation = store.reserve_in(cur, chain, found, row, now, ask.facts)
+    reservation = store.reserve_in(cur, chain, found, row, now, ask.facts, before_money)
     return replace(found_here, reservation=reservation)
 
 

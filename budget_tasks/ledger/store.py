@@ -578,11 +578,15 @@ class Store:
         row: dict[str, Any],
         now: datetime,
         call: CallFacts | None = None,
+        before_money: Callable[[], None] | None = None,
     ) -> Reservation:
         """Reserve in the caller's transaction, in the periods ``found`` by
         :meth:`find_holds` before it began (opening a period is a transaction of its own).
         With ``call``, the attempt is granted its send at once (state ``sending``) and
-        described as ``call``: admission, grant and description are one commit."""
+        described as ``call``: admission, grant and description are one commit.
+        ``before_money`` runs after the call's rate windows are taken and before its
+        budget rows are (what the caller writes to budget rows in this transaction:
+        every rate window is locked before any budget row, in every writer)."""
         key, amount, reason = row["key"], row["amount"], row["reason"]
         periods, holds = found.periods, found.holds
         # A slice's attempt is its owner's: reads, replays and conflicts name the owner.
@@ -619,8 +623,12 @@ class Store:
             except rate_takes.RateShort:
                 # a call its budget refuses is refused, not booked ahead of those
                 # that can pay (the transaction rolls back either way)
+                if before_money is not None:
+                    before_money()
                 self.admit_in(cur, found, amount, names, stamp)
                 raise
+        if before_money is not None:
+            before_money()
         self.admit_in(cur, found, amount, names, stamp)
         return made_now(owner, periods[chain[0][0]][1], row, call)
 

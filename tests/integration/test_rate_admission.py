@@ -14,13 +14,23 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
+from typing import Any
+from unittest.mock import patch
 
 import pytest
 
 from budget_tasks import Ledger
 from budget_tasks.errors import BudgetExceeded, RateAskTooLarge, RateWindowFull, UnknownAttempt
 from budget_tasks.ledger import CallFacts
-from budget_tasks.ledger.records import Answered, CallAsk, CallEnd, RateAsk, RateClaim, RateSeen
+from budget_tasks.ledger.records import (
+    Answered,
+    CallAsk,
+    CallEnd,
+    RateAsk,
+    RateClaim,
+    RateSeen,
+    SettledCall,
+)
 from budget_tasks.testing.clock import ManualClock
 
 from ..services import check_postgres
@@ -376,3 +386,71 @@ def test_bookings_no_call_came_back_for_are_dropped_an_hour_after_they_fell_due(
     assert rated.upkeep.drop_abandoned_bookings() == 1
     assert [w.booked for w in rated.rates.windows()] == [0]
     assert takes(rated) == 60  # the sent calls' takes stay until they settle
+
+
+def test_a_call_that_settles_the_one_before_locks_every_window_before_any_budget_row(
+    pg_url: str,
+) -> None:
+    """A run's second call is admitted with its first call's settlement in one
+    transaction (the Quick start's path): that transaction gives back to the first
+    call's windows and takes the second's before it writes any budget row, as every
+    admission does. Otherwise it and a plain admission on the same model and budget
+    lock the same two rows in opposite orders: a deadlock."""
+    from ..conftest import empty_ledger_tables
+
+    check_postgres()
+    empty_ledger_tables(pg_url)
+    ledger = Ledger(pg_url, clock=ManualClock(START), server_functions=False)
+    ledger.create_budget("team", 1_000_000)
+    ledger.rates.set_limit("openai", "gpt-4o-mini", "requests", 60)
+    ledger.rates.set_limit("openai", "*", "tokens", 60_000)
+    facts = CallFacts(model="gpt-4o-mini", rate=MINI)
+
+    def labelled(n: int) -> CallAsk:
+        return CallAsk("team", 100, "r", None, facts, "openai.chat", f"op:openai.chat:{n}")
+
+    start = ledger.calls.admit(
+        "op",
+        fingerprint="f",
+        owner="w1",
+        lease=timedelta(minutes=5),
+        max_runs=3,
+        call=CallAsk("team", 0),
+        plan=lambda here: None,
+        first=(labelled(1), "spend:1", lambda here: ("op:openai.chat:1", "first")),
+    )
+    first = start.first
+    assert first is not None and first.reservation is not None
+    written: list[str] = []
+    execute = type(ledger._store.driver.checkout().connection.cursor()).execute
+
+    def spy(cursor: Any, statement: Any, *args: Any, **kwargs: Any) -> Any:
+        text = str(statement).lstrip().upper()
+        for table in ("RATE_WINDOWS", "BUDGET_PERIODS"):
+            if text.startswith(f"UPDATE {table}"):
+                written.append(table)
+        return execute(cursor, statement, *args, **kwargs)
+
+    settled = SettledCall(
+        CallEnd(
+            "op:openai.chat:1", "settle", actual=90, answered=Answered(counted=RateAsk(1, 200))
+        ),
+        "spend:1",
+        {"answer": 1},
+    )
+    with patch.object(type(ledger._store.driver.checkout().connection.cursor()), "execute", spy):
+        second = ledger.calls.admit_call(
+            start.operation_id,
+            labelled(2),
+            record="spend:2",
+            plan=lambda here: ("op:openai.chat:2", "first"),
+            settled=[settled],
+        )
+    assert second.reservation is not None and second.reservation.created
+    assert "RATE_WINDOWS" in written and "BUDGET_PERIODS" in written
+    last_window = max(i for i, table in enumerate(written) if table == "RATE_WINDOWS")
+    first_budget = min(i for i, table in enumerate(written) if table == "BUDGET_PERIODS")
+    assert last_window < first_budget, written
+    # and what the settlement gave back is there: 600 taken twice, 400 of the first back
+    assert level(ledger, "tokens") == 60_000 - 600 - 200
+    ledger.dispose()
