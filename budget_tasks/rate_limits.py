@@ -26,6 +26,7 @@ from typing import Any
 from . import _validate as check
 from ._rate_ask import RATE_KINDS
 from ._trust import Bound
+from .ledger.rates import MOST_PER_MINUTE
 from .ledger.records import RateClaim
 from .providers.base import SNAPSHOT_SUFFIX, Vendor
 
@@ -115,6 +116,11 @@ def limits_of(config: Mapping[str, Any]) -> list[Limit]:
                     )
                 if check.count(per_minute, f"{kind} a minute") == 0:
                     raise ValueError(f"{provider} {scope} {kind}: a limit of 0 admits nothing")
+                if per_minute > MOST_PER_MINUTE:
+                    raise ValueError(
+                        f"{provider} {scope} {kind}: a limit a minute is at most "
+                        f"{MOST_PER_MINUTE:,}, not {per_minute:,}"
+                    )
                 limits.append(Limit(provider, scope, kind, per_minute))
     return limits
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import sys
 import uuid
 from collections.abc import Callable
@@ -183,7 +184,7 @@ class BudgetTask(Task):  # type: ignore[misc]
             rerun_billed=self.rerun_billed,
             price_version=self.price_version,
             defer_writes=self.defer_writes,
-            rate_wait_in_process=self.rate_wait_in_process,
+            rate_wait_in_process=_seconds(self.rate_wait_in_process, "rate_wait_in_process"),
             retry_types=(Retry,),
         )
 
@@ -210,8 +211,9 @@ class BudgetTask(Task):  # type: ignore[misc]
             return cause.wait  # when its booking falls due
         if later.why == "rate_limited":
             # the provider's retry-after, where its 429 says (never shorter than asked)
+            # (at least a second: a retry-after of 0 would send it again at once)
             after = retry_after_of(cause)
-            return self.rate_limit_countdown if after is None else max(after, 0.001)
+            return self.rate_limit_countdown if after is None else max(after, 1.0)
         return {
             "ledger": self.ledger_unavailable_countdown,
             "in_progress": self.in_progress_countdown,
@@ -316,3 +318,12 @@ celeryd_after_setup.connect(_check_wiring, weak=False)
 # header it refused, the key in it; Celery logs a failed task's whole traceback.
 after_setup_logger.connect(_redact_logs, weak=False)
 after_setup_task_logger.connect(_redact_logs, weak=False)
+
+
+def _seconds(value: Any, name: str) -> float:
+    """A task option that is a number of seconds (finite, not negative)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    if not (0 <= value < math.inf):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, not {value}")
+    return float(value)

@@ -137,6 +137,7 @@ class CallPath:
         admission: Callable[[Callable[[CallAdmission], tuple[str, str] | None]], T],
         *,
         tell: bool = True,
+        patience: float | None = None,
     ) -> T:
         """Run a call's admission (the ledger's ``admit`` for the main call,
         ``admit_call`` for a labelled one) with the one plan of what it may reserve at
@@ -150,7 +151,7 @@ class CallPath:
             return made
 
         try:
-            return self.waiting(lambda: admission(plan))
+            return self.waiting(lambda: admission(plan), patience)
         except (BudgetExceeded, BudgetFrozen) as exc:
             if tell:
                 self.told.denied(exc, amount)
@@ -160,18 +161,20 @@ class CallPath:
             # 0: the plan of a first delivery, made before its operation had an id
             raise GrantUnanswered(exc, operation_id or None, key) from exc
 
-    def waiting(self, admission: Callable[[], T]) -> T:
+    def waiting(self, admission: Callable[[], T], patience: float | None = None) -> T:
         """``admission``, run again after each wait its rate windows book it for, while
-        those waits add up to no more than the task's ``rate_wait_in_process``; a
-        longer one raises RateWindowFull (the message comes back when it is due). A
-        booked call comes back under the same key and takes nothing again."""
+        those waits add up to no more than ``patience`` (default: the task's
+        ``rate_wait_in_process``); a longer one raises RateWindowFull (the message
+        comes back when it is due). A booked call comes back under the same key and
+        takes nothing again."""
         waited = 0.0
+        most = self.options.rate_wait_in_process if patience is None else patience
         while True:
             try:
                 return admission()
             except RateWindowFull as full:
                 self.told.rate_waited(full)
-                if waited + full.wait > self.options.rate_wait_in_process:
+                if waited + full.wait > most:
                     raise
                 waited += full.wait
                 time.sleep(full.wait)
@@ -186,7 +189,9 @@ class CallPath:
             return None
         return site.key(here.count), site.reason(latest)
 
-    def open(self, site: CallSite, here: CallAdmission) -> Opened | AnswerFound:
+    def open(
+        self, site: CallSite, here: CallAdmission, patience: float | None = None
+    ) -> Opened | AnswerFound:
         """What the call's admission leaves to do: granted there already; or decided
         after what its position holds, then granted here. Raises Moved, Unresolved,
         GrantUnanswered, StepNotReplayable, or a refusal."""
@@ -195,7 +200,7 @@ class CallPath:
         verdict = self._decide(site, here)
         if isinstance(verdict, AnswerFound):
             return verdict
-        return self._send(site, here.operation_id, verdict)
+        return self._send(site, here.operation_id, verdict, patience)
 
     def _decide(self, site: CallSite, here: CallAdmission) -> Send | AnswerFound:
         """The one rule for what a call's latest attempt leaves (its writes are
@@ -267,7 +272,9 @@ class CallPath:
         except InvalidTransition:
             raise Moved(attempt.key) from None
 
-    def _send(self, site: CallSite, operation_id: int, verdict: Send) -> Opened:
+    def _send(
+        self, site: CallSite, operation_id: int, verdict: Send, patience: float | None = None
+    ) -> Opened:
         """Grant the send: a new attempt reserved, granted and described in one commit,
         or an attempt reserved before granted now."""
         ask = site.ask
@@ -287,7 +294,8 @@ class CallPath:
                     label=ask.label,
                     step=ask.step,
                     grant=ask.facts,
-                )
+                ),
+                patience,
             )
         except InvalidTransition:
             raise Moved(verdict.key) from None

@@ -768,9 +768,15 @@ class OperationManager:
             # happen in this very call's)
             return replace(site, run_reason=scope.reason, next_reason=scope.next_reason)
 
+        # A call inside a run already admitted waits for its rate windows in the
+        # process, up to half the lease: its run holds the lease, its earlier calls may
+        # have billed, and an error raised into its code would reach the SDK (which
+        # wraps it) and the task's own retries. A run's first call, admitted with the
+        # run, comes back as a message instead when the wait is long.
+        patience = self._patience() if scope.admitted else None
         for _ in range(MAX_REREADS):
             try:
-                here = self.calls.admit(ask.amount, site_of, admission)
+                here = self.calls.admit(ask.amount, site_of, admission, patience=patience)
                 if here.stored is not None:
                     return Call(
                         site.key(0),
@@ -779,7 +785,7 @@ class OperationManager:
                         replayed=True,
                         result=replayable(site.key(0), here.stored[1]),
                     )
-                opened = self.calls.open(site_of(here), here)
+                opened = self.calls.open(site_of(here), here, patience)
             except Moved:
                 continue
             except Unresolved as unresolved:
@@ -804,6 +810,11 @@ class OperationManager:
                 budget=scope.budget,
             )
         raise OutcomeUnknown(scope.operation_key, site.key(0))
+
+    def _patience(self) -> float:
+        """How long a call inside an admitted run waits in the process for its rate
+        windows: the task's ``rate_wait_in_process``, or half its lease if longer."""
+        return max(self.options.rate_wait_in_process, self.options.lease_seconds / 2)
 
     def _call_failed(
         self, scope: AttemptScope, site: CallSite, made: Call, exc: BaseException

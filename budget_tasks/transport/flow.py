@@ -5,7 +5,6 @@ settle the one that came, keep a live stream's state, and end it whatever happen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
 import httpx2
 
@@ -58,7 +57,8 @@ class Begun:
         if vendor is not None:
             # what the provider says remains of its limits narrows the call's windows
             # with its settlement (or release), in the same commit
-            now = datetime.now(UTC)
+            # by the ledger's clock, as its windows refill
+            now = self.scoped.scope.ledger.now()
             state = vendor.rate_state(response.headers, now)
             refused = response.status_code == 429
             self.call.rate_seen = seen_of(state, now, refused)
