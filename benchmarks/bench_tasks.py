@@ -8,6 +8,8 @@ provider takes S seconds to answer that call (the ``x-fake-fault: delay=S`` head
 the request itself, so each call of either kind gets exactly that delay).
 ``bench.cheap`` is a BudgetTask with no provider call: it reserves a tiny estimate,
 records a usage and settles, so 10,000 of them fit in the memory figure's time.
+``bench.rated`` makes one short chat call through the guarded client for the rate
+limits held across the fleet (``rate_fleet.py``).
 """
 
 from __future__ import annotations
@@ -80,3 +82,34 @@ def budgeted(self: BudgetTask, n: str, delay: float = 0.0) -> int:
 def cheap(self: BudgetTask, n: str) -> int:
     self.attempt.record_usage(7)
     return 7
+
+
+#: Issue 45's call (``bench.rated``, benchmarks/rate_fleet.py): a short prompt and an
+#: output bound of 48. The ledger takes about 80 tokens a call on admission (its upper
+#: estimate of the prompt, about 30, plus the bound; unused input goes back at settlement),
+#: the provider counts about 60 (the prompt exactly, plus the bound). At 600 requests
+#: and 60,000 tokens a minute every call takes from both windows and the token window
+#: runs at about four fifths of its limit, so both are held, but the request window is
+#: the one that binds: with 100 tokens a call they would bind together, with more the
+#: token window alone.
+RATED_OUTPUT_BOUND = 48
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    name="bench.rated",
+    budget="bench",
+    idempotency_key=lambda n: f"rated:{n}",
+    estimate_cost=lambda n: 0,  # the call reserves its own bound
+    # no retry of the user's: a wait for a window, and a 429 (retried after its
+    # retry-after by budget-tasks), must not fail the task
+    max_retries=0,
+)
+def rated(self: BudgetTask, n: str) -> int:
+    completion = guarded().chat.completions.create(
+        model="gpt-4o-mini",
+        max_completion_tokens=RATED_OUTPUT_BOUND,
+        messages=[{"role": "user", "content": f"count {n}"}],
+    )
+    return int(completion.usage.total_tokens)

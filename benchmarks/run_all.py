@@ -3,6 +3,7 @@ prints a table and rewrites benchmarks/RESULTS.md.
 
     make bench                       # = .venv/bin/python -m benchmarks
     .venv/bin/python -m benchmarks [--quick] [--output PATH] [--json PATH] [--redis-db N]
+                                   [--only N [N ...]]
 
 1. Ledger reserve + mark sending + settle cycles/s against the same cycle in raw SQL,
    8 and 32 processes on one hot budget (ledger_bench.py).
@@ -22,6 +23,9 @@ prints a table and rewrites benchmarks/RESULTS.md.
    a retention run (ledger_growth.py).
 9. Round trips and CPU (client and PostgreSQL) per first run and per replay, the
    statement path against one server-side call per transaction (round_trips.py).
+10. Rate limits held across the fleet: a burst of 2,000 tasks on 8 worker processes
+    against the fake provider's 600 requests a minute, the same limits held in the
+    ledger against none (rate_fleet.py).
 
 Needs PostgreSQL (scratch databases, user postgres on 127.0.0.1:5432, or env
 BUDGET_TASKS_TEST_PG_URL) and Redis on 127.0.0.1:6379 (database 10, flushed). The machine
@@ -58,6 +62,7 @@ from benchmarks import (  # noqa: E402
     hot_budgets,
     ledger_bench,
     ledger_growth,
+    rate_fleet,
     round_trips,
     scrape_bench,
     task_overhead,
@@ -98,6 +103,7 @@ class Sizes:
     growth_samples: int
     trips_runs: int
     trips_rounds: int
+    rate: rate_fleet.Shape
 
 
 FULL = Sizes(
@@ -127,6 +133,7 @@ FULL = Sizes(
     growth_samples=50,
     trips_runs=2_000,
     trips_rounds=2,
+    rate=rate_fleet.FULL,
 )
 QUICK = Sizes(
     ledger_procs=(2,),
@@ -155,6 +162,7 @@ QUICK = Sizes(
     growth_samples=3,
     trips_runs=50,
     trips_rounds=1,
+    rate=rate_fleet.QUICK,
 )
 
 
@@ -188,6 +196,8 @@ class Report:
     seconds: dict[int, float] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     total_seconds: float = 0.0
+    #: the sections run (all unless --only)
+    only: tuple[int, ...] = ()
 
     def note(self, section: int, text: str) -> None:
         self.notes.setdefault(section, []).append(text)
@@ -736,6 +746,93 @@ def trips_section(report: Report) -> None:
     report.problems += [f"round trips audit: {finding}" for finding in result.audit]
 
 
+def rate_section(report: Report, admin_url: str, redis_db: int) -> None:
+    shape = report.sizes.rate
+    held, free, audit = rate_fleet.run(shape, admin_url, redis_db)
+    # the provider's bucket starts full and refills at the limit a minute: what passes
+    # the first limit's worth, per second from the first request, is at most that rate
+    for burst, name, reading in (
+        (held, "held in the ledger", f"higher is better; target >= {rate_fleet.TARGET}"),
+        (free, "not held", "higher is better"),
+    ):
+        report.figures.append(
+            Figure(
+                10,
+                f"burst of {shape.tasks:,} tasks: requests answered a second past the "
+                f"first {shape.requests}",
+                "requests/s",
+                f"the limit ({shape.requests}/min)",
+                shape.requests / 60,
+                name,
+                (shape.tasks - shape.requests) / burst.span,
+                reading,
+            )
+        )
+    report.figures += [
+        Figure(
+            10,
+            f"burst of {shape.tasks:,} tasks: requests sent per task (200s and 429s)",
+            "requests",
+            "one call per task",
+            1.0,
+            name,
+            (burst.answered + burst.refused) / shape.tasks,
+            "lower is better; 1: no 429",
+        )
+        for burst, name in ((held, "held in the ledger"), (free, "not held"))
+    ]
+    report.figures.append(
+        Figure(
+            10,
+            f"burst of {shape.tasks:,} tasks: first task sent to last result back",
+            "s",
+            "held in the ledger",
+            held.seconds,
+            "not held",
+            free.seconds,
+            "lower is better",
+        )
+    )
+    met = held.refused == 0 and held.failed == 0 and held.ratio >= rate_fleet.TARGET
+    report.note(
+        10,
+        f"held in the ledger: {held.refused:,} 429s (target 0), {held.failed:,} tasks failed "
+        f"(target 0); {held.span:.1f} s from the first request to the last answered, "
+        f"ideal {shape.ideal:.0f} s: {held.ratio:.2f} of the limit (target >= "
+        f"{rate_fleet.TARGET}); targets {'met' if met else 'NOT met'}; {held.seconds:.1f} s "
+        f"from the first task sent to the last result; at most {held.most_booked} calls "
+        f"seen booked ahead on the request window at once; {held.came_back:,} runs ended "
+        "to come back when their booking was due (a wait past the 5 s in the process)",
+    )
+    report.note(
+        10,
+        f"not held: {free.refused:,} 429s, {free.released:,} attempts released and sent again "
+        f"by budget-tasks ({free.retried:,} of {shape.tasks:,} tasks retried, "
+        f"{free.released / max(1, free.retried):.1f} times each on average; "
+        f"{free.came_back:,} runs ended by a retry), {free.failed:,} "
+        f"tasks failed; {free.span:.1f} s from the first request to the last answered "
+        f"({free.ratio:.2f} of the limit), {free.seconds:.1f} s from the first task sent "
+        "to the last result",
+    )
+    report.note(
+        10,
+        f"tokens a call: the ledger took {held.tokens_asked:.0f} on admission (its upper "
+        f"estimate of the prompt plus the output bound), the provider counted "
+        f"{held.tokens_counted:.0f} (the prompt exactly plus the bound); "
+        f"{shape.requests} calls a minute take {shape.requests * held.tokens_asked:,.0f} "
+        f"of the {shape.tokens:,} tokens a minute: the "
+        f"{'request' if shape.requests * held.tokens_asked < shape.tokens else 'token'} "
+        "window binds",
+    )
+    report.note(10, f"ledger audit after the run: {'; '.join(audit) or 'clean'}")
+    report.problems += [
+        f"rate limits {what}: {burst.failed} of {shape.tasks} tasks failed"
+        for burst, what in ((held, "held"), (free, "not held"))
+        if burst.failed
+    ]
+    report.problems += [f"rate fleet audit: {finding}" for finding in audit]
+
+
 # -- output ------------------------------------------------------------------------------
 
 
@@ -889,6 +986,28 @@ SECTIONS = {
         "PostgreSQL backend's (/proc/<pid>/stat), per run. Where the Ledger does not take "
         "`server_functions`, the statement path is shown against the targets.",
     ),
+    10: (
+        "Rate limits held across the fleet: a burst against the provider's limit",
+        "One real `celery worker` (prefork, 8 processes), Redis broker, a scratch "
+        "PostgreSQL ledger, the fake provider holding gpt-4o-mini to a limit of requests "
+        "and tokens a minute as OpenAI does (token buckets refilled continuously, 429 "
+        "with the vendor's headers and retry-after past them). The tasks (`bench.rated`) "
+        "are sent at once; each makes one chat call through the guarded OpenAI client "
+        "(a short prompt, an output bound of 48: every call takes from both limits, and "
+        "the request limit binds) and allows no retry of its own. *Held in the ledger*: "
+        "the same limits set in the ledger, whose windows the calls take from with "
+        "their money; a full window books the call ahead and the task waits (in the "
+        "process up to 5 s, else its message comes back when due). *Not held*: the "
+        "ledger's limits cleared, the provider's the same (its buckets set afresh), the "
+        "same number of new tasks: each 429 is released and the task retried by "
+        "budget-tasks after the retry-after. Throughput is read from the fake's own "
+        "record of when it received each request (`Served.at`): its bucket lets "
+        "`limit + limit/60 * t` requests through by `t` seconds after the first, so the "
+        "requests past the first limit's worth, over the time from the first request to "
+        "the last one answered 200, are at most the limit's rate a second (the ratio: "
+        "ideal time over actual). Before the first burst every process runs a few tasks "
+        "with no limit set (not counted).",
+    ),
 }
 
 
@@ -911,7 +1030,7 @@ def markdown(report: Report) -> str:
         f"- Load average at start: {m['load average at start (1, 5, 15 min)']}; "
         f"HEAD at run time {m['git commit']}",
         "",
-        "Re-run with `make bench` (about 10 minutes; `.venv/bin/python -m benchmarks --quick`",
+        "Re-run with `make bench` (about 20 minutes; `.venv/bin/python -m benchmarks --quick`",
         "is a smoke run). It needs PostgreSQL on 127.0.0.1:5432 (scratch databases) and",
         "Redis on 127.0.0.1:6379 (database 10, flushed).",
         "",
@@ -929,6 +1048,8 @@ def markdown(report: Report) -> str:
         out += ["", "**Problems found in this run:**", ""]
         out += [f"- {p}" for p in report.problems]
     for section, (title, text) in SECTIONS.items():
+        if report.only and section not in report.only:
+            continue
         out += ["", f"## {section}. {title}", ""]
         out += _wrap(text)
         took = report.seconds.get(section)
@@ -954,7 +1075,9 @@ def markdown(report: Report) -> str:
         f"commits: {s.commit_tasks} tasks of each kind; hot budgets: "
         f"{', '.join(map(str, s.hot_procs))} processes, {s.hot_seconds:g} s x "
         f"{s.hot_rounds} rounds; round trips: {s.trips_runs:,} first runs and replays "
-        f"per mode x {s.trips_rounds} rounds.",
+        f"per mode x {s.trips_rounds} rounds; rate limits: {s.rate.tasks:,} tasks "
+        f"against {s.rate.requests:,} requests and {s.rate.tokens:,} tokens a minute, "
+        f"{s.rate.concurrency} worker processes, twice.",
         "",
     ]
     return "\n".join(out)
@@ -1001,7 +1124,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=RESULTS, help="the markdown report")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     parser.add_argument("--redis-db", type=int, default=task_overhead.REDIS_DB)
+    parser.add_argument(
+        "--only",
+        type=int,
+        nargs="+",
+        choices=sorted(SECTIONS),
+        metavar="N",
+        help="run these sections alone (the report names only them)",
+    )
     args = parser.parse_args(argv)
+    if args.only and args.output == RESULTS:
+        # RESULTS.md holds every section: one run alone must not replace it
+        parser.error("--only needs --output PATH")
 
     admin_url = ledger_bench.ADMIN_URL
     report = Report(
@@ -1010,30 +1144,35 @@ def main(argv: list[str] | None = None) -> int:
         command=command_line(),
         machine=machine(admin_url),
         started=datetime.now(UTC),
+        only=tuple(args.only or ()),
     )
     begun = time.perf_counter()
 
     def timed(section: int, fn: Callable[[], None]) -> None:
+        if report.only and section not in report.only:
+            return
         print(f"[{section}] {SECTIONS[section][0]}", flush=True)
         t0 = time.perf_counter()
         fn()
         report.seconds[section] = time.perf_counter() - t0
 
     timed(1, lambda: ledger_section(report, admin_url))
-    with services(admin_url, args.redis_db) as stack:
-        stack.start_worker("bench", report.sizes.concurrency)
-        timed(2, lambda: overhead_section(report, stack))
-        timed(3, lambda: replay_section(report, stack))
-        stack.stop_workers()
-        timed(4, lambda: memory_section(report, stack))
-        audit = stack.ledger.audit()
-    report.note(4, f"ledger audit after sections 2-4: {audit or 'clean'}")
+    if not report.only or {2, 3, 4} & set(report.only):
+        with services(admin_url, args.redis_db) as stack:
+            stack.start_worker("bench", report.sizes.concurrency)
+            timed(2, lambda: overhead_section(report, stack))
+            timed(3, lambda: replay_section(report, stack))
+            stack.stop_workers()
+            timed(4, lambda: memory_section(report, stack))
+            audit = stack.ledger.audit()
+        report.note(4, f"ledger audit after sections 2-4: {audit or 'clean'}")
+        report.problems += [f"task ledger audit: {finding}" for finding in audit]
     timed(5, lambda: scrape_section(report, admin_url))
     timed(6, lambda: commits_section(report))
     timed(7, lambda: hot_section(report))
     timed(8, lambda: growth_section(report))
     timed(9, lambda: trips_section(report))
-    report.problems += [f"task ledger audit: {finding}" for finding in audit]
+    timed(10, lambda: rate_section(report, admin_url, args.redis_db))
     report.total_seconds = time.perf_counter() - begun
 
     print()
