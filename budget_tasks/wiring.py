@@ -9,6 +9,7 @@ start about what would silently weaken the guarantees (task.py connects the chec
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -49,6 +50,20 @@ def _flag(text: str) -> bool:
     return text.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _limits(text: str) -> dict[str, Any]:
+    """``budget_rate_limits`` as JSON (provider -> scope -> kind -> per minute),
+    checked whole before any worker sets it."""
+    try:
+        limits = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    try:
+        rate_limits.limits_of(limits)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    return dict(limits)
+
+
 #: The environment variables that set the library's Celery settings in any app (the
 #: CLI reads the same ones), with how each is read.
 ENV_SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
@@ -65,6 +80,7 @@ ENV_SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "BUDGET_TASKS_DRIFT_SETTLE": ("budget_drift_settle", float),
     "BUDGET_TASKS_DRIFT_BY": ("budget_drift_by", str),
     "BUDGET_TASKS_METRICS_ADDR": ("budget_metrics_addr", str),
+    "BUDGET_TASKS_RATE_LIMITS": ("budget_rate_limits", _limits),
 }
 VISIBILITY_ENV = "BUDGET_TASKS_VISIBILITY_TIMEOUT"
 #: The variables that set the Redis transport's options (seconds).

@@ -150,3 +150,17 @@ def test_anthropics_output_window_gets_back_what_a_message_did_not_write(
     assert 300 <= window.available <= 600 and window.per_minute == 600
     attempts = [a for a in pg_ledger.attempts() if a.label]
     assert len(attempts) == 30 and {a.output_tokens for a in attempts} == {10}
+
+
+def test_a_worker_sets_the_apps_rate_limits_in_the_ledger_as_it_starts(
+    client: Celery, start_worker: Callable[..., Worker], fake: FakeProvider, pg_ledger: Ledger
+) -> None:
+    """``budget_rate_limits`` (here from BUDGET_TASKS_RATE_LIMITS) is set in the ledger
+    by the worker as it starts, and its calls take from it."""
+    limits = '{"openai": {"gpt-4o-mini": {"requests": 7, "tokens": 9000}}}'
+    start_worker(BUDGET_TASKS_RATE_LIMITS=limits)
+    shown = {(w.scope, w.kind): w.per_minute for w in pg_ledger.rates.windows()}
+    assert shown == {("gpt-4o-mini", "requests"): 7, ("gpt-4o-mini", "tokens"): 9000}
+    assert client.send_task("tests.rated_chat", args=[1]).get(timeout=60) > 0
+    requests = {w.kind: w for w in pg_ledger.rates.windows()}["requests"]
+    assert 6 <= requests.available < 7  # one taken, a little refilled since

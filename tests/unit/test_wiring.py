@@ -113,6 +113,10 @@ def test_every_variable_the_readme_lists_sets_its_setting_in_any_app(
         "BUDGET_TASKS_DRIFT_SETTLE": ("600", 600.0),
         "BUDGET_TASKS_DRIFT_BY": ("project", "project"),
         "BUDGET_TASKS_METRICS_ADDR": ("127.0.0.2", "127.0.0.2"),
+        "BUDGET_TASKS_RATE_LIMITS": (
+            '{"openai": {"*": {"requests": 600}}}',
+            {"openai": {"*": {"requests": 600}}},
+        ),
         "BUDGET_TASKS_VISIBILITY_TIMEOUT": ("7200", None),
         "BUDGET_TASKS_RESTORE_INTERVAL": ("5", None),
     }
@@ -135,6 +139,11 @@ def test_every_variable_the_readme_lists_sets_its_setting_in_any_app(
     assert given.conf.budget_ledger_url == "sqlite:///given.db"
     # the Redis options stay off another broker (SQLAlchemy's would refuse them)
     assert not given.conf.broker_transport_options
+    for bad in ('{"openai": {"*": {"rpm": 600}}}', "600", "{not json"):
+        monkeypatch.setenv("BUDGET_TASKS_RATE_LIMITS", bad)
+        with pytest.raises(ValueError, match="BUDGET_TASKS_RATE_LIMITS="):
+            configure(Celery("bad", set_as_current=False))
+    monkeypatch.delenv("BUDGET_TASKS_RATE_LIMITS")
     monkeypatch.setenv("BUDGET_TASKS_STALE_AFTER", "soon")
     with pytest.raises(ValueError, match="BUDGET_TASKS_STALE_AFTER='soon'"):
         configure(Celery("bad", set_as_current=False))
