@@ -321,6 +321,7 @@ def registry_for(ledger: Any) -> CollectorRegistry:
             UNTRUSTED_ANSWERS,
             RATE_LIMITED,
             RATE_WAIT,
+            PROVIDER_DRIFT,
         ):
             registry.register(collector)
     registry.register(LedgerCollector(ledger))

@@ -155,3 +155,15 @@ def test_a_429_told_to_the_hooks_is_counted_by_the_provider() -> None:
         None,
         0,
     )
+
+
+def test_a_workers_metrics_serve_the_drift_gauge_too(pg_ledger: Ledger) -> None:
+    """The drift gauge was left out of what a worker serves without
+    PROMETHEUS_MULTIPROC_DIR (a solo or threads pool): the hourly check set it unseen."""
+    from budget_tasks.metrics import PROVIDER_DRIFT
+
+    PROVIDER_DRIFT.labels("openai", "model", "gpt-4o-mini", "cost").set(18)
+    registry = registry_for(pg_ledger)
+    drift = dict(provider="openai", by="model", group="gpt-4o-mini", measure="cost")
+    assert sample(registry, "budget_tasks_provider_drift", **drift) == 18
+    PROVIDER_DRIFT.remove("openai", "model", "gpt-4o-mini", "cost")
