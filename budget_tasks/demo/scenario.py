@@ -352,7 +352,8 @@ def _drift(run: Run, checks: Checks, echo: Echo) -> None:
 
     def check() -> Any:
         # The fake's reports are complete at once; a real provider's lag, and a day's
-        # costs are final once the day is over: checked as of tomorrow.
+        # costs are final 12 hours after the day is over: checked as of two days on
+        # (one day on, a run in the first 12 hours of a UTC day found today's pending)
         return check_drift(
             run.ledger,
             vendor,
@@ -362,7 +363,7 @@ def _drift(run: Run, checks: Checks, echo: Echo) -> None:
             settle=timedelta(0),
             threshold=exact,
             admin=admin,
-            now=datetime.now(UTC) + timedelta(days=1),
+            now=datetime.now(UTC) + timedelta(days=2),
         )
 
     clean = check()
