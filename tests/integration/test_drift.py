@@ -258,7 +258,7 @@ def test_a_stale_price_table_drifts_in_money_for_its_model_alone(
             )
 
     run(app, calls)
-    report = check(backend_url, "openai", fake, later=timedelta(days=1))
+    report = check(backend_url, "openai", fake, later=timedelta(days=2))
     drifted = report.drifted
     assert {(line.group, line.measure) for line in drifted} == {("gpt-4o-mini", "cost")}
     [line] = drifted
@@ -289,7 +289,7 @@ def test_an_unknown_hold_is_shown_apart_and_accounts_for_what_it_was_billed(
         run(app, calls)
     ledger = Ledger(backend_url)
     [attempt] = [a for a in ledger.attempts() if a.state == "unknown"]
-    report = check(backend_url, "openai", fake, later=timedelta(days=1))
+    report = check(backend_url, "openai", fake, later=timedelta(days=2))
     assert report.drifted == []
     opened = [line for line in report.lines if line.status == "open"]
     assert {line.measure for line in opened} == {"input_tokens", "output_tokens", "cost"}
@@ -305,7 +305,7 @@ def test_an_unknown_hold_is_shown_apart_and_accounts_for_what_it_was_billed(
 
     assert reconcile_unknown(ledger, client)["found"] == 1
     ledger.dispose()
-    report = check(backend_url, "openai", fake, later=timedelta(days=1))
+    report = check(backend_url, "openai", fake, later=timedelta(days=2))
     assert report.lines and {line.status for line in report.lines} == {"ok"}
 
 
@@ -369,20 +369,20 @@ def test_drift_by_api_key_and_by_project_names_the_key_that_went_past_the_ledger
             )
 
     run(app, calls)
-    clean = check(backend_url, "openai", fake, by="api_key", later=timedelta(days=1))
+    clean = check(backend_url, "openai", fake, by="api_key", later=timedelta(days=2))
     assert clean.drifted == []
     assert {line.group for line in clean.lines} == {key_a, key_b}
     # OpenAI's cost report is grouped by key too (Anthropic's is not)
     assert {line.measure for line in clean.lines} == {"input_tokens", "output_tokens", "cost"}
 
     bypass(fake, KEY_B)
-    by_key = check(backend_url, "openai", fake, by="api_key", later=timedelta(days=1))
+    by_key = check(backend_url, "openai", fake, by="api_key", later=timedelta(days=2))
     assert {line.group for line in by_key.drifted} == {key_b}
     [cost] = [line for line in by_key.drifted if line.measure == "cost"]
     assert cost.difference == past_the_ledger(fake) > 0
     claude = check(backend_url, "anthropic", fake, by="api_key")
     assert any("cannot be grouped by api_key" in note for note in claude.notes)
-    by_project = check(backend_url, "openai", fake, by="project", later=timedelta(days=1))
+    by_project = check(backend_url, "openai", fake, by="project", later=timedelta(days=2))
     assert {line.group for line in by_project.drifted} == {"proj_bravo"}
     assert {line.measure for line in by_project.drifted} == {
         "input_tokens",
