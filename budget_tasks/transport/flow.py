@@ -5,11 +5,12 @@ settle the one that came, keep a live stream's state, and end it whatever happen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import httpx2
 
 from ..delivery.scope import Call
-from ..errors import BudgetTasksError, StreamIncomplete
+from ..errors import BudgetTasksError, LedgerUnavailable, StreamIncomplete
 from ..hooks import hooks
 from ..providers.rate_headers import seen_of
 from ..providers.registry import Route
@@ -57,8 +58,7 @@ class Begun:
         if vendor is not None:
             # what the provider says remains of its limits narrows the call's windows
             # with its settlement (or release), in the same commit
-            # by the ledger's clock, as its windows refill
-            now = self.scoped.scope.ledger.now()
+            now = self._now()
             state = vendor.rate_state(response.headers, now)
             refused = response.status_code == 429
             self.call.rate_seen = seen_of(state, now, refused)
@@ -72,6 +72,15 @@ class Begun:
                     wait=0.0 if wait is None else wait.total_seconds(),
                     by="provider",
                 )
+
+    def _now(self) -> datetime:
+        """The ledger's time, as its rate windows refill; this host's where the ledger
+        cannot say (its clock not yet measured and the database away): an answer
+        already in hand is never lost to reading a clock."""
+        try:
+            return self.scoped.scope.ledger.now()
+        except LedgerUnavailable:
+            return datetime.now(UTC)
 
     def answered(
         self, response: httpx2.Response, full: bytes, request: httpx2.Request
