@@ -69,16 +69,24 @@ def set_groups(groups: Mapping[str, Mapping[str, Iterable[str]]]) -> None:
         _groups.update(made)
 
 
+def own_scopes(model: str | None) -> tuple[str, ...]:
+    """The scopes that are a model's own: its name, and its name without a snapshot
+    date (once where they are the same)."""
+    if not model:
+        return ()
+    return tuple(dict.fromkeys(name[:100] for name in (model, SNAPSHOT_SUFFIX.sub("", model))))
+
+
 def scopes_of(provider: str, model: str | None, credential: str | None) -> tuple[str, ...]:
     """The scopes a call to ``provider``'s ``model`` with the key ``credential`` (its
     hint) takes from (see the module)."""
-    scopes: list[str] = []
+    own = own_scopes(model)
+    scopes = list(own)
     if model:
-        family = SNAPSHOT_SUFFIX.sub("", model)
-        scopes += [model, family]
+        names = {model, SNAPSHOT_SUFFIX.sub("", model)}
         with _lock:
             named = _groups.get(provider, {})
-            scopes += sorted(g for g, models in named.items() if {model, family} & models)
+            scopes += sorted(g for g, models in named.items() if names & models)
     scopes.append(ANY_MODEL)
     if credential:
         scopes.append(KEY_SCOPE + credential)
@@ -95,9 +103,8 @@ def claim_of(
     """What a call takes from its rate windows as it is sent (see the module): its
     vendor's count of the request (one request, its input and the output it allows)."""
     ask = (vendor or Vendor()).rate_ask(bound)
-    own = () if not model else (model, SNAPSHOT_SUFFIX.sub("", model))
     scopes = scopes_of(provider, model, credential)
-    return RateClaim(provider, scopes, ask, tuple(dict.fromkeys(s[:100] for s in own)))
+    return RateClaim(provider, scopes, ask, own_scopes(model))
 
 
 def limits_of(config: Mapping[str, Any]) -> list[Limit]:
