@@ -61,3 +61,9 @@ def age(seconds: int | None) -> str:
     if seconds < 86400:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def units(value: float) -> str:
+    """A count as the CLI and the dashboard show it: thousands separated, fractions (a
+    rate window refills in thousandths) to three places and only where there are some."""
+    return f"{value:,.3f}".rstrip("0").rstrip(".")

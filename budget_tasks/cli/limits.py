@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from .._display import units
 from .._rate_ask import RATE_KINDS
 from ..providers.registry import registry
 from . import _common
@@ -35,15 +36,9 @@ class PerMinute(click.ParamType[int]):
 PER_MINUTE = PerMinute()
 
 
-def _units(value: float) -> str:
-    """A count as the table shows it: thousands separated, fractions (a window refills
-    in thousandths) to three places and only where there are some."""
-    return f"{value:,.3f}".rstrip("0").rstrip(".")
-
-
 def _windows_table(windows: list[Any]) -> str:
     rows = [
-        [w.provider, w.scope, w.kind, _units(w.per_minute), _units(w.available), w.booked]
+        [w.provider, w.scope, w.kind, units(w.per_minute), units(w.available), w.booked]
         for w in windows
     ]
     headers = ["provider", "scope", "kind", "limit / min", "available", "booked"]

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, RedirectRespons
 from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 
-from .._display import age, amount, usd
+from .._display import age, amount, units, usd
 from ..errors import (
     BudgetTasksError,
     LedgerUnavailable,
@@ -45,7 +45,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1", "testserver")
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
 TEMPLATES.env.filters["usd"] = usd
 TEMPLATES.env.filters["age"] = age
-TEMPLATES.env.filters["units"] = views.units
+TEMPLATES.env.filters["units"] = units
 TEMPLATES.env.filters["q"] = lambda text: quote(str(text), safe="")
 
 

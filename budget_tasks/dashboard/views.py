@@ -294,9 +294,3 @@ def rates_view(ledger: Ledger) -> list[dict[str, Any]]:
         }
         for w in ledger.rates.windows()
     ]
-
-
-def units(value: float) -> str:
-    """A count as the page shows it: thousands separated, fractions (a window refills
-    in thousandths) to three places and only where there are some."""
-    return f"{value:,.3f}".rstrip("0").rstrip(".")
