@@ -119,17 +119,19 @@ class BudgetFrozen(LedgerError):
 
 class RateWindowFull(LedgerError):
     """A rate window of the call's scope has no room now: nothing was admitted, and the
-    call is booked to send in ``wait_ms`` milliseconds, in order of arrival (the task
-    waits, then sends under the same key without taking again)."""
+    call (attempt ``key``) waits in the window's line, its turn due in ``wait_ms``
+    milliseconds as the window stands now (the task waits, then sends under the same
+    key without taking again; its turn moves with the window meanwhile)."""
 
     template = (
         "the {provider} rate limit of {scope!r} ({kind} a minute) is full: "
-        "the call is booked to send in {wait_ms} ms"
+        "call {key!r} waits its turn, due in {wait_ms} ms"
     )
     provider: str
     scope: str
     kind: str
     wait_ms: int
+    key: str | None = None
 
     @property
     def wait(self) -> float:

@@ -13,7 +13,7 @@ from .services import check_postgres, scratch_database
 LEDGER_TABLES = (
     "archived_periods, archives, audit_position, audit_checkpoints, audit_partitions, journal, "
     "operation_events, side_effects, attempts, operations, budget_periods, budgets, "
-    "rate_takes, rate_windows"
+    "rate_takes, rate_windows, rate_shares"
 )
 
 

@@ -28,6 +28,9 @@ from .schema import (
 )
 from .store import Store, slice_name
 
+#: The largest weight a budget may have in the rate windows its calls share.
+MOST_RATE_WEIGHT = 1000
+
 
 def add_slices(
     store: Store,
@@ -125,6 +128,7 @@ def budget_rows(store: Store, where: ColumnElement[bool]) -> list[BudgetInfo]:
             frozen=r.frozen,
             escrow=bool(r.escrow),
             slices=int(r.slices),
+            rate_weight=r.rate_weight,
         )
         for r in rows
     ]
@@ -147,6 +151,15 @@ def set_frozen(store: Store, name: str, frozen: bool, note: str | None, actor: s
         raise UnknownBudget(name)
     if frozen:
         return_grants_below(store, name)
+
+
+def set_rate_weight(store: Store, name: str, weight: int | None) -> None:
+    check.text(name, "budget name", max_length=check.MAX_NAME_LENGTH)
+    if weight is not None and (check.count(weight, "rate weight") < 1 or weight > MOST_RATE_WEIGHT):
+        raise ValueError(f"a rate weight is from 1 to {MOST_RATE_WEIGHT}, not {weight}")
+    with store.driver.transaction() as cur:
+        if not cur.run(sql.SET_RATE_WEIGHT, {"weight": weight, "name": name}):
+            raise UnknownBudget(name)
 
 
 def return_grants_below(store: Store, name: str) -> None:

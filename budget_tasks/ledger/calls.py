@@ -45,6 +45,7 @@ from .records import (
     CallAsk,
     CallEnd,
     CallFacts,
+    RateSeen,
     Reservation,
     SettledCall,
 )
@@ -121,6 +122,13 @@ class CallLedger:
         :meth:`~budget_tasks.Ledger.provider_key`)."""
         return self._store.provider_key(key)
 
+    def rate_turn(self, key: str) -> float | None:
+        """Seconds until the call waiting in its rate windows' line under ``key`` has
+        its turn, as the windows stand now (0: it has come; None: nothing is booked
+        under it). A read: nothing is taken or written."""
+        turn = self._store.rate_turn(key)
+        return None if turn is None else turn.wait_ms / 1000
+
     def mark_unknown(
         self,
         key: str,
@@ -141,9 +149,16 @@ class CallLedger:
             response_id=response_id,
         )
 
-    def release(self, key: str, reason: str, *, expected: str | None = None) -> bool:
+    def release(
+        self,
+        key: str,
+        reason: str,
+        *,
+        expected: str | None = None,
+        seen: RateSeen | None = None,
+    ) -> bool:
         """Drop the hold without a charge (see :func:`.holds.release`)."""
-        return holds.release(self._store, key, reason, expected=expected)
+        return holds.release(self._store, key, reason, expected=expected, seen=seen)
 
     def reserve(
         self,

@@ -23,6 +23,7 @@ from .records import (
     CallAsk,
     CallFacts,
     RateClaim,
+    RateSeen,
     Reservation,
 )
 from .states import ATTEMPT_REASONS
@@ -211,14 +212,26 @@ def mark_unknown(
     return changed
 
 
-def release(store: Store, key: str, reason: str, *, expected: str | None = None) -> bool:
+def release(
+    store: Store,
+    key: str,
+    reason: str,
+    *,
+    expected: str | None = None,
+    seen: RateSeen | None = None,
+) -> bool:
     """Drop the hold without a charge (settle at 0). False if already released.
+    ``seen``: what the refusal said of the provider's rate limits (a 429's
+    retry-after), which narrows the call's rate windows in the same commit.
 
     Refused (UsageRecorded) for an attempt whose run recorded usage: a recorded
     actual is proof of billing."""
     check.text(key, "key")
     check.text(reason, "reason", max_length=10_000)
-    return store.resolve(key, 0, "released", "release", reason, expected=expected)[0]
+    answered = Answered(seen=seen)
+    return store.resolve(
+        key, 0, "released", "release", reason, expected=expected, answered=answered
+    )[0]
 
 
 def refuse_if_archived(store: Store, cur: Cursor, key: str, attempt_id: int) -> None:

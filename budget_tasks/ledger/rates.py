@@ -15,14 +15,19 @@ limits): after a quiet minute a burst may take the whole window and then what re
 up to twice the limit in one rolling minute, never more.
 
 A call whose facts carry a :class:`~.records.RateClaim` takes from its windows in the
-transaction that admits its money (:func:`take_in`, called by the admission), so both
-have room or neither is taken. A window without room books the call ahead instead
-(:func:`book`): the window goes below 0 by its ask, at most 60 minutes of its limit,
-and the call is told when that has refilled (:class:`~budget_tasks.errors.RateWindowFull`);
-it comes back then under the same attempt key and sends without taking again. Calls are
-so sent in order of arrival within a scope: one that arrives later finds the window
-owing what the earlier ones booked. Settlement gives back the tokens the vendor did not
-count (:func:`give_back_in`); a release gives back every token, an unknown outcome none.
+transaction that admits its money (:func:`~.rate_takes.take_in`, called by the
+admission), so both have room or neither is taken. A window without room puts the call
+in its line instead (:func:`~.rate_takes.book_in`): the window goes below 0 by its ask
+(net of everything booked, at most a day of its limit) and the call is told when its
+turn comes (:class:`~budget_tasks.errors.RateWindowFull`); it comes back under the same
+attempt key and sends without taking again. Its turn is read from the window whenever it
+asks (:func:`~.rate_takes.turn_in`): it comes once what the window holds for its line
+covers every call ahead of it and its own, so a raised or lowered limit, what a
+provider's answer says remains, a 429's retry-after and tokens given back move every
+waiting call. Within a tenant calls keep their order of arrival; tenants who keep
+asking share a window by their budgets' ``rate_weight``. Settlement gives back the
+tokens the vendor did not count (:func:`~.rate_takes.give_back_in`); a release gives
+back every token, an unknown outcome none.
 
 ``ledger.rates`` (:class:`RateLimits`) is the operator's: set, clear, list.
 """
@@ -35,6 +40,7 @@ from datetime import timedelta
 
 from .. import _validate as check
 from . import statements as sql
+from .budgets import set_rate_weight
 from .driver import Cursor
 from .rate_takes import MILLI, Window, claimed, refill_ms, took
 from .records import RATE_KINDS, RateAsk, RateClaim
@@ -42,9 +48,9 @@ from .store import Store
 
 __all__ = ["RateAsk", "RateClaim", "RateLimits", "RateTaken", "RateWindow"]
 
-#: The largest limit a minute (its level in thousandths, refilled a minute at a time,
-#: stays far inside a BIGINT).
-MOST_PER_MINUTE = 10**12
+#: The largest limit a minute (its level in thousandths, refilled for up to two days,
+#: stays inside a BIGINT).
+MOST_PER_MINUTE = 10**10
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +125,7 @@ def clear_limit(store: Store, provider: str, scope: str, kind: str | None = None
         ]
         for window_id in gone:  # in id order, as every writer locks them
             cur.run(sql.CLEAR_RATE_WINDOW, {"id": window_id})
+            cur.run(sql.CLEAR_RATE_SHARES, {"id": window_id})
     return len(gone)
 
 
@@ -230,3 +237,12 @@ class RateLimits:
     def windows(self) -> list[RateWindow]:
         """Every limit set, with what it holds now."""
         return windows(self._store)
+
+    def set_weight(self, budget: str, weight: int | None) -> None:
+        """Make ``budget`` a tenant of the rate windows its calls share, at ``weight``
+        (1 to 1000; None: none of its own). Where tenants' calls wait in one window's
+        line, each gets its weight's part of the window while the others wait (an idle
+        tenant's part goes to the rest); a budget under it with no weight of its own
+        is part of it, and a budget with none anywhere above is a tenant at weight 1.
+        Counts from the next call to wait."""
+        set_rate_weight(self._store, budget, weight)

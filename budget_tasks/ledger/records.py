@@ -34,6 +34,8 @@ class BudgetInfo:
     escrow: bool = False
     #: how many rows its money is split over (see ``set_slices``)
     slices: int = 1
+    #: its weight in the rate windows its calls share (see ``set_rate_weight``)
+    rate_weight: int | None = None
 
 
 #: How an attempt records a call sent with no finite timeout (``timeout_ms`` 0): the

@@ -132,6 +132,9 @@ budgets = Table(
     # budget of its own under it, ``slice_of`` naming their owner) that share its cap.
     Column("slices", Integer, nullable=False, server_default="1"),
     Column("slice_of", Id, ForeignKey("budgets.id"), nullable=True),
+    # Added in migration 0023: the budget's weight in the rate windows its calls (and
+    # those of the budgets under it that have none) share with other tenants' calls.
+    Column("rate_weight", Integer, nullable=True),
     UniqueConstraint("name"),
     CheckConstraint("cap >= 0", name="cap_not_negative"),
     CheckConstraint(f"period IN ({_in(('none', 'day', 'week', 'month'))})", name="period_known"),
@@ -139,6 +142,10 @@ budgets = Table(
     CheckConstraint("rollover_ceiling IS NULL OR rollover_ceiling >= cap", name="ceiling_ge_cap"),
     CheckConstraint("parent_id IS NULL OR parent_id <> id", name="not_own_parent"),
     CheckConstraint("slices >= 1", name="slices_positive"),
+    CheckConstraint(
+        "rate_weight IS NULL OR (rate_weight >= 1 AND rate_weight <= 1000)",
+        name="rate_weight_known",
+    ),
 )
 
 budget_periods = Table(
@@ -431,9 +438,10 @@ archived_periods = Table(
     *_journal_sums(),
 )
 
-#: How far ahead a rate window may be booked: 60 minutes of its limit, in thousandths
-#: (``level >= -per_minute * RATE_MOST_OWED``).
-RATE_MOST_OWED = 60 * 1000
+#: How far a rate window may owe: two days of its limit, in thousandths (``level >=
+#: -per_minute * RATE_MOST_OWED``): a line of calls booked ahead (a day at most) and
+#: what a provider's 429 puts on top.
+RATE_MOST_OWED = 2880 * 1000
 
 # Added in migration 0021: a provider's rate limit held across the fleet, one token
 # bucket per provider, scope (a model, a group of models, an API key) and kind. Its
@@ -449,31 +457,52 @@ rate_windows = Table(
     Column("per_minute", BigInteger, nullable=False),
     Column("level", BigInteger, nullable=False),
     Column("refilled_ms", BigInteger, nullable=False),
+    # Added in migration 0023: the window's line of calls waiting their turn. What they
+    # booked (in thousandths; the level already owes it), the line's virtual time (the
+    # place of the last booking sent), and how many calls have joined it.
+    Column("booked", BigInteger, nullable=False, server_default="0"),
+    Column("vtime", BigInteger, nullable=False, server_default="0"),
+    Column("arrivals", BigInteger, nullable=False, server_default="0"),
     UniqueConstraint("provider", "scope", "kind"),
     CheckConstraint("per_minute > 0", name="per_minute_positive"),
-    # below 0 by what is booked ahead (migration 0022): calls told to wait, in order
-    # of arrival, for what refills; at most an hour of it
-    CheckConstraint(f"level >= -per_minute * {RATE_MOST_OWED}", name="owed_within_an_hour"),
+    # below 0 by what is booked ahead (migration 0022) and by a 429's retry-after;
+    # at most two days of the limit (migration 0023)
+    CheckConstraint(f"level >= -per_minute * {RATE_MOST_OWED}", name="owed_within_two_days"),
+    CheckConstraint("booked >= 0", name="booked_not_negative"),
     CheckConstraint(f"kind IN ({_in(RATE_KINDS)})", name="kind_known"),
 )
 
 # Added in migration 0022: what each call took from each rate window (``taken``, in
 # units), kept until its settlement gives back what it did not use; and, with a
-# ``due_ms``, what a call told to wait booked ahead: it sends then, under the same key,
-# without taking again.
+# ``back_ms`` (migration 0023), a call waiting its turn in the window's line: its place
+# (``tag``, the line's virtual time where it stands, then ``arrival``) and when it was
+# told to come back. It sends at its turn, under the same key, without taking again.
 rate_takes = Table(
     "rate_takes",
     metadata,
     Column("key", String(255), primary_key=True),
     Column("window_id", Id, primary_key=True),
     Column("taken", BigInteger, nullable=False),
-    Column("due_ms", BigInteger, nullable=True),
+    Column("back_ms", BigInteger, nullable=True),
     # the window is the call's own model's: a limit the provider states lowers it
     Column("own", Boolean, nullable=False),
+    Column("tag", BigInteger, nullable=True),
+    Column("arrival", BigInteger, nullable=True),
     CheckConstraint("taken >= 0", name="taken_not_negative"),
 )
-# what is booked on a window is counted by window (the operator's views)
-Index("ix_rate_takes_window_id", rate_takes.c.window_id)
+# a window's line, in the order its calls have their turns
+Index("ix_rate_takes_line", rate_takes.c.window_id, rate_takes.c.tag, rate_takes.c.arrival)
+
+# Added in migration 0023: where each tenant (a budget: see ``budgets.rate_weight``)
+# stands in a window's line: the virtual time its last booking there ends. A tenant's
+# next booking starts there, or at the line's present if that is later.
+rate_shares = Table(
+    "rate_shares",
+    metadata,
+    Column("window_id", Id, primary_key=True),
+    Column("share", Id, primary_key=True),
+    Column("finish", BigInteger, nullable=False),
+)
 
 # Added in migration 0007: this ledger's own id, made once when its tables are made.
 # What the provider is sent as a call's key (Idempotency-Key, stored metadata) is a

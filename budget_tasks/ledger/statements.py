@@ -435,6 +435,10 @@ BUDGET_PARENTS = "SELECT id, parent_id FROM budgets WHERE parent_id IS NOT NULL"
 
 SET_FROZEN = "UPDATE budgets SET frozen = :frozen WHERE name = :name"
 
+#: A budget's weight in the rate windows its calls share (NULL: none of its own).
+SET_RATE_WEIGHT = """
+UPDATE budgets SET rate_weight = CAST(:weight AS INTEGER) WHERE name = :name AND slice_of IS NULL"""
+
 #: What a budget renews by: (period, cap, renewal, rollover ceiling).
 BUDGET_RENEWAL = "SELECT period, cap, renewal, rollover_ceiling FROM budgets WHERE id = :budget_id"
 
@@ -972,14 +976,19 @@ RETAIN_OPERATIONS = "DELETE FROM operations WHERE id = ANY(:ids) RETURNING *"
 
 _NOW = "CAST(:now_ms AS BIGINT)"
 
+#: The longest a window's refill is counted for: what fills it from the most it may
+#: owe (two days of its limit) and a minute more; at the largest limit a minute
+#: (10^10) the product stays inside a BIGINT.
+RATE_REFILL_MOST_MS = 2881 * 60_000
+
 
 def _rate_level(t: str = "") -> str:
-    """A window's level refilled to now (``t``: its table's name and a dot, where an
-    upsert must say which row it means): per_minute a minute, never past per_minute;
-    refilled for no time backwards, and for at most the 61 minutes that fill it from
-    the most it may owe (which also keeps the product from overflowing)."""
+    """A window's level refilled to now (``t``: its table's name or alias and a dot):
+    per_minute a minute, never past per_minute; refilled for no time backwards, and
+    for at most :data:`RATE_REFILL_MOST_MS` (which fills it from the most it may owe)."""
+    most = RATE_REFILL_MOST_MS
     elapsed = f"""(CASE WHEN {_NOW} <= {t}refilled_ms THEN 0
-    WHEN {_NOW} - {t}refilled_ms >= 3660000 THEN 3660000 ELSE {_NOW} - {t}refilled_ms END)"""
+    WHEN {_NOW} - {t}refilled_ms >= {most} THEN {most} ELSE {_NOW} - {t}refilled_ms END)"""
     refilled = f"{t}level + {t}per_minute * {elapsed} / 60"
     return f"""(CASE WHEN {refilled} >= {t}per_minute * 1000
     THEN {t}per_minute * 1000 ELSE {refilled} END)"""
@@ -990,8 +999,15 @@ _RATE_STAMP = f"refilled_ms = CASE WHEN {_NOW} > refilled_ms THEN {_NOW} ELSE re
 _ASK = "CAST(:ask AS BIGINT)"
 _BACK = "CAST(:back AS BIGINT)"
 _LIMIT = "CAST(:per_minute AS BIGINT)"
+#: The most a window may owe, in thousandths: two days of its limit (its line of calls
+#: booked ahead, a day at most, and what a provider's 429 put on top).
+_MOST_OWED = "per_minute * 2880000"
+#: The most a line of booked calls may owe: a day of the window's limit.
+_MOST_BOOKED = "per_minute * 1440000"
 
-#: Take :ask from a window where its refilled level holds it (compare-and-set).
+#: Take :ask from a window where its refilled level holds it (compare-and-set). The
+#: level is net of the calls booked ahead: a newcomer takes only the room none of them
+#: waits for.
 TAKE_RATE = f"""
 UPDATE rate_windows SET level = {_RATE_LEVEL} - {_ASK}, {_RATE_STAMP}
 WHERE id = :id AND {_RATE_LEVEL} >= {_ASK}
@@ -1003,6 +1019,14 @@ UPDATE rate_windows SET level = CASE WHEN {_RATE_LEVEL} + {_BACK} >= per_minute 
     THEN per_minute * 1000 ELSE {_RATE_LEVEL} + {_BACK} END, {_RATE_STAMP}
 WHERE id = :id"""
 
+#: A booking dropped: what it booked goes back to the level (never past the limit) and
+#: leaves the line.
+UNBOOK_RATE = f"""
+UPDATE rate_windows SET level = CASE WHEN {_RATE_LEVEL} + {_BACK} >= per_minute * 1000
+    THEN per_minute * 1000 ELSE {_RATE_LEVEL} + {_BACK} END, {_RATE_STAMP},
+    booked = booked - {_BACK}
+WHERE id = :id"""
+
 #: A window's refilled level and limit, read (a refusal's wait is computed from them).
 RATE_LEVEL = f"SELECT {_RATE_LEVEL}, per_minute FROM rate_windows WHERE id = :id"
 
@@ -1012,27 +1036,31 @@ SELECT id, kind FROM rate_windows WHERE provider = :provider AND scope = :scope
 ORDER BY id"""
 
 #: Set a limit: a new window starts full; a changed one keeps what it held, refilled
-#: at its old rate until now, never more than its new limit nor owing more than an hour
-#: of it.
+#: at its old rate until now, never more than its new limit (nor owing more than two
+#: days of it). The calls booked on it keep their places: their turns follow the new
+#: rate.
 SET_RATE_LIMIT = f"""
-INSERT INTO rate_windows (provider, scope, kind, per_minute, level, refilled_ms)
-VALUES (:provider, :scope, :kind, {_LIMIT}, {_LIMIT} * 1000, {_NOW})
+INSERT INTO rate_windows (provider, scope, kind, per_minute, level, refilled_ms, booked,
+    vtime, arrivals)
+VALUES (:provider, :scope, :kind, {_LIMIT}, {_LIMIT} * 1000, {_NOW}, 0, 0, 0)
 ON CONFLICT (provider, scope, kind) DO UPDATE SET per_minute = excluded.per_minute,
     level = CASE WHEN {_rate_level("rate_windows.")} > excluded.per_minute * 1000
         THEN excluded.per_minute * 1000
-        WHEN {_rate_level("rate_windows.")} < -excluded.per_minute * 60000
-        THEN -excluded.per_minute * 60000 ELSE {_rate_level("rate_windows.")} END,
+        WHEN {_rate_level("rate_windows.")} < -excluded.per_minute * 2880000
+        THEN -excluded.per_minute * 2880000 ELSE {_rate_level("rate_windows.")} END,
     refilled_ms = CASE WHEN {_NOW} > rate_windows.refilled_ms THEN {_NOW}
         ELSE rate_windows.refilled_ms END"""
 
-#: One window gone (a scope's are deleted one at a time, in id order).
+#: One window gone (a scope's are deleted one at a time, in id order), with its
+#: tenants' places in its line.
 CLEAR_RATE_WINDOW = "DELETE FROM rate_windows WHERE id = :id"
+CLEAR_RATE_SHARES = "DELETE FROM rate_shares WHERE window_id = :id"
 
 #: Every window, refilled to now, for the operator.
 RATE_WINDOWS = f"""
 SELECT provider, scope, kind, per_minute, {_RATE_LEVEL} AS level,
     (SELECT count(*) FROM rate_takes t WHERE t.window_id = rate_windows.id
-     AND t.due_ms IS NOT NULL) AS booked
+     AND t.back_ms IS NOT NULL) AS booked
 FROM rate_windows ORDER BY provider, scope, kind"""
 
 #: The windows of a provider, for a claim's scopes to pick from (by id: the order every
@@ -1041,19 +1069,70 @@ RATE_WINDOWS_OF_PROVIDER = """
 SELECT id, scope, kind, per_minute FROM rate_windows WHERE provider = :provider
 ORDER BY id"""
 
-#: What a key took or booked, window by window.
-RATE_TAKEN = "SELECT window_id, taken, due_ms FROM rate_takes WHERE key = :key ORDER BY window_id"
+#: What a key took or booked, window by window (``back_ms`` not NULL: booked).
+RATE_TAKEN = "SELECT window_id, taken, back_ms FROM rate_takes WHERE key = :key ORDER BY window_id"
 
-#: Record what a key took from a window (``due_ms``: booked ahead, sent then).
+#: Record what a key took from a window.
 RECORD_RATE_TAKE = """
-INSERT INTO rate_takes (key, window_id, taken, due_ms, own)
-VALUES (:key, :window_id, CAST(:taken AS BIGINT), CAST(:due_ms AS BIGINT), :own)"""
+INSERT INTO rate_takes (key, window_id, taken, back_ms, own, tag, arrival)
+VALUES (:key, :window_id, CAST(:taken AS BIGINT), NULL, :own, NULL, NULL)"""
 
-#: When a booking falls due: with the longest wait of its windows.
-SET_RATE_DUE = "UPDATE rate_takes SET due_ms = CAST(:due_ms AS BIGINT) WHERE key = :key"
+#: Book :ask ahead on a window although it is short: its level goes below 0 by it (net
+#: of every call booked, at most a day of its limit) and its line holds it; the window
+#: after, with its virtual time and the arrival number this booking takes.
+BOOK_RATE = f"""
+UPDATE rate_windows SET level = {_RATE_LEVEL} - {_ASK}, {_RATE_STAMP},
+    booked = booked + {_ASK}, arrivals = arrivals + 1
+WHERE id = :id AND {_RATE_LEVEL} - {_ASK} >= -{_MOST_BOOKED}
+RETURNING vtime, arrivals"""
 
-#: A booking come due: what it took is now the sent call's.
-RATE_BOOKING_SENT = "UPDATE rate_takes SET due_ms = NULL WHERE key = :key"
+#: A tenant's place in a window's line: the virtual time its last booking there ends.
+RATE_SHARE = "SELECT finish FROM rate_shares WHERE window_id = :id AND share = :share"
+SET_RATE_SHARE = """
+INSERT INTO rate_shares (window_id, share, finish)
+VALUES (:id, :share, CAST(:finish AS BIGINT))
+ON CONFLICT (window_id, share) DO UPDATE SET finish = excluded.finish"""
+
+#: Record a booking: in its window's line at virtual time :tag, arrival :arrival.
+RECORD_RATE_BOOKING = """
+INSERT INTO rate_takes (key, window_id, taken, back_ms, own, tag, arrival)
+VALUES (:key, :window_id, CAST(:taken AS BIGINT), CAST(:now_ms AS BIGINT), :own,
+    CAST(:tag AS BIGINT), CAST(:arrival AS BIGINT))"""
+
+#: A budget's weight in the rate windows its calls share (NULL: none of its own).
+RATE_WEIGHT = "SELECT rate_weight FROM budgets WHERE id = :id"
+
+#: Where a key's booking stands, window by window: the window's limit, what it holds
+#: for its line (refilled level plus everything booked), and how much of the line
+#: stands up to and including this booking (in units): the booking's turn has come
+#: where the first holds the second.
+RATE_TURN = f"""
+SELECT w.id, w.scope, w.kind, w.per_minute, {_rate_level("w.")} + w.booked,
+    (SELECT sum(o.taken) FROM rate_takes o WHERE o.window_id = t.window_id
+     AND o.back_ms IS NOT NULL
+     AND (o.tag < t.tag OR (o.tag = t.tag AND o.arrival <= t.arrival)))
+FROM rate_takes t JOIN rate_windows w ON w.id = t.window_id
+WHERE t.key = :key AND t.back_ms IS NOT NULL
+ORDER BY w.id"""
+
+#: A window locked before its line is read and written (the order every writer locks
+#: windows in: by id).
+LOCK_RATE_WINDOW = "UPDATE rate_windows SET booked = booked WHERE id = :id"
+
+#: When a booking was told to come back.
+SET_RATE_BACK = "UPDATE rate_takes SET back_ms = CAST(:back_ms AS BIGINT) WHERE key = :key"
+
+#: A booking whose turn has come is sent: what it booked leaves the line (the level
+#: already owes it) and the window's virtual time reaches its place.
+RATE_BOOKING_SENT_FROM = """
+UPDATE rate_windows SET booked = booked - CAST(:back AS BIGINT),
+    vtime = CASE WHEN CAST(:tag AS BIGINT) > vtime THEN CAST(:tag AS BIGINT) ELSE vtime END
+WHERE id = :id"""
+RATE_BOOKING = """
+SELECT window_id, taken, tag FROM rate_takes WHERE key = :key AND back_ms IS NOT NULL
+ORDER BY window_id"""
+RATE_BOOKING_SENT = """
+UPDATE rate_takes SET back_ms = NULL, tag = NULL, arrival = NULL WHERE key = :key"""
 
 #: What a sent call took, window by window, with each window's kind (a window cleared
 #: since is not listed: nothing goes back to it).
@@ -1065,22 +1144,17 @@ WHERE t.key = :key ORDER BY t.window_id"""
 #: What a key took, dropped (its settlement, release or unknown outcome).
 DROP_RATE_TAKES = "DELETE FROM rate_takes WHERE key = :key"
 
-#: Book :ask ahead: take it from the window although it is short, owing what it lacks,
-#: at most 60 minutes of the window's limit; its level after.
-BOOK_RATE = f"""
-UPDATE rate_windows SET level = {_RATE_LEVEL} - {_ASK}, {_RATE_STAMP}
-WHERE id = :id AND {_RATE_LEVEL} - {_ASK} >= -per_minute * 60000
-RETURNING level, per_minute"""
-
 _SEEN_FOR = f"""(CASE WHEN {_NOW} <= CAST(:at_ms AS BIGINT) THEN 0
     WHEN {_NOW} - CAST(:at_ms AS BIGINT) >= 3660000 THEN 3660000
     ELSE {_NOW} - CAST(:at_ms AS BIGINT) END)"""
 _SEEN_CAP = f"""(CAST(:remaining AS BIGINT) * 1000 - per_minute * CAST(:wait_ms AS BIGINT) / 60
     + per_minute * {_SEEN_FOR} / 60)"""
 #: What a provider said remains (``:remaining`` at ``:at_ms``, owing ``:wait_ms`` of a
-#: refusal's wait), refilled since, in thousandths: at most 60 minutes owed.
-RATE_SEEN_CAP = f"""(CASE WHEN {_SEEN_CAP} < -per_minute * 60000 THEN -per_minute * 60000
-    ELSE {_SEEN_CAP} END)"""
+#: refusal's wait), refilled since, in thousandths: at most 60 minutes owed. It is what
+#: the provider has room for: the window's level, net of the calls booked on it (which
+#: the provider has not seen), is capped at it less what they booked.
+RATE_SEEN_CAP = f"""((CASE WHEN {_SEEN_CAP} < -per_minute * 60000 THEN -per_minute * 60000
+    ELSE {_SEEN_CAP} END) - booked)"""
 
 #: The limit a window is lowered to: the provider's stated limit where it is lower and
 #: the window is the call's own model's (``:own``), else its own.
@@ -1101,18 +1175,27 @@ def _at_least(value: str, floor: str) -> str:
 
 
 #: Narrow a window to what the provider said remains, and lower its limit to the one it
-#: stated (never widened: where the window holds no more, nothing changes).
+#: stated (never widened: where the window holds no more, nothing changes). The calls
+#: booked on it keep their places, and their turns move with it.
 NARROW_RATE = f"""
 UPDATE rate_windows SET per_minute = {RATE_SEEN_LIMIT},
     level = {
     _at_least(
         _least(_RATE_LEVEL, RATE_SEEN_CAP, RATE_SEEN_LIMIT + " * 1000"),
-        "-" + RATE_SEEN_LIMIT + " * 60000",
+        "-" + RATE_SEEN_LIMIT + " * 2880000",
     )
 }, {_RATE_STAMP}
 WHERE id = :id AND ({_RATE_LEVEL} > {RATE_SEEN_CAP} OR {RATE_SEEN_LIMIT} < per_minute)"""
 
-#: Bookings no call came back for, long after they fell due (``upkeep``): what they
-#: booked was spent as the windows refilled.
-PURGE_RATE_BOOKINGS = """
-DELETE FROM rate_takes WHERE due_ms IS NOT NULL AND due_ms < CAST(:before_ms AS BIGINT)"""
+#: Bookings no call came back for, long after they were told to come back (``upkeep``).
+ABANDONED_RATE_BOOKINGS = """
+SELECT DISTINCT key FROM rate_takes
+WHERE back_ms IS NOT NULL AND back_ms < CAST(:before_ms AS BIGINT)
+ORDER BY key"""
+
+#: A tenant's place in a line it no longer stands in: where the line has passed its
+#: last booking, it is as if it had none.
+PURGE_RATE_SHARES = """
+DELETE FROM rate_shares WHERE finish <= (SELECT vtime FROM rate_windows w
+    WHERE w.id = rate_shares.window_id)
+OR NOT EXISTS (SELECT 1 FROM rate_windows w WHERE w.id = rate_shares.window_id)"""

@@ -342,6 +342,14 @@ class Store:
         name = chain[0][1]
         return chain[1][1] if len(chain) > 1 and is_slice_name(name) else name
 
+    @staticmethod
+    def tenants_of(chain: Chain) -> tuple[int, ...]:
+        """The budgets a call on ``chain`` may share rate windows as, nearest first: a
+        slice's owner and up (a budget's slices are one tenant), or its own chain."""
+        if len(chain) > 1 and is_slice_name(chain[0][1]):
+            chain = chain[1:]
+        return tuple(budget_id for budget_id, _, _ in chain)
+
     def escrow_of(self, chain: Chain) -> escrow.Escrow | None:
         """Where the chain's holds stop: its first escrowed budget, from the bottom
         (kept: a chain and its budgets' escrow never change)."""
@@ -456,20 +464,25 @@ class Store:
         raise AssertionError("unreachable")
 
     def booked(self, short: rate_takes.RateShort, now: datetime) -> RateWindowFull:
-        """What a call whose rate window was short is told: booked ahead (in a
-        transaction of its own, the admission's having rolled back), or already
-        booked, and when to come back."""
-        claim, now_ms = short.claim, epoch_ms(now)
-        if short.due_ms is not None:
-            wait = (claim.scopes[0], "requests", max(1, short.due_ms - now_ms))
-        else:
-            try:
-                with self.driver.transaction() as cur:
-                    wait = rate_takes.book_in(cur, claim, short.key, now_ms)
-            except rate_takes.Unbooked as unbooked:  # it rolled back
-                wait = unbooked.wait
-        scope, kind, wait_ms = wait
-        return RateWindowFull(claim.provider, scope, kind, wait_ms)
+        """What a call whose rate window was short is told: booked in each window's
+        line (in a transaction of its own, the admission's having rolled back), or
+        already booked there, and when its turn comes, as the windows stand now."""
+        claim = short.claim
+        try:
+            turn = self.deadlock_retried(partial(self._book, short, epoch_ms(now)))
+        except rate_takes.Unbooked as unbooked:  # it rolled back
+            turn = unbooked.turn
+        return RateWindowFull(claim.provider, turn.scope, turn.kind, turn.wait_ms, short.key)
+
+    def _book(self, short: rate_takes.RateShort, now_ms: int) -> rate_takes.Turn:
+        with self.driver.transaction() as cur:
+            return rate_takes.book_in(cur, short.claim, short.key, now_ms, short.budgets)
+
+    def rate_turn(self, key: str) -> rate_takes.Turn | None:
+        """When the call booked under ``key`` has its turn, as its windows stand now
+        (None: nothing is booked under it). A read: nothing is taken or written."""
+        with self.driver.transaction() as cur:
+            return rate_takes.turn_in(cur, key, epoch_ms(self.now()))
 
     def sent_alone(self, statement: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         """A call of one of the server-side functions (:mod:`.functions`), sent alone: its
@@ -619,7 +632,7 @@ class Store:
         if call is not None and call.rate is not None:
             # the rate windows before the budget rows, which are locked last
             try:
-                rate_takes.take_in(cur, call.rate, key, epoch_ms(now))
+                rate_takes.take_in(cur, call.rate, key, epoch_ms(now), self.tenants_of(chain))
             except rate_takes.RateShort:
                 # a call its budget refuses is refused, not booked ahead of those
                 # that can pay (the transaction rolls back either way)

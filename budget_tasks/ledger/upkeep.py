@@ -19,7 +19,7 @@ from ..errors import (
     UnknownAttempt,
     UsageRecorded,
 )
-from . import escrow, holds, maintenance, operations, partitions, reports, retention
+from . import escrow, holds, maintenance, operations, partitions, rate_takes, reports, retention
 from . import statements as sql
 from .leases import lease_is_live, this_process
 from .operations import RunEnd
@@ -147,13 +147,13 @@ class Upkeep:
         return back
 
     def drop_abandoned_bookings(self, older_than: timedelta = timedelta(hours=1)) -> int:
-        """Drop what calls booked ahead on the rate windows and never came back for
-        (the message lost, the budget refused it when it did): bookings due more than
-        ``older_than`` ago. Nothing goes back: the windows refilled past them. How many
-        rows went."""
-        before = self._store.now() - older_than
+        """Drop what calls booked on the rate windows and never came back for (the
+        message lost, the budget refused it when it did): bookings told to come back
+        more than ``older_than`` ago. What they booked goes back to their windows, and
+        the calls behind them move up. How many calls' bookings went."""
+        now = self._store.now()
         with self._store.driver.transaction() as cur:
-            return cur.run(sql.PURGE_RATE_BOOKINGS, {"before_ms": epoch_ms(before)})
+            return rate_takes.abandoned_in(cur, epoch_ms(now - older_than), epoch_ms(now))
 
     def flag_stale(self, older_than: timedelta) -> list[Hold]:
         """Flag, once, every hold in sending/unknown older than ``older_than``; return

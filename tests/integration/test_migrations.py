@@ -23,7 +23,7 @@ from budget_tasks.migrations import current, include_object, upgrade
 from ..services import check_postgres, pg_conninfo, scratch_database
 
 #: The latest revision: bumped by each new migration.
-HEAD = "0022"
+HEAD = "0023"
 
 
 def describe(url: str) -> dict[str, Any]:
@@ -98,6 +98,7 @@ def test_migrations_and_create_schema_give_the_same_database() -> None:
             "journal",
             "operation_events",
             "operations",
+            "rate_shares",
             "rate_takes",
             "rate_windows",
             "side_effects",
@@ -419,7 +420,7 @@ def test_upgrading_one_revision_at_a_time_gives_a_fresh_install() -> None:
     """A ledger made at 0001 with data in it, then upgraded one revision at a time, has
     the tables, keys, indexes, triggers and functions (their text) of a fresh install,
     works, and its journal and every partition refuse TRUNCATE. 0016's functions are
-    the text frozen when it was written, not today's: 0017 brings later ones, 0022
+    the text frozen when it was written, not today's: 0017 brings later ones, 0023
     today's."""
     check_postgres()
     revisions = _revisions()
@@ -443,10 +444,11 @@ def test_upgrading_one_revision_at_a_time_gives_a_fresh_install() -> None:
         assert set(at["0016"]) == set(today) == {guard, admit, "budget_tasks_finish"}
         assert at["0016"][admit] != today[admit]
         # 0019's settlement stores a labelled call's answer with the run's end; 0020's
-        # writes what the answer said it used; 0022's gives back to the rate windows
+        # writes what the answer said it used; 0022's gives back to the rate windows;
+        # 0023's narrows them net of their lines
         finish = "budget_tasks_finish"
         assert at["0018"][finish] != at["0019"][finish] != at["0020"][finish]
-        assert at["0020"][finish] != today[finish] == at["0022"][finish]
+        assert at["0020"][finish] != at["0022"][finish] != today[finish] == at["0023"][finish]
         assert at[HEAD] == today
         a, b = describe(migrated), describe(created)
         assert a["triggers"] and a["functions"] and "audit_partitions" in a

@@ -64,7 +64,14 @@ from budget_tasks.errors import (
 )
 from budget_tasks.ledger import CallFacts, partitions
 from budget_tasks.ledger.operations import Decision, OperationStart
-from budget_tasks.ledger.records import Answered, CallAsk, CallEnd, RateAsk, RateClaim
+from budget_tasks.ledger.records import (
+    Answered,
+    CallAsk,
+    CallEnd,
+    RateAsk,
+    RateClaim,
+    RateSeen,
+)
 from budget_tasks.metrics import LedgerCollector
 from budget_tasks.testing import ManualClock
 
@@ -92,6 +99,21 @@ SEEN: Counter[str] = Counter()
 def event(what: str) -> None:
     SEEN[what] += 1
     hypothesis_event(what)
+
+
+@st.composite
+def said_remains(draw: Callable[..., Any], now_ms: int) -> RateSeen | None:
+    """What an answer's rate headers may say: nothing; what remains of its model's
+    requests or tokens, a moment ago; a limit lower or higher than the window's."""
+    if not draw(st.booleans()):
+        return None
+    return RateSeen(
+        now_ms - draw(st.sampled_from([0, 1_500])),
+        requests=draw(st.sampled_from([None, 0, 1, 5, 100])),
+        tokens=draw(st.sampled_from([None, 0, 40, 1_000])),
+        requests_limit=draw(st.sampled_from([None, 1, 3, 1_000])),
+        tokens_limit=draw(st.sampled_from([None, 50, 10_000])),
+    )
 
 
 # retention's shortest window: a month is due a day after it ends
@@ -160,6 +182,11 @@ class Combined(RuleBasedStateMachine):
             # Retention archives whole months, every budget's: each tree starts alone.
             fresh_months(self.url)
             self.ledger.upkeep.make_partitions(ahead=12)
+        else:
+            # beat drops every provider's abandoned bookings: an earlier tree's too
+            with self.ledger.engine.begin() as conn:
+                for table in ("rate_takes", "rate_shares", "rate_windows"):
+                    conn.execute(text(f"DELETE FROM {table}"))
 
     def teardown(self) -> None:
         self.ledger.dispose()
@@ -303,7 +330,7 @@ class Combined(RuleBasedStateMachine):
         self.model.set_limit(self.provider, scope, kind, per_minute)
         self.ledger.rates.set_limit(self.provider, scope, kind, per_minute)
 
-    @rule(seconds=st.sampled_from([1, 7, 30]))
+    @rule(seconds=st.sampled_from([1, 7, 30, 3_700]))
     def wait_seconds(self, seconds: int) -> None:
         """Time for the rate windows to refill and booked calls to fall due."""
         self.clock.advance(seconds=seconds)
@@ -330,16 +357,46 @@ class Combined(RuleBasedStateMachine):
         # what the vendor counted of its tokens (a rated call's take gives back the rest)
         tokens = data.draw(st.sampled_from([None, 0, 12, 30]))
         counted = None if tokens is None else {"requests": 1, "tokens": tokens}
-        self.model.settle(key, actual, counted)
-        said = Answered(counted=None if tokens is None else RateAsk(1, tokens))
+        # what its answer's rate headers said: the world changing under the windows
+        seen = data.draw(said_remains(self.now_ms()))
+        self.model.settle(key, actual, counted, seen)
+        said = Answered(counted=None if tokens is None else RateAsk(1, tokens), seen=seen)
         assert self.ledger.calls.settle(self.real(key), actual, answered=said) is True
+        if seen is not None:
+            event("settled: the provider said what remains")
 
     @precondition(lambda self: self.keys(*STATES, runs=False))
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), retry_after=st.sampled_from([None, 0, 3_000, 30_000]))
+    def release(self, data: st.DataObject, retry_after: int | None) -> None:
+        """Released: not billed; or refused by the provider's 429 (a quota other
+        software shares), which owes its retry-after on the call's windows."""
         key = data.draw(st.sampled_from(self.keys(*STATES, runs=False)))
-        self.model.release(key)
-        assert self.ledger.calls.release(self.real(key), "not billed") is True
+        seen = None if retry_after is None else RateSeen(self.now_ms(), wait_ms=retry_after)
+        self.model.release(key, seen=seen)
+        assert self.ledger.calls.release(self.real(key), "not billed", seen=seen) is True
+        if retry_after:
+            event("released: a 429")
+
+    def now_ms(self) -> int:
+        return int(self.clock().timestamp() * 1000)
+
+    @precondition(lambda self: self.names)
+    @rule(data=st.data(), weight=st.sampled_from([None, 1, 3]))
+    def weigh_a_tenant(self, data: st.DataObject, weight: int | None) -> None:
+        """An operator gives a budget its weight in the windows its calls share."""
+        name = data.draw(st.sampled_from(self.names))
+        self.model.set_rate_weight(name, weight)
+        self.ledger.rates.set_weight(self.real(name), weight)
+
+    @rule()
+    def drop_abandoned_bookings(self) -> None:
+        """Beat drops the bookings no call came back for, an hour after they were
+        told to come back."""
+        gone = self.model.drop_abandoned(self.model.now - timedelta(hours=1))
+        assert self.ledger.upkeep.drop_abandoned_bookings() == gone
+        if gone:
+            event("abandoned bookings dropped")
+            self.booked = [b for b in self.booked if self.model.turn(b[1]) is not None]
 
     @precondition(lambda self: self.keys("unknown", runs=False))
     @rule(data=st.data(), actual=st.sampled_from([0, 5, 60, 200]))
@@ -629,6 +686,15 @@ class Combined(RuleBasedStateMachine):
             if w.provider == self.provider
         }
         assert shown == self.model.rate_levels()
+
+    @invariant()
+    def every_waiting_calls_turn_equals_the_model(self) -> None:
+        """A booked call's turn, read now, is the model's: the world's changes since it
+        was booked (limits, headers, 429s, tokens given back, other tenants) move it."""
+        for _, key, _, _ in self.booked:
+            turn = self.model.turn(key)
+            want = None if turn is None else turn.wait_ms / 1000
+            assert self.ledger.calls.rate_turn(self.real(key)) == want, key
 
     def status(self) -> dict[str, dict[str, Any]]:
         """``budget-tasks status --json``, run by click on this ledger."""

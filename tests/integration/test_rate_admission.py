@@ -92,11 +92,13 @@ def test_a_window_admits_exactly_its_limit_and_books_the_next_call(rated: Ledger
     assert rated.balance("team").held == 300
     # the window owes the booked request: it stands below 0
     assert level(rated, "requests") == -1
-    # back 1 ms early: still booked, told the time left, nothing taken again
+    # back 1 ms early: still booked, nothing taken again, told the time its last
+    # thousandth of a request takes to refill (the level counts in thousandths: never
+    # a wait shorter than the refill)
     rated.clock.advance(seconds=19.999)  # type: ignore[attr-defined]
     with pytest.raises(RateWindowFull) as early:
         send(rated, "k3")
-    assert early.value.wait_ms == 1
+    assert early.value.wait_ms == 20 and early.value.key == "k3"
     rated.clock.advance(seconds=0.001)  # type: ignore[attr-defined]
     send(rated, "k3")  # due: sent without taking again
     assert level(rated, "requests") == 0
@@ -306,11 +308,13 @@ def test_a_429_puts_the_window_in_debt_for_its_retry_after(rated: Ledger) -> Non
     assert full.value.wait_ms == 4_000  # the 3 s owed, then its own turn
 
 
-def test_a_busy_scope_delays_no_other_and_a_busy_tenant_starves_no_one(rated: Ledger) -> None:
-    """Two models, each its own limit: a queue on one keeps nothing of the other
-    waiting. Two tenants (budgets) on one model: their calls are booked in order of
-    arrival, so the second tenant's call is sent before the first tenant's later
-    ones, however many that tenant sends."""
+def test_a_busy_scope_delays_no_other_and_a_flooding_tenant_starves_no_one(
+    rated: Ledger,
+) -> None:
+    """Two models, each its own limit: a line on one keeps nothing of the other
+    waiting. Two tenants (budgets) on one model: the second tenant's call waits behind
+    the first tenant's first booked call only, not behind the twenty it queued, and
+    the flooding tenant's next call waits behind both."""
     rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 6)
     rated.rates.set_limit("openai", "gpt-4.1-nano", "requests", 6)
     rated.create_budget("other-tenant", 1_000_000)
@@ -318,27 +322,31 @@ def test_a_busy_scope_delays_no_other_and_a_busy_tenant_starves_no_one(rated: Le
     for n in range(6):
         send(rated, f"busy{n}")
     waits = {}
-    for n in range(6, 26):  # the busy tenant's queue: 20 calls, 10 s apart
+    for n in range(6, 26):  # the busy tenant's line: 20 calls, 10 s apart
         with pytest.raises(RateWindowFull) as full:
             send(rated, f"busy{n}")
         waits[f"busy{n}"] = full.value.wait_ms
-    assert waits["busy25"] == 200_000
+    assert waits["busy6"] == 10_000 and waits["busy25"] == 200_000
     # the other model: sent at once
     send(rated, "nano-0", claim=nano)
     assert rated.attempt("nano-0").state == "sending"
-    # the other tenant, on the busy model: booked behind the 20, not behind what the
-    # busy tenant sends after it
+    # the other tenant, on the busy model: second in line
     with pytest.raises(RateWindowFull) as theirs:
         rated.calls.reserve("other-tenant", "t2", 100, grant=CallFacts(rate=MINI))
-    assert theirs.value.wait_ms == 210_000
+    assert theirs.value.wait_ms == 20_000
+    # the busy tenant's own calls moved back by one turn, in their order
+    assert rated.calls.rate_turn("busy6") == 10.0
+    assert rated.calls.rate_turn("busy7") == 30.0
+    assert rated.calls.rate_turn("busy25") == 210.0
     with pytest.raises(RateWindowFull) as later:
         send(rated, "busy26")
     assert later.value.wait_ms == 220_000
-    rated.clock.advance(seconds=210)  # type: ignore[attr-defined]
+    rated.clock.advance(seconds=20)  # type: ignore[attr-defined]
+    send(rated, "busy6")
     rated.calls.reserve("other-tenant", "t2", 100, grant=CallFacts(rate=MINI))
     assert rated.attempt("t2").state == "sending"
     with pytest.raises(RateWindowFull):
-        send(rated, "busy26")  # its turn is 10 s later
+        send(rated, "busy7")  # its turn is 10 s later
 
 
 def test_a_call_its_budget_refuses_is_refused_not_booked_ahead_of_those_that_can_pay(
@@ -356,7 +364,7 @@ def test_a_call_its_budget_refuses_is_refused_not_booked_ahead_of_those_that_can
     assert funded.value.wait_ms == 60_000  # next in line, not behind the refused
 
 
-def test_a_limit_lowered_while_owed_owes_at_most_an_hour_of_the_new_one(
+def test_a_limit_lowered_while_calls_wait_keeps_them_all_in_line_at_the_new_rate(
     rated: Ledger,
 ) -> None:
     rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 100)
@@ -364,13 +372,15 @@ def test_a_limit_lowered_while_owed_owes_at_most_an_hour_of_the_new_one(
         with contextlib.suppress(RateWindowFull):
             send(rated, f"k{n}", amount=0)
     assert level(rated, "requests") == -70  # 70 calls booked ahead
-    rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 2)
-    assert level(rated, "requests") == -70  # within an hour of 2 a minute: kept
     rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 1)
-    assert level(rated, "requests") == -60  # an hour of the new limit, no more
+    # every booked call keeps its place; the last one's turn is 70 minutes away
+    assert level(rated, "requests") == -70
+    assert [w.booked for w in rated.rates.windows()] == [70]
+    assert rated.calls.rate_turn("k100") == 60.0
+    assert rated.calls.rate_turn("k169") == 70 * 60.0
 
 
-def test_bookings_no_call_came_back_for_are_dropped_an_hour_after_they_fell_due(
+def test_bookings_no_call_came_back_for_are_dropped_an_hour_after_they_were_due_back(
     rated: Ledger,
 ) -> None:
     rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 60)
@@ -379,12 +389,14 @@ def test_bookings_no_call_came_back_for_are_dropped_an_hour_after_they_fell_due(
             send(rated, f"k{n}")
     assert [w.booked for w in rated.rates.windows()] == [2]
     rated.clock.advance(minutes=60)  # type: ignore[attr-defined]
-    assert rated.upkeep.drop_abandoned_bookings() == 0  # due at 1 s and 2 s: not yet
+    assert rated.upkeep.drop_abandoned_bookings() == 0  # told 1 s and 2 s: not yet
     rated.clock.advance(seconds=1.5)  # type: ignore[attr-defined]
     assert rated.upkeep.drop_abandoned_bookings() == 1
     rated.clock.advance(seconds=1)  # type: ignore[attr-defined]
     assert rated.upkeep.drop_abandoned_bookings() == 1
     assert [w.booked for w in rated.rates.windows()] == [0]
+    # what they booked went back (the window, idle an hour, is full anyway)
+    assert level(rated, "requests") == 60
     assert takes(rated) == 60  # the sent calls' takes stay until they settle
 
 

@@ -114,10 +114,11 @@ DUMPS = {
         WHERE b.name LIKE %(prefix)s ORDER BY j.id""",
     # each machine's windows are its own provider's (named after its prefix)
     "rate_windows": """
-        SELECT scope, kind, per_minute, level, refilled_ms FROM rate_windows
-        WHERE provider LIKE %(prefix)s ORDER BY scope, kind""",
+        SELECT scope, kind, per_minute, level, refilled_ms, booked, vtime, arrivals
+        FROM rate_windows WHERE provider LIKE %(prefix)s ORDER BY scope, kind""",
     "rate_takes": """
-        SELECT t.key, w.scope, w.kind, t.taken, t.due_ms FROM rate_takes t
+        SELECT t.key, w.scope, w.kind, t.taken, t.back_ms, t.own, t.tag, t.arrival
+        FROM rate_takes t
         JOIN rate_windows w ON w.id = t.window_id
         WHERE t.key LIKE %(prefix)s ORDER BY t.key, w.scope, w.kind""",
     "side_effects": """

@@ -15,7 +15,7 @@ has a row per period row it changes (slices, escrow): compare sums per budget an
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 
 from budget_tasks.ledger.periods import (
@@ -26,6 +26,7 @@ from budget_tasks.ledger.periods import (
     previous_period_start,
 )
 from budget_tasks.ledger.periods import Period as Kind
+from budget_tasks.ledger.records import RateSeen
 
 PERIODS = ("none", "day", "week", "month")
 RENEWALS = ("reset", "rollover")
@@ -118,6 +119,8 @@ class Budget:
     escrow: bool
     slices: int
     frozen: bool = False
+    #: its weight in the rate windows its calls share (None: none of its own)
+    rate_weight: int | None = None
 
 
 @dataclass
@@ -202,7 +205,9 @@ class Operation:
 @dataclass
 class RateWindow:
     """A provider's rate limit for a scope: a bucket of ``per_minute`` (in thousandths,
-    ``level``) refilled continuously as of ``refilled_ms``; below 0 by what is booked."""
+    ``level``) refilled continuously as of ``refilled_ms``; below 0 by what is booked
+    in its line (``booked``) and by a 429's retry-after. ``vtime``: the line's present
+    (the place of its last booking sent); ``arrivals``: how many calls joined it."""
 
     id: int
     provider: str
@@ -211,18 +216,40 @@ class RateWindow:
     per_minute: int
     level: int
     refilled_ms: int
+    booked: int = 0
+    vtime: int = 0
+    arrivals: int = 0
 
 
-#: How many minutes of its limit a window may owe to calls booked ahead.
-OWED_MINUTES = 60
+@dataclass(frozen=True)
+class RateTake:
+    """What a key took from a window (units); booked in its line where ``back_ms`` is
+    set: at virtual time ``tag``, arrival ``arrival``."""
+
+    taken: int
+    own: bool
+    back_ms: int | None = None
+    tag: int = 0
+    arrival: int = 0
+
+
+#: How many minutes of its limit a window's line of booked calls may owe, and a window
+#: in all (its line and a 429's retry-after on top).
+BOOKED_MINUTES = 1440
+OWED_MINUTES = 2880
+#: The longest a window's refill is counted for (what fills it from the most it owes).
+REFILL_MOST_MS = 2881 * 60_000
+#: A tenant's booking moves its place in a line by its ask times this over its weight.
+WEIGHT_SCALE = 1000
 
 
 def _refill_ms(thousandths: int, per_minute: int) -> int:
     return max(1, -(-thousandths * 60 // per_minute))
 
 
+Takes = dict[str, dict[int, RateTake]]
 #: What the rate windows' state is saved as, to undo a transaction that rolled back.
-Saved = tuple[dict[int, tuple[int, int]], dict[str, dict[int, tuple[int, int | None, bool]]]]
+Saved = tuple[dict[int, RateWindow], Takes, dict[tuple[int, str], int]]
 
 
 def _ms(moment: datetime) -> int:
@@ -235,14 +262,21 @@ class RateRules:
 
     now: datetime
     windows: dict[tuple[str, str, str], RateWindow]
-    rate_takes: dict[str, dict[int, tuple[int, int | None, bool]]]
+    rate_takes: Takes
+    #: each tenant's place in each window's line: where its last booking ends
+    rate_shares: dict[tuple[int, str], int]
     _window_ids: int
+
+    def tenant_of(self, budget: str) -> tuple[str, int]:
+        """Rule (tenants): a call shares its windows as the nearest budget of its
+        chain (its own first) that has a rate weight, else as its own at weight 1."""
+        raise NotImplementedError
 
     def _level(self, w: RateWindow) -> int:
         """Rule (refill): per_minute a minute, continuously, never past per_minute, for
-        no time backwards and at most the 61 minutes that fill it from the most owed."""
+        no time backwards and at most the time that fills it from the most owed."""
         now = _ms(self.now)
-        elapsed = 0 if now <= w.refilled_ms else min(now - w.refilled_ms, 3_660_000)
+        elapsed = 0 if now <= w.refilled_ms else min(now - w.refilled_ms, REFILL_MOST_MS)
         return min(w.per_minute * 1000, w.level + w.per_minute * elapsed // 60)
 
     def _set_level(self, w: RateWindow, level: int) -> None:
@@ -250,7 +284,8 @@ class RateRules:
 
     def set_limit(self, provider: str, scope: str, kind: str, per_minute: int) -> None:
         """Rule (a limit): a new window starts full; a changed one keeps what it held,
-        refilled at its old rate, never more than its new limit."""
+        refilled at its old rate, never more than its new limit nor owing more than
+        two days of it. Its booked calls keep their places (their turns follow)."""
         w = self.windows.get((provider, scope, kind))
         if w is None:
             self._window_ids += 1
@@ -265,6 +300,7 @@ class RateRules:
             )
             return
         level = min(self._level(w), per_minute * 1000)
+        level = max(level, -per_minute * OWED_MINUTES * 60 * 1000)
         w.per_minute = per_minute
         self._set_level(w, level)
 
@@ -283,18 +319,40 @@ class RateRules:
     def _by_id(self, window_id: int) -> RateWindow | None:
         return next((w for w in self.windows.values() if w.id == window_id), None)
 
-    def _due(self, key: str) -> int | None:
-        """When what ``key`` booked falls due (None: nothing booked, or taken)."""
-        dues = [due for _, due, _ in self.rate_takes.get(key, {}).values()]
-        if not dues or None in dues:
-            return None
-        return max(d for d in dues if d is not None)
+    def _booked_rows(self, key: str) -> dict[int, RateTake]:
+        return {i: t for i, t in self.rate_takes.get(key, {}).items() if t.back_ms is not None}
+
+    def turn(self, key: str) -> RateWindowFull | None:
+        """Rule (a booking's turn): read from the windows as they stand, never written
+        down: on each window it has come once the level refilled to now plus all that
+        is booked covers the line up to and including this booking (ordered by
+        virtual time, then arrival); the longest of its windows. None: not booked."""
+        longest: RateWindowFull | None = None
+        for window_id, mine in sorted(self._booked_rows(key).items()):
+            w = self._by_id(window_id)
+            if w is None:
+                continue
+            ahead = sum(
+                t[window_id].taken
+                for t in self.rate_takes.values()
+                if window_id in t
+                and t[window_id].back_ms is not None
+                and (t[window_id].tag, t[window_id].arrival) <= (mine.tag, mine.arrival)
+            )
+            short = ahead * 1000 - (self._level(w) + w.booked)
+            wait = _refill_ms(short, w.per_minute) if short > 0 else 0
+            if longest is None or wait > longest.wait_ms:
+                longest = RateWindowFull(w.scope, w.kind, wait)
+        return longest
 
     def _unbook(self, key: str) -> None:
-        for window_id, (taken, _, _) in self.rate_takes.pop(key, {}).items():
+        """Drop what ``key`` booked or took (never sent): all of it back."""
+        for window_id, t in self.rate_takes.pop(key, {}).items():
             w = self._by_id(window_id)
             if w is not None:
-                self._set_level(w, min(self._level(w) + taken * 1000, w.per_minute * 1000))
+                self._set_level(w, min(self._level(w) + t.taken * 1000, w.per_minute * 1000))
+                if t.back_ms is not None:
+                    w.booked -= t.taken * 1000
 
     def take_rate(
         self,
@@ -303,114 +361,166 @@ class RateRules:
         scopes: tuple[str, ...],
         ask: dict[str, int],
         own: tuple[str, ...],
-    ) -> int | None:
+    ) -> bool:
         """Rule (rate admission): a granted call takes its ask from every window of its
-        provider whose scope is its, all or none, before its money is admitted. An ask
-        past a whole limit is refused for good. A booking of the key come due is taken
-        instead. Returns None when taken; else when the key's booking falls due (0: a
-        window was short, nothing booked yet): a budget that refuses the call refuses
-        it, else the call is booked ahead (:meth:`_booked`)."""
+        provider whose scope is its, all or none, before its money is admitted; only
+        the room no booked call waits for (the level is net of them). An ask past a
+        whole limit is refused for good. A booking of the key whose turn has come is
+        sent instead: it leaves the line, and the line's present reaches its place.
+        False: short (a budget that refuses the call refuses it, else it is booked:
+        :meth:`_book`)."""
         windows = self._claimed(provider, scopes, ask)
         if not windows:
-            return None
+            return True
         for w in windows:
             if ask[w.kind] > w.per_minute:
                 raise RateAskTooLarge(w.scope, w.kind)
-        now = _ms(self.now)
-        booked = self.rate_takes.get(key)
-        saved = self._save()
-        if booked:
-            due = self._due(key)
-            if due is not None:
-                if due > now:
-                    return due
-                if all(booked.get(w.id, (-1, 0, False))[0] >= ask[w.kind] for w in windows):
-                    self.rate_takes[key] = {i: (t, None, o) for i, (t, _, o) in booked.items()}
-                    return None
+        taken = self.rate_takes.get(key)
+        if taken:
+            booked = self._booked_rows(key)
+            if booked and all(
+                w.id in booked and booked[w.id].taken == ask[w.kind] for w in windows
+            ):
+                turn = self.turn(key)
+                if turn is not None and turn.wait_ms > 0:
+                    return False
+                for window_id, t in booked.items():
+                    w = self._by_id(window_id)
+                    if w is not None:
+                        w.booked -= t.taken * 1000
+                        w.vtime = max(w.vtime, t.tag)
+                self.rate_takes[key] = {
+                    i: RateTake(t.taken, t.own) for i, t in self.rate_takes[key].items()
+                }
+                return True
             self._unbook(key)
-        taken = {}
+        saved = self._save()
+        took = {}
         for w in windows:
             level = self._level(w)
             if level < ask[w.kind] * 1000:
                 self._restore(saved)
-                return 0
+                return False
             self._set_level(w, level - ask[w.kind] * 1000)
-            taken[w.id] = (ask[w.kind], None, w.scope in own)
-        self.rate_takes[key] = taken
-        return None
-
-    def _booked(
-        self,
-        key: str,
-        due: int,
-        provider: str,
-        scopes: tuple[str, ...],
-        ask: dict[str, int],
-        own: tuple[str, ...],
-    ) -> RateWindowFull:
-        """Rule (booking ahead): what a call short of its windows is told: the time
-        left on its booking, or a new booking (each window going below 0 by its ask, at
-        most an hour of its limit, all due with the one that keeps it longest)."""
-        if due:
-            return RateWindowFull(scopes[0], "requests", due - _ms(self.now))
-        return self._book(key, provider, scopes, ask, own)
+            took[w.id] = RateTake(ask[w.kind], w.scope in own)
+        self.rate_takes[key] = took
+        return True
 
     def _book(
         self,
         key: str,
+        budget: str,
         provider: str,
         scopes: tuple[str, ...],
         ask: dict[str, int],
         own: tuple[str, ...],
     ) -> RateWindowFull:
-        saved = self._save()
-        now = _ms(self.now)
-        booked = self.rate_takes.get(key)
-        if booked:
-            due = self._due(key)
-            if due is not None and due > now:
-                return RateWindowFull(scopes[0], "requests", due - now)
+        """Rule (waiting in line): a call short of its windows takes its place in each
+        window's line (a booking already made keeps its own) and is told its turn.
+        Its level goes below 0 by its ask (a day of the limit at most: else nothing is
+        booked, and it is told when there would be room in the line). Its place: its
+        tenant's last place there, or the line's present if later; each booking moves
+        its tenant on by its ask times WEIGHT_SCALE over its weight."""
+        if self._booked_rows(key):
+            turn = self.turn(key)
+            assert turn is not None
+            self._told(key, turn.wait_ms)
+            return turn
+        if key in self.rate_takes:
             self._unbook(key)
-        longest = (scopes[0], "requests", 1)
-        taken = {}
+        saved = self._save()
+        tenant, weight = self.tenant_of(budget)
+        booked = {}
         for w in self._claimed(provider, scopes, ask):
             want = ask[w.kind] * 1000
-            level = self._level(w) - want
-            if level < -w.per_minute * OWED_MINUTES * 60 * 1000:
-                over = want - (self._level(w) + w.per_minute * OWED_MINUTES * 60 * 1000)
+            level = self._level(w)
+            most = w.per_minute * BOOKED_MINUTES * 60 * 1000
+            if level - want < -most:
                 self._restore(saved)
-                return RateWindowFull(w.scope, w.kind, _refill_ms(over, w.per_minute))
-            self._set_level(w, level)
-            wait = _refill_ms(-level, w.per_minute) if level < 0 else 1
-            if wait > longest[2]:
-                longest = (w.scope, w.kind, wait)
-            taken[w.id] = (ask[w.kind], 0, w.scope in own)
-        self.rate_takes[key] = {i: (t, now + longest[2], o) for i, (t, _, o) in taken.items()}
-        return RateWindowFull(*longest)
+                wait = _refill_ms(want - most - level, w.per_minute)
+                return RateWindowFull(w.scope, w.kind, wait)
+            self._set_level(w, level - want)
+            w.booked += want
+            w.arrivals += 1
+            start = max(w.vtime, self.rate_shares.get((w.id, tenant), w.vtime))
+            self.rate_shares[(w.id, tenant)] = start - (-ask[w.kind] * WEIGHT_SCALE // weight)
+            booked[w.id] = RateTake(ask[w.kind], w.scope in own, 0, start, w.arrivals)
+        self.rate_takes[key] = booked
+        turn = self.turn(key)
+        if turn is None:
+            return RateWindowFull(scopes[0], "requests", 0)
+        self._told(key, turn.wait_ms)
+        return turn
+
+    def _told(self, key: str, wait_ms: int) -> None:
+        back = _ms(self.now) + wait_ms
+        self.rate_takes[key] = {
+            i: RateTake(t.taken, t.own, back, t.tag, t.arrival)
+            for i, t in self.rate_takes[key].items()
+        }
 
     def _save(self) -> Saved:
         return (
-            {w.id: (w.level, w.refilled_ms) for w in self.windows.values()},
+            {w.id: replace(w) for w in self.windows.values()},
             {k: dict(v) for k, v in self.rate_takes.items()},
+            dict(self.rate_shares),
         )
 
     def _restore(self, saved: Saved) -> None:
-        levels, takes = saved
-        for w in self.windows.values():
-            w.level, w.refilled_ms = levels[w.id]
-        self.rate_takes = takes
+        windows, takes, shares = saved
+        for k, w in self.windows.items():
+            self.windows[k] = windows[w.id]
+        self.rate_takes, self.rate_shares = takes, shares
 
-    def give_rate_back(self, key: str, counted: dict[str, int] | None) -> None:
+    def give_rate_back(
+        self, key: str, counted: dict[str, int] | None, seen: RateSeen | None = None
+    ) -> None:
         """Rule (rate settlement): a settled call's windows get back what it took and
         its vendor did not count (``counted``), a released call's every token (the
-        request sent stays counted), an unknown call's nothing; its takes are gone."""
-        for window_id, (taken, _, _) in self.rate_takes.pop(key, {}).items():
+        request sent stays counted), an unknown call's nothing; its takes are gone.
+        Then each is narrowed to what the answer said (``seen``): the level capped at
+        what the provider says it has room for, refilled since (a 429's retry-after
+        owed, an hour at most), less what is booked in the window's line (the provider
+        has not seen those calls); a stated limit below the window's lowers the call's
+        own model's windows. Never widened."""
+        for window_id, t in self.rate_takes.pop(key, {}).items():
             w = self._by_id(window_id)
-            if w is None or counted is None or w.kind == "requests":
+            if w is None:
                 continue
-            back = max(0, taken - counted.get(w.kind, 0)) * 1000
-            if back:
-                self._set_level(w, min(self._level(w) + back, w.per_minute * 1000))
+            if counted is not None and w.kind != "requests":
+                back = max(0, t.taken - counted.get(w.kind, 0)) * 1000
+                if back:
+                    self._set_level(w, min(self._level(w) + back, w.per_minute * 1000))
+            told = _narrowing(seen, w.kind, t.own)
+            if seen is not None and told is not None:
+                self._narrow(w, seen.at_ms, *told, own=t.own)
+
+    def _narrow(
+        self, w: RateWindow, at_ms: int, remaining: int, wait_ms: int, stated: int | None, own: bool
+    ) -> None:
+        now = _ms(self.now)
+        since = 0 if now <= at_ms else min(now - at_ms, 3_660_000)
+        room = remaining * 1000 - w.per_minute * wait_ms // 60 + w.per_minute * since // 60
+        cap = max(room, -w.per_minute * 60_000) - w.booked
+        limit = stated if own and stated is not None and stated < w.per_minute else w.per_minute
+        level = self._level(w)
+        if not (level > cap or limit < w.per_minute):
+            return
+        w.per_minute = limit
+        self._set_level(w, max(min(level, cap, limit * 1000), -limit * OWED_MINUTES * 60 * 1000))
+
+    def drop_abandoned(self, before: datetime) -> int:
+        """Rule (abandoned bookings): a booking told to come back before ``before``
+        that never did is dropped, what it booked given back (the calls behind it move
+        up)."""
+        gone = sorted(
+            key
+            for key, t in self.rate_takes.items()
+            if any(x.back_ms is not None and x.back_ms < _ms(before) for x in t.values())
+        )
+        for key in gone:
+            self._unbook(key)
+        return len(gone)
 
     def rate_levels(self) -> dict[tuple[str, str, str], tuple[int, float, int]]:
         """Each window as ``ledger.rates.windows()`` shows it: limit, what it holds now
@@ -419,10 +529,32 @@ class RateRules:
             k: (
                 w.per_minute,
                 self._level(w) / 1000,
-                sum(1 for t in self.rate_takes.values() if w.id in t and t[w.id][1] is not None),
+                sum(
+                    1 for t in self.rate_takes.values() if w.id in t and t[w.id].back_ms is not None
+                ),
             )
             for k, w in self.windows.items()
         }
+
+
+def _narrowing(seen: RateSeen | None, kind: str, own: bool) -> tuple[int, int, int | None] | None:
+    """Rule (what an answer tells a window): ``(remaining, wait, stated limit)`` of
+    ``kind`` where the window is the call's own model's; a shared window only a 429
+    that named no limit at all (nothing remains, owing its retry-after); else None."""
+    if seen is None:
+        return None
+    remaining = getattr(seen, kind) if own else None
+    stated = getattr(seen, f"{kind}_limit") if own else None
+    if remaining is None and stated is None:
+        kinds = ("requests", "tokens", "input_tokens", "output_tokens")
+        said = any(getattr(seen, k) is not None for k in kinds)
+        if said or not seen.wait_ms:
+            return None
+        remaining = 0
+    wait = min(seen.wait_ms, 3_600_000) if remaining == 0 else 0
+    remaining = 10**12 if remaining is None else min(remaining, 10**12)
+    stated = None if stated is None else min(stated, 10**12)
+    return remaining, wait, stated
 
 
 class LedgerModel(RateRules):
@@ -439,8 +571,9 @@ class LedgerModel(RateRules):
         self.journal: list[Entry] = []
         self.archived: set[datetime] = set()
         self.windows: dict[tuple[str, str, str], RateWindow] = {}
-        #: what each key took (or booked: a due time) from each window, by window id
-        self.rate_takes: dict[str, dict[int, tuple[int, int | None, bool]]] = {}
+        #: what each key took (or booked, waiting its turn) from each window, by id
+        self.rate_takes: Takes = {}
+        self.rate_shares: dict[tuple[int, str], int] = {}
         self._window_ids = 0
 
     def advance(self, to: datetime) -> None:
@@ -454,6 +587,19 @@ class LedgerModel(RateRules):
         if name not in self.budgets:
             raise UnknownBudget(name)
         return self.budgets[name]
+
+    def tenant_of(self, budget: str) -> tuple[str, int]:
+        for b in self.chain(budget):
+            if b.rate_weight is not None:
+                return b.name, b.rate_weight
+        return budget, 1
+
+    def set_rate_weight(self, budget: str, weight: int | None) -> None:
+        """Rule (a tenant's weight): 1 to 1000, or None; it counts from the next
+        booking on (places already taken stay)."""
+        if weight is not None and not 1 <= weight <= 1000:
+            raise ValueError(weight)
+        self.budget(budget).rate_weight = weight
 
     def usable(self, name: str) -> int:
         """What one admission on ``name`` could take now: the least available along its
@@ -688,7 +834,7 @@ class LedgerModel(RateRules):
                 raise IdempotencyConflict(key)
             return found
         saved = self._save()
-        short = None if rate is None else self.take_rate(key, *rate)
+        taken = True if rate is None else self.take_rate(key, *rate)
         try:
             for b in reversed(chain):
                 if b.frozen:
@@ -699,10 +845,10 @@ class LedgerModel(RateRules):
         except (BudgetFrozen, BudgetExceeded):
             self._restore(saved)  # one transaction: what the windows gave rolls back
             raise
-        if rate is not None and short is not None:
-            # a window was short and the budget has room: booked ahead, in order
+        if rate is not None and not taken:
+            # a window was short and the budget has room: it waits in line
             self._restore(saved)
-            raise self._booked(key, short, *rate)
+            raise self._book(key, budget, *rate)
         holds_in = {period.budget: period.start for period in periods}
         made = Attempt(key, budget, amount, holds_in, reason, operation)
         self.attempts[key] = made
@@ -733,17 +879,23 @@ class LedgerModel(RateRules):
         self.give_rate_back(key, None)
         return True
 
-    def settle(self, key: str, actual: int, counted: dict[str, int] | None = None) -> bool:
+    def settle(
+        self,
+        key: str,
+        actual: int,
+        counted: dict[str, int] | None = None,
+        seen: RateSeen | None = None,
+    ) -> bool:
         """Rule (settlement): from sending or unknown, held -= reserved and spent +=
         actual in every period the attempt holds in. An actual above the reservation is
         an overrun, charged as it is. Settling again at the same actual is a no-op
         (False); at another actual, a SettlementConflict."""
-        return self._resolve(key, money(actual, "actual"), "settled", counted)
+        return self._resolve(key, money(actual, "actual"), "settled", counted, seen)
 
-    def release(self, key: str, reason: str = "not billed") -> bool:
+    def release(self, key: str, reason: str = "not billed", seen: RateSeen | None = None) -> bool:
         """Rule (release): from reserved, sending or unknown, held -= reserved; nothing
         is charged. Releasing again is a no-op; releasing a charged attempt conflicts."""
-        return self._resolve(key, 0, "released", {})
+        return self._resolve(key, 0, "released", {}, seen)
 
     def resolve(self, key: str, actual: int) -> bool:
         """Rule (resolution): an operator or reconciliation settles at ``actual`` > 0
@@ -753,7 +905,12 @@ class LedgerModel(RateRules):
         return self.settle(key, actual)
 
     def _resolve(
-        self, key: str, actual: int, state: str, counted: dict[str, int] | None = None
+        self,
+        key: str,
+        actual: int,
+        state: str,
+        counted: dict[str, int] | None = None,
+        seen: RateSeen | None = None,
     ) -> bool:
         attempt = self.attempt(key)
         if attempt.state in ("settled", "released"):
@@ -767,7 +924,7 @@ class LedgerModel(RateRules):
         self._write(kind, attempt, held=-attempt.amount, spent=actual)
         attempt.state, attempt.actual = state, actual
         self._give_back_carry(attempt)
-        self.give_rate_back(key, counted)
+        self.give_rate_back(key, counted, seen)
         return True
 
     def adjust(self, key: str, delta: int, ref: str | None = None) -> bool:

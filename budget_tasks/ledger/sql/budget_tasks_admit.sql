@@ -90,13 +90,13 @@ BEGIN
             CONTINUE WHEN want = 0;
             -- statements.TAKE_RATE, statements.RECORD_RATE_TAKE
             UPDATE rate_windows SET level = (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+    WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
     THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) - want * 1000, refilled_ms = CASE WHEN r_now_ms > refilled_ms THEN r_now_ms ELSE refilled_ms END
+    WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 END) - want * 1000, refilled_ms = CASE WHEN r_now_ms > refilled_ms THEN r_now_ms ELSE refilled_ms END
             WHERE id = w.id AND (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+    WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
     THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) >= want * 1000;
+    WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 END) >= want * 1000;
             IF NOT FOUND THEN
                 RAISE EXCEPTION USING ERRCODE = 'BT001', MESSAGE = 'a rate window is short';
             END IF;

@@ -94,13 +94,13 @@ BEGIN
         IF back > 0 THEN
             -- statements.GIVE_RATE_BACK
             UPDATE rate_windows SET level = CASE WHEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+    WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
     THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) + back * 1000 >= per_minute * 1000
+    WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 END) + back * 1000 >= per_minute * 1000
                 THEN per_minute * 1000 ELSE (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+    WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
     THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-    WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) + back * 1000 END, refilled_ms = CASE WHEN r_now_ms > refilled_ms THEN r_now_ms ELSE refilled_ms END
+    WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 END) + back * 1000 END, refilled_ms = CASE WHEN r_now_ms > refilled_ms THEN r_now_ms ELSE refilled_ms END
             WHERE id = took.window_id;
         END IF;
         -- rate_takes.narrowing
@@ -120,101 +120,104 @@ BEGIN
         IF s_at_ms IS NOT NULL AND (remaining IS NOT NULL OR stated IS NOT NULL) THEN
             waited := CASE WHEN remaining = 0 THEN LEAST(s_wait_ms, 3600000) ELSE 0 END;
             remaining := LEAST(COALESCE(remaining, 1000000000000), 1000000000000);
-            stated := LEAST(stated, 1000000000000);
+            -- (LEAST would take a limit not stated for 10^12: it ignores NULL)
+            IF stated IS NOT NULL THEN
+                stated := LEAST(stated, 1000000000000);
+            END IF;
             -- statements.NARROW_RATE
             UPDATE rate_windows SET per_minute = (CASE WHEN took.own AND stated < per_minute
-                THEN stated ELSE per_minute END),
-                level = (CASE WHEN (CASE WHEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
-                THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) <= (CASE WHEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
-                ELSE (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) END) <= (CASE WHEN took.own AND stated < per_minute
-                THEN stated ELSE per_minute END) * 1000 THEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
-                ELSE (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) END) ELSE (CASE WHEN took.own AND stated < per_minute
-                THEN stated ELSE per_minute END) * 1000 END) THEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
-                THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) ELSE (CASE WHEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
-                ELSE (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) END) <= (CASE WHEN took.own AND stated < per_minute
-                THEN stated ELSE per_minute END) * 1000 THEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
-                ELSE (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) END) ELSE (CASE WHEN took.own AND stated < per_minute
-                THEN stated ELSE per_minute END) * 1000 END) END) >= -(CASE WHEN took.own AND stated < per_minute
-                THEN stated ELSE per_minute END) * 60000 THEN (CASE WHEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
-                THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) <= (CASE WHEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
-                ELSE (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) END) <= (CASE WHEN took.own AND stated < per_minute
-                THEN stated ELSE per_minute END) * 1000 THEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
-                ELSE (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) END) ELSE (CASE WHEN took.own AND stated < per_minute
-                THEN stated ELSE per_minute END) * 1000 END) THEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
-                THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) ELSE (CASE WHEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
-                ELSE (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) END) <= (CASE WHEN took.own AND stated < per_minute
-                THEN stated ELSE per_minute END) * 1000 THEN (CASE WHEN (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
-                ELSE (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) END) ELSE (CASE WHEN took.own AND stated < per_minute
-                THEN stated ELSE per_minute END) * 1000 END) END) ELSE -(CASE WHEN took.own AND stated < per_minute
-                THEN stated ELSE per_minute END) * 60000 END), refilled_ms = CASE WHEN r_now_ms > refilled_ms THEN r_now_ms ELSE refilled_ms END
+            THEN stated ELSE per_minute END),
+            level = (CASE WHEN (CASE WHEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+            WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+            THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+            WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 END) <= (CASE WHEN ((CASE WHEN (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+            ELSE (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) END) - booked) <= (CASE WHEN took.own AND stated < per_minute
+            THEN stated ELSE per_minute END) * 1000 THEN ((CASE WHEN (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+            ELSE (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) END) - booked) ELSE (CASE WHEN took.own AND stated < per_minute
+            THEN stated ELSE per_minute END) * 1000 END) THEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+            WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+            THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+            WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 END) ELSE (CASE WHEN ((CASE WHEN (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+            ELSE (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) END) - booked) <= (CASE WHEN took.own AND stated < per_minute
+            THEN stated ELSE per_minute END) * 1000 THEN ((CASE WHEN (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+            ELSE (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) END) - booked) ELSE (CASE WHEN took.own AND stated < per_minute
+            THEN stated ELSE per_minute END) * 1000 END) END) >= -(CASE WHEN took.own AND stated < per_minute
+            THEN stated ELSE per_minute END) * 2880000 THEN (CASE WHEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+            WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+            THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+            WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 END) <= (CASE WHEN ((CASE WHEN (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+            ELSE (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) END) - booked) <= (CASE WHEN took.own AND stated < per_minute
+            THEN stated ELSE per_minute END) * 1000 THEN ((CASE WHEN (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+            ELSE (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) END) - booked) ELSE (CASE WHEN took.own AND stated < per_minute
+            THEN stated ELSE per_minute END) * 1000 END) THEN (CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+            WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+            THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+            WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 END) ELSE (CASE WHEN ((CASE WHEN (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+            ELSE (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) END) - booked) <= (CASE WHEN took.own AND stated < per_minute
+            THEN stated ELSE per_minute END) * 1000 THEN ((CASE WHEN (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+            ELSE (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) END) - booked) ELSE (CASE WHEN took.own AND stated < per_minute
+            THEN stated ELSE per_minute END) * 1000 END) END) ELSE -(CASE WHEN took.own AND stated < per_minute
+            THEN stated ELSE per_minute END) * 2880000 END), refilled_ms = CASE WHEN r_now_ms > refilled_ms THEN r_now_ms ELSE refilled_ms END
             WHERE id = took.window_id AND ((CASE WHEN level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
-                THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
-                WHEN r_now_ms - refilled_ms >= 3660000 THEN 3660000 ELSE r_now_ms - refilled_ms END) / 60 END) > (CASE WHEN (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
-                ELSE (remaining * 1000 - per_minute * waited / 60
-                + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
-                WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
-                ELSE r_now_ms - s_at_ms END) / 60) END) OR (CASE WHEN took.own AND stated < per_minute
-                THEN stated ELSE per_minute END) < per_minute);
+            WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 >= per_minute * 1000
+            THEN per_minute * 1000 ELSE level + per_minute * (CASE WHEN r_now_ms <= refilled_ms THEN 0
+            WHEN r_now_ms - refilled_ms >= 172860000 THEN 172860000 ELSE r_now_ms - refilled_ms END) / 60 END) > ((CASE WHEN (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) < -per_minute * 60000 THEN -per_minute * 60000
+            ELSE (remaining * 1000 - per_minute * waited / 60
+            + per_minute * (CASE WHEN r_now_ms <= s_at_ms THEN 0
+            WHEN r_now_ms - s_at_ms >= 3660000 THEN 3660000
+            ELSE r_now_ms - s_at_ms END) / 60) END) - booked) OR (CASE WHEN took.own AND stated < per_minute
+            THEN stated ELSE per_minute END) < per_minute);
         END IF;
     END LOOP;
     DELETE FROM rate_takes WHERE key = p_key;
