@@ -12,15 +12,21 @@ compares one measure (input tokens, output tokens or cost) over one window and g
 - a window whose report may still grow (it ended less than ``settle`` ago) is
   ``pending``, never drift: the vendors' reports lag;
 - attempts still open (sent, their outcome unknown) are shown apart: a difference
-  they can account for (no more than what they hold, or the tokens they allow) is
-  ``open``, for reconciliation to settle, not drift;
+  they can account for (no more than what they hold, or the tokens of that measure
+  they allow) is ``open``, for reconciliation to settle, not drift;
+- settled attempts with no tokens recorded (settled by an operator, or before the
+  ledger kept them) account for no more than the tokens of that measure their
+  requests allowed: a difference within that is ``untold``, one beyond it drifts;
 - two neighbouring windows whose differences cancel (within the thresholds) are
   ``shifted``: a call sent as one window ended, counted by the vendor in the next;
-- a token line whose settled attempts include some with no tokens recorded (settled
-  by an operator, or before the ledger kept them) is ``untold``: not comparable;
-- a difference beyond both thresholds, the relative and the absolute, is ``drift``;
+- a difference beyond both thresholds, the relative and the absolute, once what the
+  open and untold attempts can account for is set aside, is ``drift``;
 - each group and measure also has a ``total`` line over its final windows, judged the
   same way: a leak too small for any one window to show adds up there.
+
+Keys are attributed by what the ledger recorded when a call was sent, its key's hint,
+never by what the key is called now: a key rotated or deleted since moves nothing
+(see :class:`_Groups`).
 
 Tokens are compared per usage bucket (1m, 1h or 1d); money per day, the cost reports'
 only bucket. This module reads; it never writes the ledger.
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -39,7 +45,15 @@ from .errors import DriftOff
 from .ledger import Ledger
 from .ledger.usage import UsageRow
 from .providers.base import SNAPSHOT_SUFFIX, Vendor
-from .providers.reports import BUCKETS, GROUPINGS, KeyInfo, ReportQuery, key_for
+from .providers.reports import (
+    BUCKETS,
+    GROUPINGS,
+    CostLine,
+    KeyInfo,
+    ReportQuery,
+    UsageLine,
+    hints_match,
+)
 
 #: What a line compares.
 MEASURES = ("input_tokens", "output_tokens", "cost")
@@ -47,6 +61,15 @@ MEASURES = ("input_tokens", "output_tokens", "cost")
 STATUSES = ("ok", "drift", "open", "shifted", "untold", "pending")
 #: The group of a line not grouped.
 ALL = "all"
+#: The group of the traffic of keys the vendor does not list (deleted, or never listed):
+#: the ledger's by their hints, the provider's by their ids, compared together.
+UNLISTED = "(unlisted keys)"
+#: The ledger's traffic whose key was not recorded, and the provider's named by no key.
+NO_KEY_RECORDED = "(no key recorded)"
+NO_KEY = "(no key)"
+#: The project (Anthropic: the workspace) of a key that names none.
+DEFAULT_PROJECT = "(default)"
+_TOKENS = ("input_tokens", "output_tokens")
 #: How long after a window ends its report is taken as final, by default: usage, and
 #: the daily costs (which the vendors take longer to count).
 DEFAULT_SETTLE = timedelta(hours=1)
@@ -78,6 +101,8 @@ class Threshold:
             raise ValueError("absolute thresholds are not negative")
 
     def beyond(self, measure: str, ledger: int, provider: int) -> bool:
+        """Whether two figures are apart by more than both thresholds (the relative one
+        taken of the larger)."""
         difference = abs(provider - ledger)
         absolute = self.money if measure == "cost" else self.tokens
         return difference > absolute and difference > self.relative * max(ledger, provider)
@@ -98,12 +123,16 @@ class DriftLine:
     ledger: int
     provider: int
     #: attempts of this window and group still open, and what they could account for
-    #: (the money they hold, or the tokens they allow)
+    #: (the money they hold, or the tokens of this measure they allow)
     open: int
     open_bound: int
     status: str
     #: a group's and measure's sum over its final windows (``start`` to ``end``)
     total: bool = False
+    #: settled attempts with no tokens recorded, and the tokens of this measure their
+    #: requests allowed
+    untold: int = 0
+    untold_bound: int = 0
 
     @property
     def difference(self) -> int:
@@ -122,6 +151,8 @@ class DriftLine:
             "open_bound": self.open_bound,
             "status": self.status,
             "total": self.total,
+            "untold": self.untold,
+            "untold_bound": self.untold_bound,
         }
 
 
@@ -183,48 +214,104 @@ def _floor(at: datetime, width: timedelta) -> datetime:
 
 @dataclass
 class _Sums:
+    """One window's (or a total's) figures of one group and measure."""
+
     ledger: int = 0
     provider: int = 0
     open: int = 0
+    #: what the open attempts can account for: the money they hold, or the tokens of
+    #: this measure they allow
     open_bound: int = 0
     untold: int = 0
+    #: the tokens of this measure the untold attempts' requests allowed
+    untold_bound: int = 0
+    #: open or untold attempts that recorded no bound: they allow any number
+    unbounded: int = 0
+    #: of a total: what such attempts accounted for in their own windows
+    unbounded_excess: int = 0
 
-    def add(self, other: _Sums) -> None:
-        self.ledger += other.ledger
-        self.provider += other.provider
-        self.open += other.open
-        self.open_bound += other.open_bound
-        self.untold += other.untold
+    def excuse(self) -> int:
+        """The most of the provider's excess the open and untold attempts can account
+        for: what each allowed, in each measure apart. One that allowed any number
+        accounts for its window's whole excess, and no other window's."""
+        bounded = self.open_bound + self.untold_bound + self.unbounded_excess
+        if self.unbounded:
+            return max(bounded, self.provider - self.ledger)
+        return bounded
+
+    def add(self, window: _Sums) -> None:
+        """Add ``window`` to this total."""
+        self.ledger += window.ledger
+        self.provider += window.provider
+        self.open += window.open
+        self.open_bound += window.open_bound
+        self.untold += window.untold
+        self.untold_bound += window.untold_bound
+        self.unbounded_excess += window.excuse() - window.open_bound - window.untold_bound
 
 
 class _Groups:
-    """Names each side's lines by the grouping asked for."""
+    """Names each side's lines by the grouping asked for.
 
-    def __init__(self, by: str | None, keys: Sequence[KeyInfo]) -> None:
+    A key is named by what the ledger recorded when a call was sent with it, its hint:
+    the hint names the keys of the vendor's list it matches, and the provider's lines
+    name a key by its id. Keys one hint matches (two keys whose hints look alike) are
+    one group. A key the list does not hold (deleted since, or never listed) cannot be
+    told from another such key: the traffic of all of them, the ledger's and the
+    provider's, is one group, :data:`UNLISTED`. So a key rotated or deleted moves its
+    traffic on both sides at once, and nothing reads as drift for it."""
+
+    def __init__(self, by: str | None, keys: Sequence[KeyInfo], hints: Iterable[str]) -> None:
         self.by = by
-        self.keys = keys
+        self.keys = {key.id: key for key in keys}
+        self._root: dict[str, str] = {}
+        self._names: dict[str, list[str]] = {}
+        for hint in set(hints):
+            names = sorted({self._name(key) for key in keys if hints_match(hint, key.hint)})
+            self._names[hint] = names
+            for name in names:
+                self._root.setdefault(name, name)
+            for name in names[1:]:
+                self._root[self._find(name)] = self._find(names[0])
+        self._members: dict[str, set[str]] = defaultdict(set)
+        for name in list(self._root):
+            self._members[self._find(name)].add(name)
 
-    def _key(self, credential: str | None) -> KeyInfo | None:
-        return key_for(credential, self.keys) if credential else None
+    def _name(self, key: KeyInfo) -> str:
+        return key.id if self.by == "api_key" else key.project or DEFAULT_PROJECT
+
+    def _find(self, name: str) -> str:
+        root = self._root.get(name, name)
+        return root if root == name else self._find(root)
+
+    def _label(self, name: str) -> str:
+        """A group's name: of one key (project), or of the keys one hint matched."""
+        members = self._members.get(self._find(name), set())
+        return " + ".join(sorted(members)) if len(members) > 1 else name
+
+    def ambiguous(self) -> int:
+        """How many of the ledger's hints match more than one listed key."""
+        return sum(1 for names in self._names.values() if len(names) > 1)
 
     def ledger(self, row: UsageRow) -> str:
         if self.by is None:
             return ALL
         if self.by == "model":
             return model_family(row.model)
-        key = self._key(row.credential)
-        if key is None:  # the hint is not named: a group is a metric's label
-            return "(unlisted key)" if row.credential else "(no key recorded)"
-        return key.id if self.by == "api_key" else key.project or "(default)"
+        if not row.credential:
+            return NO_KEY_RECORDED
+        names = self._names.get(row.credential)
+        return self._label(names[0]) if names else UNLISTED
 
     def provider(self, model: str | None, api_key_id: str | None, project: str | None) -> str:
         if self.by is None:
             return ALL
         if self.by == "model":
             return model_family(model)
-        if self.by == "api_key":
-            return api_key_id or "(no key)"
-        return project or "(default)"
+        if api_key_id is None:  # a report not grouped by key (Anthropic's costs)
+            return NO_KEY if self.by == "api_key" else self._label(project or DEFAULT_PROJECT)
+        key = self.keys.get(api_key_id)
+        return UNLISTED if key is None else self._label(self._name(key))
 
 
 def _status(measure: str, sums: _Sums, final: bool, threshold: Threshold) -> str:
@@ -232,11 +319,41 @@ def _status(measure: str, sums: _Sums, final: bool, threshold: Threshold) -> str
         return "pending"
     if not threshold.beyond(measure, sums.ledger, sums.provider):
         return "ok"
-    if sums.open and 0 < sums.provider - sums.ledger <= sums.open_bound:
-        return "open"
-    if sums.untold and measure != "cost":
-        return "untold"
+    if sums.provider > sums.ledger and _accounted_for(measure, sums, threshold):
+        return "open" if sums.open else "untold"
     return "drift"
+
+
+def _accounted_for(measure: str, sums: _Sums, threshold: Threshold) -> bool:
+    """Whether the provider's excess is within what the open and untold attempts can
+    account for, give or take the thresholds: what is left beyond it drifts."""
+    most = sums.ledger + sums.excuse()
+    return sums.provider <= most or not threshold.beyond(measure, most, sums.provider)
+
+
+def _line(
+    measure: str,
+    start: datetime,
+    end: datetime,
+    group: str,
+    sums: _Sums,
+    status: str,
+    total: bool = False,
+) -> DriftLine:
+    return DriftLine(
+        measure,
+        start,
+        end,
+        group,
+        sums.ledger,
+        sums.provider,
+        sums.open,
+        sums.open_bound,
+        status,
+        total=total,
+        untold=sums.untold,
+        untold_bound=sums.untold_bound,
+    )
 
 
 def _lines(
@@ -249,15 +366,12 @@ def _lines(
     """The windows' lines of ``measure``, by group then time, and each group's total
     over its final windows."""
     lines = [
-        DriftLine(
+        _line(
             measure,
             start,
             start + width,
             group,
-            sums.ledger,
-            sums.provider,
-            sums.open,
-            sums.open_bound,
+            sums,
             _status(measure, sums, start + width <= settled_by, threshold),
         )
         for (group, start), sums in sorted(
@@ -272,18 +386,7 @@ def _lines(
         total.add(sums)
         totals[group] = (min(first, start), max(last, start + width), total, count + 1)
     return _shifted(lines, threshold) + [
-        DriftLine(
-            measure,
-            first,
-            last,
-            group,
-            total.ledger,
-            total.provider,
-            total.open,
-            total.open_bound,
-            _status(measure, total, True, threshold),
-            total=True,
-        )
+        _line(measure, first, last, group, total, _status(measure, total, True, threshold), True)
         for group, (first, last, total, count) in sorted(totals.items())
         if count > 1  # one window's total is that window
     ]
@@ -308,6 +411,115 @@ def _shifted(lines: list[DriftLine], threshold: Threshold) -> list[DriftLine]:
             found[i] = dataclasses.replace(one, status="shifted")
             found[i + 1] = dataclasses.replace(two, status="shifted")
     return found
+
+
+def _groups(
+    vendor: Vendor, admin: Any, by: str | None, rows: Sequence[UsageRow], notes: list[str]
+) -> _Groups:
+    """How the lines are grouped: by key or project, from the vendor's key list and the
+    hints the ledger recorded."""
+    keys: list[KeyInfo] = []
+    if by in ("api_key", "project"):
+        listed = vendor.api_keys(admin)
+        if listed is None:
+            notes.append(f"{vendor.name} does not list its API keys: keys are not attributed")
+        keys = listed or []
+    groups = _Groups(by, keys, (row.credential for row in rows if row.credential))
+    if groups.ambiguous():
+        notes.append(
+            f"{groups.ambiguous()} key hint(s) match more than one listed key: "
+            "those keys are one group"
+        )
+    return groups
+
+
+def _report_groups(by: str | None, groupings: Sequence[str]) -> tuple[str, ...]:
+    """What a report is asked to group by: by project, by key too where it can (a key
+    the vendor no longer lists is told apart from its project)."""
+    if by is None:
+        return ()
+    if by == "project" and "api_key" in groupings:
+        return ("project", "api_key")
+    return (by,)
+
+
+def _token_sums(
+    usage: Sequence[UsageLine], rows: Sequence[UsageRow], groups: _Groups
+) -> dict[str, dict[tuple[datetime, str], _Sums]]:
+    """Each token measure's figures by window and group, the provider's and the
+    ledger's, with what the ledger's open and untold attempts allowed of it."""
+    tokens: dict[str, dict[tuple[datetime, str], _Sums]] = {m: defaultdict(_Sums) for m in _TOKENS}
+    for line in usage:
+        group = groups.provider(line.model, line.api_key_id, line.project)
+        tokens["input_tokens"][(line.start, group)].provider += line.input_tokens
+        tokens["output_tokens"][(line.start, group)].provider += line.output_tokens
+    for row in rows:
+        group = groups.ledger(row)
+        for measure in _TOKENS:
+            sums = tokens[measure][(row.start, group)]
+            sums.ledger += getattr(row, measure)
+            sums.open += row.open
+            sums.untold += row.untold
+            open_bound, untold_bound, unbounded = row.allowed(measure)
+            sums.open_bound += open_bound
+            sums.untold_bound += untold_bound
+            sums.unbounded += unbounded
+    return tokens
+
+
+def _untold_notes(rows: Sequence[UsageRow]) -> list[str]:
+    untold = sum(row.untold for row in rows)
+    if not untold:
+        return []
+    note = (
+        f"{untold} settled attempt(s) have no tokens recorded (settled by an operator, or "
+        "before the ledger kept them): their windows are judged on the most their "
+        "requests allowed"
+    )
+    if any(row.unbounded_input or row.unbounded_output for row in rows):
+        note += "; attempts with no bound recorded allow any number in their own window"
+    return [note]
+
+
+def _money_sums(
+    costs: Sequence[CostLine], rows: Sequence[UsageRow], groups: _Groups
+) -> dict[tuple[datetime, str], _Sums]:
+    money: dict[tuple[datetime, str], _Sums] = defaultdict(_Sums)
+    for cost in costs:
+        group = groups.provider(cost.model, cost.api_key_id, cost.project)
+        money[(cost.start, group)].provider += cost.amount
+    for row in rows:
+        sums = money[(row.start, groups.ledger(row))]
+        sums.ledger += row.charged
+        sums.open += row.open
+        sums.open_bound += row.held
+    return money
+
+
+def _costs(
+    vendor: Vendor, admin: Any, query: ReportQuery, by: str | None, notes: list[str]
+) -> list[CostLine] | None:
+    """The vendor's cost report over ``query``, where it can be grouped as asked."""
+    if by is not None and by not in vendor.cost_groupings:
+        notes.append(
+            f"{vendor.name}'s cost report cannot be grouped by {by}: money is not compared"
+        )
+        return None
+    costs = vendor.cost_report(admin, query)
+    if costs is None:
+        notes.append(f"{vendor.name} has no cost report: money is not compared")
+    return costs
+
+
+def _unlisted_money(vendor: Vendor, money: dict[tuple[datetime, str], _Sums]) -> list[str]:
+    """What the notes say where the ledger's money of unlisted keys has no counterpart:
+    a cost report that names no key keeps it under its project."""
+    if "api_key" in vendor.cost_groupings or all(group != UNLISTED for _, group in money):
+        return []
+    return [
+        f"{vendor.name}'s cost report names no key: the money of keys it does not list is "
+        f"under their project there, and under {UNLISTED} in the ledger"
+    ]
 
 
 def check_drift(
@@ -343,72 +555,31 @@ def check_drift(
         if admin is None:
             raise DriftOff(vendor.name, vendor.admin_key_env or "no variable (none named)")
     width = BUCKETS[bucket]
-    day = BUCKETS["1d"]
     start, end = _floor(since, width), until
+    cost_start = _floor(since, BUCKETS["1d"])
+    sent = ledger.views.provider_usage(vendor.name, start=start, end=end, bucket=bucket)
+    charged = ledger.views.provider_usage(vendor.name, start=cost_start, end=end, bucket="1d")
     notes: list[str] = []
-    keys: list[KeyInfo] = []
-    if by in ("api_key", "project"):
-        listed = vendor.api_keys(admin)
-        if listed is None:
-            notes.append(f"{vendor.name} does not list its API keys: keys are not attributed")
-        keys = listed or []
-    groups = _Groups(by, keys)
-    settled_by = min(now - settle, end)
-    group_by = (by,) if by else ()
-    untold = 0
+    groups = _groups(vendor, admin, by, [*sent, *charged], notes)
 
-    tokens: dict[str, dict[tuple[datetime, str], _Sums]] = {
-        "input_tokens": defaultdict(_Sums),
-        "output_tokens": defaultdict(_Sums),
-    }
-    usage = vendor.usage_report(admin, ReportQuery(start, end, bucket, group_by))
+    tokens: dict[str, dict[tuple[datetime, str], _Sums]] = {m: {} for m in _TOKENS}
+    asked = _report_groups(by, GROUPINGS)
+    usage = vendor.usage_report(admin, ReportQuery(start, end, bucket, asked))
     if usage is None:
         notes.append(f"{vendor.name} has no usage report: tokens are not compared")
     else:
-        for line in usage:
-            group = groups.provider(line.model, line.api_key_id, line.project)
-            tokens["input_tokens"][(line.start, group)].provider += line.input_tokens
-            tokens["output_tokens"][(line.start, group)].provider += line.output_tokens
-        for row in ledger.views.provider_usage(vendor.name, start=start, end=end, bucket=bucket):
-            group = groups.ledger(row)
-            for measure in ("input_tokens", "output_tokens"):
-                sums = tokens[measure][(row.start, group)]
-                sums.ledger += getattr(row, measure)
-                sums.open += row.open
-                sums.open_bound += row.open_tokens
-                sums.untold += row.untold
-            untold += row.untold
-        if untold:
-            notes.append(
-                f"{untold} settled attempt(s) have no tokens recorded (settled by an "
-                "operator, or before the ledger kept them): their windows' tokens are untold"
-            )
+        tokens = _token_sums(usage, sent, groups)
+        notes += _untold_notes(sent)
+    asked = _report_groups(by, vendor.cost_groupings)
+    costs = _costs(vendor, admin, ReportQuery(cost_start, end, "1d", asked), by, notes)
+    money = {} if costs is None else _money_sums(costs, charged, groups)
+    notes += _unlisted_money(vendor, money)
 
-    money: dict[tuple[datetime, str], _Sums] = defaultdict(_Sums)
-    cost_start = _floor(since, day)
-    if by is not None and by not in vendor.cost_groupings:
-        notes.append(
-            f"{vendor.name}'s cost report cannot be grouped by {by}: money is not compared"
-        )
-        costs = None
-    else:
-        costs = vendor.cost_report(admin, ReportQuery(cost_start, end, "1d", group_by))
-        if costs is None:
-            notes.append(f"{vendor.name} has no cost report: money is not compared")
-    if costs is not None:
-        for cost in costs:
-            group = groups.provider(cost.model, cost.api_key_id, cost.project)
-            money[(cost.start, group)].provider += cost.amount
-        for row in ledger.views.provider_usage(vendor.name, start=cost_start, end=end, bucket="1d"):
-            sums = money[(row.start, groups.ledger(row))]
-            sums.ledger += row.charged
-            sums.open += row.open
-            sums.open_bound += row.held
-
+    settled_by = min(now - settle, end)
     cost_settled_by = min(now - cost_settle, end)
     lines = [
         *_lines("input_tokens", tokens["input_tokens"], width, settled_by, threshold),
         *_lines("output_tokens", tokens["output_tokens"], width, settled_by, threshold),
-        *_lines("cost", money, day, cost_settled_by, threshold),
+        *_lines("cost", money, BUCKETS["1d"], cost_settled_by, threshold),
     ]
     return DriftReport(vendor.name, start, end, by, bucket, lines, notes)

@@ -5,7 +5,7 @@ which compares it with the vendor's own reports."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
@@ -25,7 +25,12 @@ class UsageRow:
     """The ledger's attempts of one window and group: ``sent`` is how many, of which
     ``open`` are still sending or unknown. The tokens and ``charged`` are the settled
     ones' (what their answers said and what they were charged); ``held`` is what the
-    open ones hold, ``open_tokens`` the most tokens they allowed."""
+    open ones hold. ``untold`` settled attempts have no tokens recorded (settled before
+    the ledger kept them, or by an operator).
+
+    What the open and the untold attempts could have used, each measure apart: the
+    most input and output tokens their requests allowed; ``unbounded_*`` of them
+    recorded no such bound (they could have used any number)."""
 
     start: datetime
     model: str | None
@@ -36,10 +41,23 @@ class UsageRow:
     output_tokens: int
     charged: int
     held: int
-    open_tokens: int
-    #: settled attempts whose answer's tokens were not recorded (settled before the
-    #: ledger kept them, or by an operator)
     untold: int = 0
+    open_input: int = 0
+    open_output: int = 0
+    untold_input: int = 0
+    untold_output: int = 0
+    unbounded_input: int = 0
+    unbounded_output: int = 0
+
+    def allowed(self, measure: str) -> tuple[int, int, int]:
+        """What the open and the untold attempts allowed of ``measure``
+        (``input_tokens`` or ``output_tokens``), and how many of them allowed any
+        number."""
+        if measure == "input_tokens":
+            return self.open_input, self.untold_input, self.unbounded_input
+        if measure == "output_tokens":
+            return self.open_output, self.untold_output, self.unbounded_output
+        raise ValueError(f"measure must be input_tokens or output_tokens, not {measure!r}")
 
 
 def provider_usage(
@@ -61,9 +79,20 @@ def provider_usage(
     model = func.coalesce(a.answered_by, a.model).label("model")
     is_open = a.state.in_(("sending", "unknown"))
     settled = a.state == "settled"
+    untold = and_(settled, a.input_tokens.is_(None))
 
-    def settled_sum(column: Any) -> Any:
-        return func.coalesce(func.sum(case((settled, column), else_=0)), 0)
+    def total(when: Any, value: Any = 1) -> Any:
+        return func.coalesce(func.sum(case((when, value), else_=0)), 0)
+
+    def bounds(name: str, bound: Any) -> list[Any]:
+        """What the open and untold attempts allowed of one measure, and how many of
+        them recorded no bound of it."""
+        allowed = func.coalesce(bound, 0)
+        return [
+            total(is_open, allowed).label(f"open_{name}"),
+            total(untold, allowed).label(f"untold_{name}"),
+            total(and_(or_(is_open, untold), bound.is_(None))).label(f"unbounded_{name}"),
+        ]
 
     query = (
         select(
@@ -71,26 +100,14 @@ def provider_usage(
             model,
             a.credential,
             func.count().label("sent"),
-            func.coalesce(func.sum(case((is_open, 1), else_=0)), 0).label("open"),
-            settled_sum(func.coalesce(a.input_tokens, 0)).label("input_tokens"),
-            settled_sum(func.coalesce(a.output_tokens, 0)).label("output_tokens"),
-            settled_sum(a.actual).label("charged"),
-            func.coalesce(func.sum(case((is_open, a.amount), else_=0)), 0).label("held"),
-            func.coalesce(
-                func.sum(
-                    case(
-                        (
-                            is_open,
-                            func.coalesce(a.input_bound, 0) + func.coalesce(a.output_bound, 0),
-                        ),
-                        else_=0,
-                    )
-                ),
-                0,
-            ).label("open_tokens"),
-            func.coalesce(
-                func.sum(case((and_(settled, a.input_tokens.is_(None)), 1), else_=0)), 0
-            ).label("untold"),
+            total(is_open).label("open"),
+            total(settled, func.coalesce(a.input_tokens, 0)).label("input_tokens"),
+            total(settled, func.coalesce(a.output_tokens, 0)).label("output_tokens"),
+            total(settled, a.actual).label("charged"),
+            total(is_open, a.amount).label("held"),
+            total(untold).label("untold"),
+            *bounds("input", a.input_bound),
+            *bounds("output", a.output_bound),
         )
         .where(a.sending_at >= literal(start, UTCDateTime()))
         .where(a.sending_at < literal(end, UTCDateTime()))
@@ -106,19 +123,8 @@ def provider_usage(
     )
     with store.driver.transaction() as cur:
         rows = cur.execute(query).all()
+    counts = [f.name for f in fields(UsageRow)][3:]
     return [
-        UsageRow(
-            as_utc(r.bucket),
-            r.model,
-            r.credential,
-            int(r.sent),
-            int(r.open),
-            int(r.input_tokens),
-            int(r.output_tokens),
-            int(r.charged),
-            int(r.held),
-            int(r.open_tokens),
-            int(r.untold),
-        )
+        UsageRow(as_utc(r.bucket), r.model, r.credential, *(int(getattr(r, n)) for n in counts))
         for r in rows
     ]

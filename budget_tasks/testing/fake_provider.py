@@ -18,13 +18,16 @@ streamed), ``POST /v1/messages/count_tokens``, ``POST /v1/messages/batches``, ``
 Organisation reports, for an admin key only (``sk-admin-...`` / ``sk-ant-admin...``;
 any other key gets 401), built from what the fake billed (:mod:`.fake_reports`): OpenAI
 ``GET /v1/organization/usage/completions`` and ``.../usage/embeddings``, ``GET
-/v1/organization/costs``, ``GET /v1/organization/projects`` and ``.../projects/{id}/api_keys``;
-Anthropic ``GET /v1/organizations/usage_report/messages``, ``GET
-/v1/organizations/cost_report`` and ``GET /v1/organizations/api_keys``. Each request is
-recorded with the id and project of the key that sent it (``Authorization: Bearer`` or
-``x-api-key``; OpenAI's ``OpenAI-Project`` header names another project): keys are
-registered with ``add_key()``, or on first use in the default project. Reports lag
-``report_delay`` seconds behind, as the real ones do.
+/v1/organization/costs``, ``GET /v1/organization/projects``, ``GET`` and ``DELETE``
+``.../projects/{id}/api_keys`` (a key deleted); Anthropic ``GET
+/v1/organizations/usage_report/messages``, ``GET /v1/organizations/cost_report``, ``GET
+/v1/organizations/api_keys`` and ``POST .../api_keys/{id}`` (a key's status). Each
+request is recorded with the id and project of the key that sent it (``Authorization:
+Bearer`` or ``x-api-key``; OpenAI's ``OpenAI-Project`` header names another project):
+keys are registered with ``add_key()``, or on first use in the default project; a key
+deleted, archived or inactive is refused (401), as the real APIs refuse it. Reports
+lag ``report_delay`` seconds behind, as the real ones do, and place each request at
+``clock()`` (the real time, unless a test sets a clock of its own).
 
 As the real APIs (each can be turned off with ``realism``, :class:`Realism`): answers
 are compressed in the first of br, gzip, zstd and deflate that the client's
@@ -63,9 +66,9 @@ cut the connection).
 
 State for tests: ``GET /_fake/state`` (or ``.state()``), ``POST /_fake/reset``, ``POST
 /_fake/reports`` (``{"delay": seconds}``), ``POST /_fake/keys`` (``{"secret", "project",
-"vendor"}``: the key's id), ``POST /_fake/limits`` (``set_limits()``'s arguments, or
-``{"clear": true}``) and ``DELETE /_fake/limits``; in a thread, ``tamper_next_report``
-spoils the next admin answer (a test's unreadable report).
+"vendor", "owner_access"}``: the key's id), ``POST /_fake/limits`` (``set_limits()``'s
+arguments, or ``{"clear": true}``) and ``DELETE /_fake/limits``; in a thread,
+``tamper_next_report`` spoils the next admin answer (a test's unreadable report).
 """
 
 from __future__ import annotations
@@ -108,6 +111,9 @@ from .fake_billing import (
 message_tokens = text_tokens
 
 CONTROL = "/_fake"
+#: The admin writes the fake serves: OpenAI deletes a project's key, Anthropic changes
+#: a key's status (both with an admin key, as the real APIs).
+_ADMIN_WRITES = {("DELETE", "projects"), ("POST", "api_keys")}
 METADATA_PREFIX = "metadata["
 #: Output tokens of one image, by size and quality (what the fake bills; "auto" is
 #: answered with a 1024x1024 image at medium quality).
@@ -243,6 +249,9 @@ class FakeProvider:
         self.before_answer: Callable[[Served], None] | None = None
         #: Seconds a billed request takes to show in the usage and cost reports.
         self.report_delay = 0.0
+        #: When a request arrives, in unix seconds, as the reports place it (a test's
+        #: own clock, shared with its ledger's, to send in any minute it likes).
+        self.clock: Callable[[], float] = time.time
         #: Test-only: called once with the next admin answer's JSON (a report page or a
         #: key list) to change it before it goes out (an unreadable count, say).
         self.tamper_next_report: Callable[[dict[str, Any]], None] | None = None
@@ -291,11 +300,18 @@ class FakeProvider:
             self._faults.append({"fault": fault, "count": count, "path": path})
 
     def add_key(
-        self, secret: str, *, project: str | None = None, vendor: str = reports.OPENAI
+        self,
+        secret: str,
+        *,
+        project: str | None = None,
+        vendor: str = reports.OPENAI,
+        owner_access: str = "active",
     ) -> str:
         """Register an API key in ``project`` (None: the default project, or Anthropic's
-        default workspace) and return its id; a key already known moves there."""
-        return self.keys.add(secret, vendor, project).id
+        default workspace) and return its id; a key already known moves there.
+        ``owner_access="inactive"``: an OpenAI key whose owner has no access to its
+        project any more (it works; the project's list leaves it out unless asked)."""
+        return self.keys.add(secret, vendor, project, owner_access=owner_access).id
 
     def set_limits(
         self,
@@ -338,6 +354,7 @@ class FakeProvider:
             self.realism = self._default_realism
             self.before_answer = None
             self.report_delay = 0.0
+            self.clock = time.time
             self.tamper_next_report = None
             self._served.clear()
             self._faults.clear()
@@ -387,7 +404,7 @@ class FakeProvider:
 
     def _reportable(self) -> list[Served]:
         """The billed requests old enough to be in a report (reports lag)."""
-        cutoff = time.time() - self.report_delay
+        cutoff = self.clock() - self.report_delay
         return [s for s in self.served() if s.bills and s.at <= cutoff]
 
     def _next_id(self, prefix: str) -> str:
@@ -589,8 +606,10 @@ class _Handler(BaseHTTPRequestHandler):
             vendor = reports.ANTHROPIC
         self._secret = self._key_sent()
         key = None
+        refused = False  # a key deleted, or not active: the real APIs answer 401
         if self._secret and not self._secret.startswith(reports.ADMIN_PREFIXES[vendor]):
             key = fake.keys.seen(self._secret, vendor)
+            refused = key is None or key.status != "active"
         project = key.project if key is not None else None
         if vendor == reports.OPENAI and self.headers.get("OpenAI-Project"):
             project = self.headers["OpenAI-Project"]
@@ -616,7 +635,7 @@ class _Handler(BaseHTTPRequestHandler):
             fault=fault,
             billed=0,
             usage=None,
-            at=time.time(),
+            at=fake.clock(),
             vendor=vendor,
             key_id=key.id if key is not None else None,
             project=project,
@@ -628,6 +647,10 @@ class _Handler(BaseHTTPRequestHandler):
             fake._served.append(record)
         self._record = record
         try:
+            if refused:
+                record.status = 401
+                self._error(401, "Incorrect API key provided (deleted or not active)", request_id)
+                return
             if fault:
                 name, value = _parse_fault(fault)
                 if name == "status":
@@ -654,8 +677,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _endpoint(self, method: str, path: str) -> Any:
         segments = path.split("/")[1:]
-        if method == "GET" and segments[1:2] in (["organization"], ["organizations"]):
-            return lambda r, b, q: self._admin(r, segments, q)
+        if segments[1:2] in (["organization"], ["organizations"]) and (
+            method == "GET" or (method, "".join(segments[2:3])) in _ADMIN_WRITES
+        ):
+            return lambda r, b, q: self._admin(r, segments, q, b)
         routes: dict[tuple[str, ...], Any] = {
             ("POST", "v1", "chat", "completions"): self._chat,
             ("GET", "v1", "chat", "completions"): self._chat_list,
@@ -687,7 +712,13 @@ class _Handler(BaseHTTPRequestHandler):
                 return lambda r, b, q: self._batch_results(r, segments[3])
         return None
 
-    def _admin(self, record: Served, segments: list[str], query: dict[str, list[str]]) -> None:
+    def _admin(
+        self,
+        record: Served,
+        segments: list[str],
+        query: dict[str, list[str]],
+        body: dict[str, Any] | None = None,
+    ) -> None:
         """An organisation report or key list (:mod:`.fake_reports`): refused (401) for
         any key but an admin key, as the real APIs refuse a project's key."""
         prefix = reports.ADMIN_PREFIXES[record.vendor]
@@ -696,7 +727,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(401, f"this endpoint needs an admin key ({prefix}...)", record.request_id)
             return
         try:
-            answer = reports.admin_answer(segments, query, self.fake.keys, self.fake._reportable)
+            answer = reports.admin_answer(
+                segments,
+                query,
+                self.fake.keys,
+                self.fake._reportable,
+                method=record.method,
+                body=body,
+            )
         except reports.ReportError as exc:
             record.status = exc.status
             self._error(exc.status, str(exc), record.request_id)
@@ -766,7 +804,12 @@ class _Handler(BaseHTTPRequestHandler):
         elif method == "POST" and path == f"{CONTROL}/keys":
             spec = json.loads(raw)
             vendor = spec.get("vendor", reports.OPENAI)
-            key_id = fake.add_key(spec["secret"], project=spec.get("project"), vendor=vendor)
+            key_id = fake.add_key(
+                spec["secret"],
+                project=spec.get("project"),
+                vendor=vendor,
+                owner_access=spec.get("owner_access", "active"),
+            )
             self._send_json(200, {"id": key_id}, "control")
         else:
             self._send_json(404, {"error": "unknown control path"}, "control")

@@ -1,6 +1,9 @@
 """The fake provider's organisation reports, built from its own record as the real
 admin APIs build theirs: OpenAI's usage (completions, embeddings) and costs reports and
 its projects' API keys; Anthropic's messages usage report, cost report and API keys.
+The key lists leave out what the real ones leave out unless asked (OpenAI: a key whose
+owner has lost access to its project; Anthropic: archived and expired keys), and keys
+are deleted (OpenAI) or archived and disabled (Anthropic) through the admin API.
 
 Usage counts every request the fake billed (a cut connection's too: the work was done
 and billed), by the model that answered, in buckets aligned to their width in UTC,
@@ -20,7 +23,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Protocol
@@ -127,28 +130,47 @@ def admin_answer(
     query: Mapping[str, list[str]],
     keys: Keys,
     served: Callable[[], Sequence[Served]],
+    *,
+    method: str = "GET",
+    body: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The answer to an admin ``GET`` (its path's ``segments``), over the requests
-    ``served`` returns (those a report may show)."""
-    match list(segments):
-        case ["v1", "organization", "usage", ("completions" | "embeddings") as report]:
+    """The answer to an admin request (its path's ``segments``), over the requests
+    ``served`` returns (those a report may show): a report or key list (``GET``), a
+    key deleted (OpenAI's ``DELETE``) or its status changed (Anthropic's ``POST``)."""
+    match [method, *segments]:
+        case ["GET", "v1", "organization", "usage", ("completions" | "embeddings") as report]:
             return usage_page(OPENAI, report, query, served())
-        case ["v1", "organization", "costs"]:
+        case ["GET", "v1", "organization", "costs"]:
             return cost_page(OPENAI, query, served())
-        case ["v1", "organization", "projects"]:
+        case ["GET", "v1", "organization", "projects"]:
             return openai_projects(keys, query)
-        case ["v1", "organization", "projects", project, "api_keys"]:
+        case ["GET", "v1", "organization", "projects", project, "api_keys"]:
             return openai_project_keys(keys, project, query)
-        case ["v1", "organizations", "usage_report", "messages"]:
+        case ["DELETE", "v1", "organization", "projects", project, "api_keys", key_id]:
+            return openai_delete_key(keys, project, key_id)
+        case ["GET", "v1", "organizations", "usage_report", "messages"]:
             return usage_page(ANTHROPIC, "messages", query, served())
-        case ["v1", "organizations", "cost_report"]:
+        case ["GET", "v1", "organizations", "cost_report"]:
             return cost_page(ANTHROPIC, query, served())
-        case ["v1", "organizations", "api_keys"]:
+        case ["GET", "v1", "organizations", "api_keys"]:
             return anthropic_keys(keys, query)
-    raise ReportError(404, f"no route GET /{'/'.join(segments)}")
+        case ["POST", "v1", "organizations", "api_keys", key_id]:
+            return anthropic_update_key(keys, key_id, body or {})
+    raise ReportError(404, f"no route {method} /{'/'.join(segments)}")
 
 
 # -- keys ------------------------------------------------------------------------------
+
+#: Anthropic's statuses of a key; only an active key is served.
+KEY_STATUSES = ("active", "inactive", "archived", "expired")
+#: The statuses an unfiltered Anthropic key list leaves out: the API's documentation
+#: does not say what a list without ``status`` holds, so the fake takes the harder
+#: reading (a reader that wants every key asks for these too).
+LISTED_ONLY_WHEN_ASKED = ("archived", "expired")
+#: Whether an OpenAI key's owner still has access to its project. OpenAI's project key
+#: list leaves out the keys of owners without it unless asked (``owner_project_access``
+#: ``inactive`` or ``any``); such keys still work.
+OWNER_ACCESS = ("active", "inactive")
 
 
 @dataclass(frozen=True)
@@ -160,6 +182,8 @@ class Key:
     project: str | None
     created_at: int
     secret: str
+    status: str = "active"
+    owner_access: str = "active"
 
 
 def redacted_value(secret: str) -> str:
@@ -174,26 +198,45 @@ def partial_key_hint(secret: str) -> str:
 
 class Keys:
     """The organisation's API keys by vendor: added by a test, or on first use (in the
-    default project)."""
+    default project). A deleted key is gone from every list and refused, as the real
+    APIs refuse it; its past traffic keeps its id in the reports."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._keys: dict[tuple[str, str], Key] = {}
+        self._deleted: set[tuple[str, str]] = set()
+        #: every project a key was added to: a project outlives its keys
+        self._projects: set[tuple[str, str | None]] = set()
 
-    def add(self, secret: str, vendor: str, project: str | None = None) -> Key:
+    def add(
+        self,
+        secret: str,
+        vendor: str,
+        project: str | None = None,
+        *,
+        owner_access: str = "active",
+    ) -> Key:
         """Register (or move) ``secret``'s key; None: the vendor's default project."""
         if vendor not in DEFAULT_PROJECT:
             raise ValueError(f"vendor must be {OPENAI!r} or {ANTHROPIC!r}, not {vendor!r}")
+        if owner_access not in OWNER_ACCESS:
+            raise ValueError(f"owner_access must be one of {OWNER_ACCESS}, not {owner_access!r}")
         digest = hashlib.sha256(secret.encode()).hexdigest()
         key_id = f"key_{digest[:16]}" if vendor == OPENAI else f"apikey_01{digest[:22]}"
-        key = Key(key_id, vendor, project or DEFAULT_PROJECT[vendor], int(time.time()), secret)
+        project = project or DEFAULT_PROJECT[vendor]
+        key = Key(key_id, vendor, project, int(time.time()), secret, owner_access=owner_access)
         with self._lock:
             self._keys[(vendor, secret)] = key
+            self._deleted.discard((vendor, secret))
+            self._projects.add((vendor, project))
         return key
 
-    def seen(self, secret: str, vendor: str) -> Key:
-        """``secret``'s key, added to the default project on first sight."""
+    def seen(self, secret: str, vendor: str) -> Key | None:
+        """``secret``'s key, added to the default project on first sight; None for a
+        key deleted."""
         with self._lock:
+            if (vendor, secret) in self._deleted:
+                return None
             key = self._keys.get((vendor, secret))
         return key if key is not None else self.add(secret, vendor)
 
@@ -201,9 +244,43 @@ class Keys:
         with self._lock:
             return sorted((k for k in self._keys.values() if k.vendor == vendor), key=_by_id)
 
+    def projects(self, vendor: str) -> set[str | None]:
+        with self._lock:
+            return {project for kind, project in self._projects if kind == vendor}
+
+    def find(self, vendor: str, key_id: str) -> Key | None:
+        return next((k for k in self.of(vendor) if k.id == key_id), None)
+
+    def delete(self, vendor: str, key_id: str) -> Key | None:
+        """Delete the key ``key_id``: None if there is none."""
+        with self._lock:
+            found = next(
+                (k for k in self._keys.values() if (k.vendor, k.id) == (vendor, key_id)), None
+            )
+            if found is not None:
+                del self._keys[(vendor, found.secret)]
+                self._deleted.add((vendor, found.secret))
+            return found
+
+    def change(
+        self, key: Key, *, status: str | None = None, owner_access: str | None = None
+    ) -> Key:
+        """``key`` with a new ``status`` (Anthropic) or ``owner_access`` (OpenAI)."""
+        changed = replace(
+            key,
+            status=status or key.status,
+            owner_access=owner_access or key.owner_access,
+        )
+        with self._lock:
+            if (key.vendor, key.secret) in self._keys:
+                self._keys[(key.vendor, key.secret)] = changed
+        return changed
+
     def clear(self) -> None:
         with self._lock:
             self._keys.clear()
+            self._deleted.clear()
+            self._projects.clear()
 
 
 def _by_id(key: Key) -> str:
@@ -212,7 +289,7 @@ def _by_id(key: Key) -> str:
 
 def openai_projects(keys: Keys, query: Mapping[str, list[str]]) -> dict[str, Any]:
     """``GET /v1/organization/projects``: the default project and every key's."""
-    names = sorted({str(DEFAULT_PROJECT[OPENAI]), *(str(k.project) for k in keys.of(OPENAI))})
+    names = sorted({str(DEFAULT_PROJECT[OPENAI]), *map(str, keys.projects(OPENAI))})
     projects = [
         {
             "id": name,
@@ -227,46 +304,92 @@ def openai_projects(keys: Keys, query: Mapping[str, list[str]]) -> dict[str, Any
     return {"object": "list", **_listed(projects, query, "after", LIST_LIMITS[OPENAI])}
 
 
+def _openai_key(key: Key) -> dict[str, Any]:
+    return {
+        "object": "organization.project.api_key",
+        "id": key.id,
+        "name": f"key {key.id[-6:]}",
+        "redacted_value": redacted_value(key.secret),
+        "created_at": key.created_at,
+        "last_used_at": None,
+        "owner": {"type": "user", "user": {"id": "user_fake", "name": "Fake"}},
+        "owner_project_access": key.owner_access,
+    }
+
+
 def openai_project_keys(keys: Keys, project: str, query: Mapping[str, list[str]]) -> dict[str, Any]:
-    """``GET /v1/organization/projects/{id}/api_keys``."""
-    if project not in {DEFAULT_PROJECT[OPENAI], *(k.project for k in keys.of(OPENAI))}:
+    """``GET /v1/organization/projects/{id}/api_keys``: without ``owner_project_access``
+    only the keys whose owner still has access to the project, as the real list's
+    membership rules leave some enabled keys out."""
+    if project not in {DEFAULT_PROJECT[OPENAI], *keys.projects(OPENAI)}:
         raise ReportError(404, f"No such project: {project}")
+    access = _one(query, "owner_project_access") or "active"
+    if access not in (*OWNER_ACCESS, "any"):
+        raise ReportError(
+            400, f"owner_project_access must be active, inactive or any, not {access!r}"
+        )
     listed = [
-        {
-            "object": "organization.project.api_key",
-            "id": k.id,
-            "name": f"key {k.id[-6:]}",
-            "redacted_value": redacted_value(k.secret),
-            "created_at": k.created_at,
-            "last_used_at": None,
-            "owner": {"type": "user", "user": {"id": "user_fake", "name": "Fake"}},
-        }
+        _openai_key(k)
         for k in keys.of(OPENAI)
-        if k.project == project
+        if k.project == project and access in ("any", k.owner_access)
     ]
     return {"object": "list", **_listed(listed, query, "after", LIST_LIMITS[OPENAI])}
 
 
+def openai_delete_key(keys: Keys, project: str, key_id: str) -> dict[str, Any]:
+    """``DELETE /v1/organization/projects/{id}/api_keys/{key_id}``."""
+    key = keys.find(OPENAI, key_id)
+    if key is None or key.project != project:
+        raise ReportError(404, f"No such API key: {key_id}")
+    keys.delete(OPENAI, key_id)
+    return {"object": "organization.project.api_key.deleted", "id": key_id, "deleted": True}
+
+
+def _anthropic_key(key: Key) -> dict[str, Any]:
+    return {
+        "id": key.id,
+        "type": "api_key",
+        "name": f"key {key.id[-6:]}",
+        # as the installed SDK's APIKey: where it belongs is its scope (this fake's
+        # default workspace has no id, as the usage reports name none)
+        "scope": {"type": "workspace", "workspace_id": key.project}
+        if key.project
+        else {"type": "organization"},
+        "partial_key_hint": partial_key_hint(key.secret),
+        "status": key.status,
+        "created_at": _rfc3339(key.created_at),
+        "created_by": {"id": "user_fake", "type": "user"},
+    }
+
+
 def anthropic_keys(keys: Keys, query: Mapping[str, list[str]]) -> dict[str, Any]:
-    """``GET /v1/organizations/api_keys``."""
+    """``GET /v1/organizations/api_keys``, of one ``status`` where asked (unasked:
+    none of :data:`LISTED_ONLY_WHEN_ASKED`)."""
+    status = _one(query, "status")
+    if status is not None and status not in KEY_STATUSES:
+        raise ReportError(400, f"status must be one of {', '.join(KEY_STATUSES)}")
     listed = [
-        {
-            "id": k.id,
-            "type": "api_key",
-            "name": f"key {k.id[-6:]}",
-            # as the installed SDK's APIKey: where it belongs is its scope (this fake's
-            # default workspace has no id, as the usage reports name none)
-            "scope": {"type": "workspace", "workspace_id": k.project}
-            if k.project
-            else {"type": "organization"},
-            "partial_key_hint": partial_key_hint(k.secret),
-            "status": "active",
-            "created_at": _rfc3339(k.created_at),
-            "created_by": {"id": "user_fake", "type": "user"},
-        }
+        _anthropic_key(k)
         for k in keys.of(ANTHROPIC)
+        if k.status == status or (status is None and k.status not in LISTED_ONLY_WHEN_ASKED)
     ]
     return _listed(listed, query, "after_id", LIST_LIMITS[ANTHROPIC])
+
+
+def anthropic_update_key(keys: Keys, key_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    """``POST /v1/organizations/api_keys/{id}``: its status changed (an archived key
+    stays archived)."""
+    key = keys.find(ANTHROPIC, key_id)
+    if key is None:
+        raise ReportError(404, f"No such API key: {key_id}")
+    status = body.get("status")
+    if status is None:
+        return _anthropic_key(key)
+    if status not in ("active", "inactive", "archived"):
+        raise ReportError(400, "status must be active, inactive or archived")
+    if key.status == "archived" and status != "archived":
+        raise ReportError(400, "an archived API key cannot be changed")
+    return _anthropic_key(keys.change(key, status=status))
 
 
 def _listed(

@@ -24,7 +24,7 @@ from prometheus_client import REGISTRY
 import budget_tasks.metrics  # noqa: F401  (installs the Prometheus sink)
 from budget_tasks import BudgetTask, Ledger, signals
 from budget_tasks.beat import check_provider_drift
-from budget_tasks.drift import DriftReport, Threshold, check_drift, model_family
+from budget_tasks.drift import UNLISTED, DriftReport, Threshold, check_drift, model_family
 from budget_tasks.errors import DriftOff
 from budget_tasks.pricing.prices import Pricing
 from budget_tasks.pricing.table import parse_prices
@@ -33,6 +33,8 @@ from budget_tasks.providers.base import Vendor, sdk_client
 from budget_tasks.testing import FakeProvider, ManualClock
 from budget_tasks.transport import guarded_anthropic_client, guarded_openai_client
 
+from ..conftest import empty_ledger_tables
+from ..support.drift_world import World
 from ..workers import Worker
 
 #: Any difference at all is drift: the fake bills exactly what the ledger charges.
@@ -573,3 +575,166 @@ def test_a_real_worker_keeps_what_its_answers_used_and_the_cli_names_the_key_pas
     ]
     counts = client.send_task("budget_tasks.check_drift").get(timeout=60)
     assert counts == {"checked": 1, "drifted": 0, "off": 1, "failed": 0}  # anthropic: no key
+
+
+# -- the world changing under the check (issue 54) --------------------------------------
+
+OLD = "sk-proj-rotated-old-0123456789abcOLD1"
+NEW = "sk-proj-rotated-new-0123456789abcNEW2"
+AWAY = "sk-proj-owner-away-0123456789abcAWY3"
+CLAUDE_OLD = "sk-ant-api03-rotated-old-0123456789abcdefOLD4"
+CLAUDE_NEW = "sk-ant-api03-rotated-new-0123456789abcdefNEW5"
+
+
+@pytest.fixture
+def world(fake: FakeProvider, pg_url: str) -> Iterator[World]:
+    """The ledger (PostgreSQL) and this test's fake on one clock moved by hand, from
+    twenty minutes ago: every window it sends in has ended by the real clock too."""
+    empty_ledger_tables(pg_url)
+    start = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=20)
+    made = World(pg_url, fake, start)
+    yield made
+    made.close()
+
+
+def by_group(report: DriftReport, measure: str) -> dict[str, tuple[int, int]]:
+    """Each group's ledger and provider figures of ``measure``, over its windows."""
+    groups = {line.group for line in report.lines if line.measure == measure}
+    return {group: measured(report, measure, group) for group in groups}
+
+
+def test_a_key_rotated_and_deleted_moves_nothing_and_every_key_of_a_project_is_read(
+    world: World,
+) -> None:
+    """Only metered traffic: an old key, a key whose owner has left its project (the
+    project's list leaves it out unless asked), then the old key rotated (a new one
+    made, the old one deleted through the admin API). By key and by project nothing
+    drifts: the deleted key's traffic is the unlisted keys' on both sides, and the
+    other keys' figures agree under their own ids."""
+    old = world.fake.add_key(OLD, project="proj_alpha")
+    away = world.fake.add_key(AWAY, project="proj_bravo", owner_access="inactive")
+    since = world.clock()
+    for key in (OLD, OLD, AWAY):
+        assert world.metered("openai", key) == "settled"
+    world.advance()
+    new = world.fake.add_key(NEW, project="proj_alpha")
+    for key in (NEW, NEW, AWAY):
+        assert world.metered("openai", key) == "settled"
+    world.retire("openai", old, "proj_alpha")
+
+    by_key = world.check("openai", since=since, by="api_key", threshold=EXACT)
+    assert by_key.drifted == [], by_key.lines
+    for measure in ("input_tokens", "output_tokens", "cost"):
+        figures = by_group(by_key, measure)
+        assert set(figures) == {UNLISTED, new, away}
+        assert all(ledger == provider > 0 for ledger, provider in figures.values()), figures
+    by_project = world.check("openai", since=since, by="project", threshold=EXACT)
+    assert by_project.drifted == [], by_project.lines
+    figures = by_group(by_project, "input_tokens")
+    assert set(figures) == {UNLISTED, "proj_alpha", "proj_bravo"}
+    assert all(ledger == provider > 0 for ledger, provider in figures.values()), figures
+
+
+def test_traffic_past_the_ledger_with_a_key_deleted_since_drifts_among_the_unlisted_keys(
+    world: World,
+) -> None:
+    """A key that also sent past the ledger, then rotated and deleted: the leak is the
+    unlisted keys' drift, exactly what went past; the new key's traffic agrees."""
+    old = world.fake.add_key(OLD, project="proj_alpha")
+    since = world.clock()
+    world.metered("openai", OLD)
+    world.bypass("openai", OLD, input_tokens=1_500, output_tokens=40)
+    world.advance()
+    world.fake.add_key(NEW, project="proj_alpha")
+    world.metered("openai", NEW)
+    world.retire("openai", old, "proj_alpha")
+    leaked = past_the_ledger(world.fake)
+    for by in ("api_key", "project"):
+        report = world.check("openai", since=since, by=by, threshold=EXACT)
+        drifted = [line for line in report.drifted if not line.total]
+        assert {line.group for line in report.drifted} == {UNLISTED}, report.lines
+        difference = {line.measure: line.difference for line in drifted}
+        assert difference == {"input_tokens": 1_500, "output_tokens": 40, "cost": leaked}
+
+
+def test_an_archived_anthropic_key_keeps_its_traffic_under_its_own_id(world: World) -> None:
+    """Anthropic archives a key (its API deletes none); its list leaves archived keys
+    out unless asked for them. The check reads every status: the old key's traffic
+    stays its own."""
+    old = world.fake.add_key(CLAUDE_OLD, project="wrkspc_a", vendor="anthropic")
+    since = world.clock()
+    world.metered("anthropic", CLAUDE_OLD)
+    world.advance()
+    new = world.fake.add_key(CLAUDE_NEW, project="wrkspc_a", vendor="anthropic")
+    world.metered("anthropic", CLAUDE_NEW)
+    world.retire("anthropic", old, "wrkspc_a")
+    report = world.check("anthropic", since=since, by="api_key", threshold=EXACT)
+    assert report.drifted == [], report.lines
+    figures = by_group(report, "input_tokens")
+    assert set(figures) == {old, new}
+    assert all(ledger == provider > 0 for ledger, provider in figures.values()), figures
+
+
+def test_a_slow_leak_drifts_in_the_total_beside_a_call_an_operator_resolved(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """882 tokens past the ledger in each of two minutes (each under the 1,000-token
+    threshold), and in a third a call whose outcome was unknown, settled by an
+    operator with no tokens recorded. The resolved call can account for no more than
+    its request allowed: the total still drifts, and `budget-tasks drift` exits 1."""
+    from click.testing import CliRunner
+
+    from budget_tasks.cli import main
+
+    since = world.clock()
+    for _ in range(2):
+        world.metered("openai", KEY_A)
+        world.bypass("openai", KEY_A, input_tokens=882)
+        world.advance()
+    # it allowed 16,000 output tokens: they account for nothing of the input's leak
+    assert world.metered("openai", KEY_A, max_tokens=16_000, fault="reset") == "unknown"
+    assert world.resolve_unknown() == 1
+    [resolved] = [a for a in world.ledger.attempts() if a.input_tokens is None]
+    assert resolved.state == "settled" and resolved.input_bound is not None
+
+    report = world.check("openai", since=since)
+    inputs = sorted(
+        (line for line in report.lines if line.measure == "input_tokens" and not line.total),
+        key=lambda line: line.start,
+    )
+    # each minute alone is within the thresholds
+    assert [line.status for line in inputs] == ["ok", "ok", "ok"]
+    assert [line.untold for line in inputs] == [0, 0, 1]
+    assert inputs[2].untold_bound == resolved.input_bound
+    [drifted] = report.drifted
+    assert (drifted.measure, drifted.total, drifted.untold) == ("input_tokens", True, 1)
+    # what the provider counts beyond the ledger: the leak and the resolved call's own
+    assert drifted.difference == 2 * 882 + inputs[2].provider
+
+    monkeypatch.setenv("BUDGET_TASKS_LEDGER_URL", world.ledger.url)
+    monkeypatch.setenv("OPENAI_BASE_URL", world.fake.openai_base_url)
+    monkeypatch.setenv("OPENAI_ADMIN_KEY", OPENAI_ADMIN)
+    args = ["drift", "--provider", "openai", "--since", "1h", "--bucket", "1m", "--settle", "0s"]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 1, done.output
+    assert "total" in done.output and "drift" in done.output
+
+
+def test_an_open_calls_output_bound_does_not_excuse_an_input_leak(world: World) -> None:
+    """A call whose outcome is unknown allowed 16,000 output tokens and a few dozen
+    input ones; 4,007 input tokens went past the ledger in its minute. The open call
+    accounts for its own input bound in the input line, and no more: it drifts."""
+    since = world.clock()
+    assert world.metered("openai", KEY_A, max_tokens=16_000, fault="reset") == "unknown"
+    [attempt] = world.ledger.attempts()
+    assert attempt.input_bound is not None and attempt.output_bound == 16_000
+    assert attempt.input_bound < 1_000
+    world.bypass("openai", KEY_A, input_tokens=4_007)
+    report = world.check("openai", since=since)
+    lines = {line.measure: line for line in report.lines if not line.total}
+    assert (lines["input_tokens"].status, lines["input_tokens"].open) == ("drift", 1)
+    assert lines["input_tokens"].open_bound == attempt.input_bound
+    assert lines["input_tokens"].difference > 4_007  # the leak, and the open call's own
+    assert lines["output_tokens"].open_bound == 16_000
+    assert lines["output_tokens"].status == "ok"  # its few dozen tokens: within the thresholds
+    assert report.drifted == [lines["input_tokens"]]

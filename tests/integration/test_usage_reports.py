@@ -451,3 +451,62 @@ def test_amounts_are_read_as_decimals_rounded_up_to_the_micro_dollar(
         fake.tamper_next_report = lambda p: first_result(p).update(amount=amount)
         line = (Anthropic().cost_report(anthropic_admin, around_now()) or [])[0]
     assert line.amount == micro
+
+
+def listed_ids(admin: Any, path: str, **params: Any) -> list[str]:
+    """The ids one page of a key list holds, asked with ``params``."""
+    page = admin.get(path, cast_to=object, options={"params": params})
+    return [item["id"] for item in page["data"]]
+
+
+def test_key_lists_leave_out_what_the_real_ones_leave_out_unless_asked_and_the_readers_ask(
+    fake: FakeProvider, admins: tuple[Any, Any]
+) -> None:
+    """OpenAI's project list leaves out a working key whose owner lost access to the
+    project unless asked with ``owner_project_access``, and a deleted key is in no list
+    and refused; Anthropic's list leaves out an archived key unless asked by status,
+    and an archived key is refused. Both vendors' readers list every key that may have
+    spent."""
+    openai_admin, anthropic_admin = admins
+    kept = fake.add_key(KEY_A, project="proj_a")
+    away = fake.add_key(KEY_B, project="proj_a", owner_access="inactive")
+    keys_of = "/organization/projects/proj_a/api_keys"
+    assert listed_ids(openai_admin, keys_of) == [kept]
+    assert listed_ids(openai_admin, keys_of, owner_project_access="inactive") == [away]
+    assert sorted(listed_ids(openai_admin, keys_of, owner_project_access="any")) == sorted(
+        [kept, away]
+    )
+    assert (
+        gpt(fake, KEY_B)
+        .chat.completions.create(model="gpt-4o-mini", messages=HI, max_completion_tokens=20)
+        .usage
+    )  # the key works
+    assert {k.id for k in OpenAI().api_keys(openai_admin) or []} == {kept, away}
+    with openai.OpenAI(
+        api_key=OPENAI_ADMIN,
+        admin_api_key=OPENAI_ADMIN,
+        base_url=fake.openai_base_url,
+        max_retries=0,
+    ) as admin:
+        assert admin.admin.organization.projects.api_keys.delete(kept, project_id="proj_a").deleted
+    assert listed_ids(openai_admin, keys_of, owner_project_access="any") == [away]
+    with pytest.raises(openai.AuthenticationError):
+        gpt(fake, KEY_A).chat.completions.create(
+            model="gpt-4o-mini", messages=HI, max_completion_tokens=20
+        )
+    # its past traffic keeps its id; what it was refused is billed nowhere
+    usage = OpenAI().usage_report(openai_admin, around_now(group_by=("api_key",))) or []
+    assert {line.api_key_id for line in usage} == {away}
+    assert sum(s.billed for s in fake.served() if s.status == 401) == 0
+
+    old = fake.add_key(CLAUDE_A, project="wrkspc_a", vendor="anthropic")
+    new = fake.add_key(CLAUDE_B, project="wrkspc_a", vendor="anthropic")
+    keys = "/v1/organizations/api_keys"
+    anthropic_admin.organization.api_keys.update(old, status="archived")
+    assert listed_ids(anthropic_admin, keys) == [new]
+    assert listed_ids(anthropic_admin, keys, status="archived") == [old]
+    with pytest.raises(anthropic.BadRequestError):  # archived for good
+        anthropic_admin.organization.api_keys.update(old, status="active")
+    with pytest.raises(anthropic.AuthenticationError):
+        claude(fake, CLAUDE_A).messages.create(model="claude-haiku-4-5", max_tokens=20, messages=HI)
+    assert {k.id for k in Anthropic().api_keys(anthropic_admin) or []} == {old, new}

@@ -102,18 +102,28 @@ def cost_report(admin: Any, query: ReportQuery, *, limit: int | None = None) -> 
     ]
 
 
+#: The statuses a key never leaves: asked for apart, after the list of the others.
+_FINAL_STATUSES = ("archived", "expired")
+
+
 def api_keys(admin: Any) -> list[KeyInfo]:
-    """Every API key of the organisation (any status: a key since disabled may have
-    spent in a window being checked), with its partial hint and workspace."""
+    """Every API key of the organisation, whatever its status (a key since disabled or
+    archived may have spent in a window being checked), with its partial hint and
+    workspace. The documentation does not say that a list without ``status`` holds
+    archived and expired keys, so they are asked for too; a key is kept once. They are
+    asked for last: a key archived while the keys are read is in one list or the
+    other."""
     pages = Pages(admin, "anthropic", "API keys")
-    return [
-        KeyInfo(
-            pages.id(key),
-            pages.text(key, "partial_key_hint") or "",  # none shown: never attributed
-            _workspace(pages, key),
-        )
-        for key in pages.listed(KEYS, {"limit": LIST_LIMIT}, "after_id")
-    ]
+    found: dict[str, KeyInfo] = {}
+    for status in (None, *_FINAL_STATUSES):
+        params: dict[str, Any] = {"limit": LIST_LIMIT}
+        if status is not None:
+            params["status"] = status
+        for key in pages.listed(KEYS, params, "after_id"):
+            key_id = pages.id(key)
+            hint = pages.text(key, "partial_key_hint") or ""  # none shown: never attributed
+            found.setdefault(key_id, KeyInfo(key_id, hint, _workspace(pages, key)))
+    return list(found.values())
 
 
 def _workspace(pages: Pages, key: Mapping[str, Any]) -> str | None:

@@ -114,14 +114,18 @@ def cost_report(admin: Any, query: ReportQuery, *, limit: int | None = None) -> 
 
 def api_keys(admin: Any) -> list[KeyInfo]:
     """Every project's API keys (archived projects' too: their keys may have spent in a
-    window being checked), each with its redacted value as its hint."""
+    window being checked), each with its redacted value as its hint. Asked with
+    ``owner_project_access=any``: without it the list leaves out enabled keys whose
+    owner has lost access to the project, and those keys still spend. A deleted key is
+    in no list: its traffic is the reports' alone (see the drift check)."""
     pages = Pages(admin, "openai", "API keys")
     keys = []
     listed = {"include_archived": True, "limit": LIST_LIMIT}
+    every = {"limit": LIST_LIMIT, "owner_project_access": "any"}
     for project in pages.listed(PROJECTS, listed, "after"):
         project_id = pages.id(project)
         path = f"{PROJECTS}/{quote(project_id, safe='')}/api_keys"
-        for key in pages.listed(path, {"limit": LIST_LIMIT}, "after"):
+        for key in pages.listed(path, every, "after"):
             hint = pages.text(key, "redacted_value") or ""  # none shown: never attributed
             keys.append(KeyInfo(pages.id(key), hint, project_id))
     return keys
