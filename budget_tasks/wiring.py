@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from celery import Celery
@@ -64,6 +64,11 @@ def _limits(text: str) -> dict[str, Any]:
     return dict(limits)
 
 
+def _names(text: str) -> list[str]:
+    """A comma-separated list of names (``litellm,portkey``)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 #: The environment variables that set the library's Celery settings in any app (the
 #: CLI reads the same ones), with how each is read.
 ENV_SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
@@ -81,6 +86,7 @@ ENV_SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "BUDGET_TASKS_DRIFT_BY": ("budget_drift_by", str),
     "BUDGET_TASKS_METRICS_ADDR": ("budget_metrics_addr", str),
     "BUDGET_TASKS_RATE_LIMITS": ("budget_rate_limits", _limits),
+    "BUDGET_TASKS_RATE_GATEWAYS": ("budget_rate_gateways", _names),
 }
 VISIBILITY_ENV = "BUDGET_TASKS_VISIBILITY_TIMEOUT"
 #: The variables that set the Redis transport's options (seconds).
@@ -169,6 +175,63 @@ def configure(app: Celery, *, ledger_url: str | None = None) -> Celery:
 #: The limits the worker sets in the ledger as it starts, and the groups of models.
 RATE_LIMITS_SETTING = "budget_rate_limits"
 RATE_GROUPS_SETTING = "budget_rate_groups"
+#: The providers ``budget_rate_limits`` may name that no vendor known to the worker has
+#: (a gateway metered under a name of its own): as ``limits set --gateway``.
+RATE_GATEWAYS_SETTING = "budget_rate_gateways"
+
+
+def rate_gateways(value: Any) -> frozenset[str]:
+    """``budget_rate_gateways``: a list of names, or one comma-separated string."""
+    if value is None:
+        return frozenset()
+    if isinstance(value, str):
+        return frozenset(_names(value))
+    if not isinstance(value, Iterable) or isinstance(value, Mapping):
+        raise TypeError(f"{RATE_GATEWAYS_SETTING} lists provider names, not {value!r}")
+    names = list(value)
+    for name in names:
+        if not isinstance(name, str) or not name.strip():
+            raise TypeError(f"{RATE_GATEWAYS_SETTING} lists provider names, not {name!r}")
+    return frozenset(names)
+
+
+def unknown_providers(limits: Iterable[rate_limits.Limit], gateways: Iterable[str]) -> list[str]:
+    """The providers ``limits`` name that no vendor of this process's registry has and
+    ``gateways`` does not name either."""
+    from .providers.registry import registry
+
+    allowed = set(gateways)
+    return sorted(
+        {
+            limit.provider
+            for limit in limits
+            if limit.provider not in allowed and registry.find(limit.provider) is None
+        }
+    )
+
+
+def set_rate_limits(app: Celery) -> list[rate_limits.Limit]:
+    """Set ``app``'s ``budget_rate_limits`` in its ledger, all or none: a provider no
+    vendor known here has (a typo holds nothing: only calls sent through a vendor of
+    that name take from its windows) is refused, with every limit, unless
+    ``budget_rate_gateways`` names it. What was set."""
+    from .providers.registry import registry
+
+    config = app.conf.get(RATE_LIMITS_SETTING)
+    if not config:
+        return []
+    limits = rate_limits.limits_of(config)
+    unknown = unknown_providers(limits, rate_gateways(app.conf.get(RATE_GATEWAYS_SETTING)))
+    if unknown:
+        known = ", ".join(sorted(v.name for v in registry.vendors()))
+        names = ", ".join(repr(name) for name in unknown)
+        raise ValueError(
+            f"{RATE_LIMITS_SETTING} names {names}, which no vendor known here has "
+            f"({known}): no rate limit is set. Name a gateway's own name in "
+            f"{RATE_GATEWAYS_SETTING} (env BUDGET_TASKS_RATE_GATEWAYS) too, or register "
+            "its vendor before the worker starts"
+        )
+    return rate_limits.apply_limits(ledger_of(app).rates, config)
 
 
 def _install_rate_limits(app: Celery) -> None:
@@ -182,10 +245,19 @@ def _install_rate_limits(app: Celery) -> None:
 
     @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
     def _set(sender: Any = None, **_: Any) -> None:
-        config = app.conf.get(RATE_LIMITS_SETTING)
-        if config:
-            limits = rate_limits.apply_limits(ledger_of(app).rates, config)
-            log.info("budget-tasks: %d rate limits set from %s", len(limits), RATE_LIMITS_SETTING)
+        _set_at_start(app)
+
+
+def _set_at_start(app: Celery) -> None:
+    """:func:`set_rate_limits` as a worker starts: a configuration it refuses is one
+    error in the log (and no limit set), not the worker's end."""
+    try:
+        limits = set_rate_limits(app)
+    except (TypeError, ValueError) as exc:
+        log.error("budget-tasks: %s", exc)
+        return
+    if limits:
+        log.info("budget-tasks: %d rate limits set from %s", len(limits), RATE_LIMITS_SETTING)
 
 
 #: ``1`` draws spans (the ``otel`` extra required), ``0`` does not; unset: drawn when

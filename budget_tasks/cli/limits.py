@@ -6,11 +6,12 @@ from typing import Any
 
 import click
 
+from .. import _validate as check
 from .._display import units
 from .._rate_ask import RATE_KINDS
 from ..providers.registry import registry
 from . import _common
-from ._common import _emit, _safe, _table, json_option, ledger_url_option, main
+from ._common import _emit, _table, json_option, ledger_url_option, main
 
 
 class PerMinute(click.ParamType[int]):
@@ -34,6 +35,18 @@ class PerMinute(click.ParamType[int]):
 
 
 PER_MINUTE = PerMinute()
+
+#: The flag that lets ``limits set`` name a provider no vendor known here has.
+GATEWAY_FLAG = "--gateway"
+
+
+def unknown_provider(provider: str) -> str:
+    """Why ``provider`` is refused: no vendor known to this process has its name."""
+    known = ", ".join(sorted(v.name for v in registry.vendors()))
+    return (
+        f"no provider named {provider!r} is known here ({known}): for a gateway's own name "
+        f"give {GATEWAY_FLAG}; for a vendor your app registers, name the app with -A"
+    )
 
 
 def _windows_table(windows: list[Any]) -> str:
@@ -60,6 +73,13 @@ def limits() -> None:
 @click.option("--tokens", type=PER_MINUTE, default=None, help="Tokens a minute.")
 @click.option("--input-tokens", type=PER_MINUTE, default=None, help="Input tokens a minute.")
 @click.option("--output-tokens", type=PER_MINUTE, default=None, help="Output tokens a minute.")
+@click.option(
+    GATEWAY_FLAG,
+    "gateway",
+    is_flag=True,
+    help="PROVIDER is a name no vendor known here has (a gateway your workers register "
+    "as a vendor of its own): set its limits anyway.",
+)
 @json_option
 def limits_set(
     ledger_url: str,
@@ -69,24 +89,29 @@ def limits_set(
     tokens: int | None,
     input_tokens: int | None,
     output_tokens: int | None,
+    gateway: bool,
     as_json: bool,
 ) -> None:
     """Hold PROVIDER's SCOPE to each limit given (a new one starts full; a changed one
-    keeps what it holds, never more than its new limit). Limits not given stay."""
+    keeps what it holds, never more than its new limit). Limits not given stay.
+
+    PROVIDER is a vendor known here (openai, anthropic, or one the app of -A
+    registers); any other name needs --gateway."""
     given = dict(zip(RATE_KINDS, (requests, tokens, input_tokens, output_tokens), strict=True))
     chosen = {kind: n for kind, n in given.items() if n is not None}
     if not chosen:
         raise click.UsageError(
             "give at least one of --requests, --tokens, --input-tokens, --output-tokens"
         )
+    check.text(provider, "provider", max_length=64)
+    if not gateway and registry.find(provider) is None:
+        # only calls sent through a vendor of this name take from its windows: a typo
+        # would hold nothing, so it is refused before anything is set
+        raise click.UsageError(unknown_provider(provider))
     rates = _common.open_ledger(ledger_url).rates
     # every value was checked by click before this line: a bad one sets none of them
     for kind, per_minute in chosen.items():
         rates.set_limit(provider, scope, kind, per_minute)
-    if registry.find(provider) is None:
-        # only calls that name this provider take from its windows: a typo holds nothing
-        known = ", ".join(sorted(v.name for v in registry.vendors()))
-        click.echo(_safe(f"note: no provider named {provider!r} is known here ({known})"), err=True)
     shown = [w for w in rates.windows() if (w.provider, w.scope) == (provider, scope)]
     _emit(
         as_json,

@@ -19,18 +19,37 @@ from ._common import (
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8089, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--kind", is_flag=True, help="Turn off every realistic behaviour (compression, ...).")
-def fake_provider(host: str, port: int, kind: bool) -> None:
+@click.option(
+    "--limit",
+    "limits",
+    multiple=True,
+    metavar="VENDOR:MODEL:KIND=N[,KIND=N...]",
+    help="Rate-limit a model (or * for every model of the vendor), a minute, as the vendor "
+    "would: e.g. openai:gpt-4o-mini:requests=600,tokens=60000. Kinds: requests, tokens "
+    "(and Anthropic's input_tokens, output_tokens). Repeatable.",
+)
+def fake_provider(host: str, port: int, kind: bool, limits: tuple[str, ...]) -> None:
     """Serve the fake OpenAI/Anthropic provider until Ctrl-C: run the Quick start and
     your own tasks offline, with no key and nothing billed."""
     import contextlib
 
+    from ..pricing import default_prices
     from ..testing.fake_billing import Realism
+    from ..testing.fake_limits import describe, parse_limits
     from ..testing.fake_provider import FakeProvider
 
+    try:  # every --limit is checked before the port is taken
+        specs = parse_limits(limits, default_prices())
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--limit'") from None
     fake = FakeProvider(host, port, realism=Realism.kind() if kind else None)
+    for spec in specs:
+        fake.set_limits(spec.vendor, spec.model, **spec.limits)
     click.echo(f"fake provider on {fake.url}; point the SDKs at it with:")
     click.echo(f"  export OPENAI_BASE_URL={fake.openai_base_url} OPENAI_API_KEY=sk-fake")
     click.echo(f"  export ANTHROPIC_BASE_URL={fake.url} ANTHROPIC_API_KEY=sk-ant-fake")
+    for spec in specs:
+        click.echo(f"rate limit {describe(spec)}")
     with contextlib.suppress(KeyboardInterrupt):
         fake.serve_forever()
 

@@ -16,14 +16,15 @@ model carries the vendor's rate-limit headers, read from the buckets
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ..pricing import Usage
+from ..pricing import Prices, Usage
 from .fake_billing import PromptCache
 from .fake_reports import ANTHROPIC, OPENAI
 
@@ -43,6 +44,79 @@ _ANTHROPIC_WORDS = {
     "output_tokens": "output tokens",
 }
 Headers = list[tuple[str, str]]
+#: How a limit is written on the command line (``--limit``).
+LIMIT_FORM = "VENDOR:MODEL:KIND=N[,KIND=N...]"
+LIMIT_EXAMPLE = "openai:gpt-4o-mini:requests=600,tokens=60000"
+_WHOLE = re.compile(r"[0-9]+(?:_[0-9]+)*")
+
+
+@dataclass(frozen=True)
+class LimitSpec:
+    """The limits a minute asked for one vendor's model (``"*"``: every model of the
+    vendor without limits of its own): :meth:`Limiter.set`'s arguments."""
+
+    vendor: str
+    model: str
+    limits: dict[str, int]
+
+
+def parse_limit(text: str, prices: Prices | None = None) -> LimitSpec:
+    """One ``--limit``: ``VENDOR:MODEL:KIND=N[,KIND=N...]``, e.g.
+    ``openai:gpt-4o-mini:requests=600,tokens=60000`` (a model's name may hold colons: a
+    fine-tuned one's does). KIND is one the vendor has (:data:`VENDOR_KINDS`; ``-`` for
+    ``_`` is read too); N a whole number a minute, from 1. With ``prices``, MODEL is one
+    they price (the fake answers any other 404) or ``*``. Raises ValueError saying what
+    is wrong."""
+    vendor, _, rest = text.partition(":")
+    model, _, kinds = rest.rpartition(":")
+    vendor, model = vendor.strip(), model.strip()
+    if not (vendor and model and kinds.strip()):
+        raise ValueError(f"{text!r} is not {LIMIT_FORM} (e.g. {LIMIT_EXAMPLE})")
+    if vendor not in VENDOR_KINDS:
+        raise ValueError(f"{text!r}: no vendor {vendor!r} (one of {', '.join(VENDOR_KINDS)})")
+    if prices is not None and model != ANY_MODEL and not prices.knows(model, vendor):
+        raise ValueError(
+            f"{text!r}: the fake serves no {vendor} model {model!r} (it would answer it 404)"
+        )
+    limits: dict[str, int] = {}
+    for part in kinds.split(","):
+        kind, equals, value = (piece.strip() for piece in part.partition("="))
+        kind = kind.replace("-", "_")
+        if not equals or not kind:
+            raise ValueError(f"{text!r}: {part.strip()!r} is not KIND=N (e.g. requests=600)")
+        if kind not in VENDOR_KINDS[vendor]:
+            raise ValueError(
+                f"{text!r}: {vendor} has no {kind!r} limit (its limits: "
+                f"{', '.join(VENDOR_KINDS[vendor])})"
+            )
+        if kind in limits:
+            raise ValueError(f"{text!r}: {kind} is given twice")
+        if not _WHOLE.fullmatch(value):
+            raise ValueError(f"{text!r}: {kind}={value} is not a whole number a minute")
+        if int(value) == 0:
+            raise ValueError(f"{text!r}: {kind}=0 would admit nothing (leave the kind out)")
+        limits[kind] = int(value)
+    return LimitSpec(vendor, model, limits)
+
+
+def parse_limits(texts: Iterable[str], prices: Prices | None = None) -> list[LimitSpec]:
+    """Every ``--limit`` (:func:`parse_limit`), one spec per vendor and model: the
+    kinds of one model given apart are put together; one given twice is refused."""
+    specs: dict[tuple[str, str], LimitSpec] = {}
+    for text in texts:
+        spec = parse_limit(text, prices)
+        held = specs.setdefault((spec.vendor, spec.model), LimitSpec(spec.vendor, spec.model, {}))
+        for kind, value in spec.limits.items():
+            if kind in held.limits:
+                raise ValueError(f"{text!r}: {spec.vendor} {spec.model} {kind} is given twice")
+            held.limits[kind] = value
+    return list(specs.values())
+
+
+def describe(spec: LimitSpec) -> str:
+    """``openai gpt-4o-mini: requests 600, tokens 60,000 a minute``."""
+    kinds = ", ".join(f"{kind} {value:,}" for kind, value in spec.limits.items())
+    return f"{spec.vendor} {spec.model}: {kinds} a minute"
 
 
 @dataclass(frozen=True)

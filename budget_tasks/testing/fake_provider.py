@@ -50,12 +50,14 @@ Each served request is billed at this package's prices (the maintained source: r
 list prices, snapshots, tiers, cache and batch rates); unknown models get 404 and no
 bill. ``x-fake-cached-tokens`` and ``x-fake-reasoning-tokens`` set those counts.
 
-Rate limits (:mod:`.fake_limits`), off until set with ``set_limits()`` or ``POST
-/_fake/limits``: per vendor and model, requests and tokens a minute (Anthropic's input
-and output tokens apart) in buckets that refill continuously, counted as each vendor
-counts them; a request that does not fit is answered 429 in its vendor's shape
-(``retry-after``), not billed, and every answer of a limited model carries the
-vendor's rate-limit headers read from the buckets.
+Rate limits (:mod:`.fake_limits`), off until set with ``set_limits()``, ``POST
+/_fake/limits`` or on the command line (``--limit openai:gpt-4o-mini:requests=600``,
+repeatable; several kinds at once: ``requests=600,tokens=60000``): per vendor and
+model, requests and tokens a minute (Anthropic's input and output tokens apart) in
+buckets that refill continuously, counted as each vendor counts them; a request that
+does not fit is answered 429 in its vendor's shape (``retry-after``), not billed, and
+every answer of a limited model carries the vendor's rate-limit headers read from the
+buckets.
 
 Faults, per request in the ``x-fake-fault`` header or queued with ``plan()`` /
 ``POST /_fake/faults``: ``status=NNN`` (an error, not billed; 429 with ``retry-after``,
@@ -1346,9 +1348,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--kind", action="store_true", help="turn off every realistic behaviour (see Realism)"
     )
+    parser.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar=fake_limits.LIMIT_FORM,
+        help=f"rate-limit a model (or * for all of the vendor's) a minute, e.g. "
+        f"{fake_limits.LIMIT_EXAMPLE}; repeatable",
+    )
     args = parser.parse_args(argv)
+    try:  # every --limit is checked before the port is taken
+        specs = fake_limits.parse_limits(args.limit, default_prices())
+    except ValueError as exc:
+        print(f"error: --limit {exc}", file=sys.stderr)
+        sys.exit(2)
     fake = FakeProvider(args.host, args.port, realism=Realism.kind() if args.kind else None)
+    for spec in specs:
+        fake.set_limits(spec.vendor, spec.model, **spec.limits)
     print(f"fake provider on {fake.url} (OpenAI base {fake.openai_base_url})", flush=True)
+    for spec in specs:
+        print(f"rate limit {fake_limits.describe(spec)}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         fake.serve_forever()
 

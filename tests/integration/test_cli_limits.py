@@ -4,7 +4,12 @@ window holds after known takes (in process, on the ledger's manual clock)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -82,10 +87,10 @@ def test_a_changed_limit_keeps_what_the_window_holds_up_to_the_new_limit(
     ("args", "says"),
     [
         (["--requests", "0"], "'--requests': 0 a minute would admit nothing: clear the limit"),
-        (["--tokens", "-5"], "'--tokens': -5 is not from 1 to 1,000,000,000,000 a minute"),
+        (["--tokens", "-5"], "'--tokens': -5 is not from 1 to 10,000,000,000 a minute"),
         (["--tokens", "1.5"], "'--tokens': '1.5' is not a whole number a minute"),
         (["--input-tokens", "lots"], "'--input-tokens': 'lots' is not a whole number a minute"),
-        (["--output-tokens", str(10**12 + 1)], "is not from 1 to 1,000,000,000,000 a minute"),
+        (["--output-tokens", str(10**10 + 1)], "is not from 1 to 10,000,000,000 a minute"),
         # a good value beside a bad one: neither is set
         (["--requests", "10", "--tokens", "0"], "'--tokens': 0 a minute would admit nothing"),
         ([], "give at least one of --requests, --tokens, --input-tokens, --output-tokens"),
@@ -116,15 +121,62 @@ def test_a_bad_provider_scope_or_kind_is_one_line_exit_2(pg_url: str, pg_ledger:
     assert pg_ledger.rates.windows() == []
 
 
-def test_a_provider_no_vendor_is_named_gets_a_note_and_the_limit(
+def test_a_provider_no_vendor_has_is_one_line_exit_2_and_sets_nothing(
     pg_url: str, pg_ledger: Ledger
 ) -> None:
-    done = cli(pg_url, "limits", "set", "opnai", "gpt-4o-mini", "--requests", "5")
-    assert done.returncode == 0
-    assert done.stdout == "set opnai gpt-4o-mini: requests 5 a minute\n"
-    assert done.stderr == "note: no provider named 'opnai' is known here (anthropic, openai)\n"
-    assert [w.provider for w in pg_ledger.rates.windows()] == ["opnai"]
-    assert cli(pg_url, "limits", "set", "openai", "x", "--requests", "5").stderr == ""
+    """A typo would hold nothing (only calls sent through a vendor of that name take
+    from its windows): refused before anything is set, naming the flag a gateway needs."""
+    done = cli(pg_url, "limits", "set", "opnai", "gpt-4o-mini", "--requests", "5", "--tokens", "9")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith(
+        "error: no provider named 'opnai' is known here (anthropic, openai): for a gateway's "
+        "own name give --gateway; for a vendor your app registers, name the app with -A (see "
+    ), line
+    assert pg_ledger.rates.windows() == []
+    # the rule is the provider's name, whatever else is given
+    assert cli(pg_url, "limits", "set", "OpenAI", "*", "--requests", "5").returncode == 2
+    assert pg_ledger.rates.windows() == []
+
+
+def test_a_gateway_is_set_under_its_own_name_with_the_flag(pg_url: str, pg_ledger: Ledger) -> None:
+    said = ok(pg_url, "limits", "set", "litellm", "*", "--requests", "300", "--gateway")
+    assert said == "set litellm *: requests 300 a minute\n"
+    done = cli(pg_url, "limits", "set", "openai", "gpt-4o-mini", "--tokens", "9000", "--gateway")
+    assert done.returncode == 0 and done.stderr == ""  # a known vendor: the flag changes nothing
+    assert [(w.provider, w.scope, w.kind, w.per_minute) for w in pg_ledger.rates.windows()] == [
+        ("litellm", "*", "requests", 300),
+        ("openai", "gpt-4o-mini", "tokens", 9000),
+    ]
+    # a limit set under a name no vendor has is cleared without the flag (a typo's, too)
+    assert ok(pg_url, "limits", "clear", "litellm", "*") == "cleared 1 limit(s) of litellm *\n"
+    assert "--gateway" in ok(pg_url, "limits", "set", "--help")
+
+
+def test_a_vendor_the_app_registers_is_known_with_dash_a(
+    pg_url: str, pg_ledger: Ledger, tmp_path: Path
+) -> None:
+    """A gateway registered as a vendor of its own in the app's module (as the worker
+    imports it) is known to the CLI that names the app: no flag needed."""
+    (tmp_path / "gateway_app.py").write_text(
+        "from celery import Celery\n"
+        "from budget_tasks.providers import OpenAI, register\n"
+        "register(OpenAI('llm-gateway', hosts=['llm-gateway.internal']))\n"
+        "app = Celery('gateway_app', set_as_current=False)\n"
+    )
+    env = {**os.environ, "BUDGET_TASKS_LEDGER_URL": pg_url}
+    command = [sys.executable, "-m", "budget_tasks.cli"]
+    args = ["limits", "set", "llm-gateway", "*", "--requests", "60"]
+    run = functools.partial(
+        subprocess.run, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
+    without = run([*command, *args])
+    assert without.returncode == 2 and "'llm-gateway'" in without.stderr
+    done = run([*command, "-A", "gateway_app", *args])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "set llm-gateway *: requests 60 a minute\n" and done.stderr == ""
+    assert [(w.provider, w.per_minute) for w in pg_ledger.rates.windows()] == [("llm-gateway", 60)]
 
 
 def test_list_shows_what_each_window_holds_after_known_takes_and_a_booking(

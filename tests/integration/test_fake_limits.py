@@ -13,6 +13,8 @@ import json
 import math
 import multiprocessing
 import re
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,8 +28,9 @@ import anthropic
 import openai
 import pytest
 
+from budget_tasks.pricing import default_prices
 from budget_tasks.testing import FakeProvider
-from budget_tasks.testing.fake_limits import Limiter
+from budget_tasks.testing.fake_limits import Limiter, LimitSpec, parse_limits
 
 CHAT: dict[str, Any] = {
     "model": "gpt-4o-mini",
@@ -429,3 +432,116 @@ def test_each_vendor_reads_its_own_429_as_the_fake_writes_it(frozen: FakeProvide
         message(claude, 100, 10)
     state = Anthropic().rate_state(again.value.response.headers, now)
     assert state.retry_after is not None and state.retry_after.total_seconds() >= 1
+
+
+#: The fake's two command lines: ``budget-tasks fake-provider`` and the ``python -m`` one.
+FAKE_COMMANDS = {
+    "budget-tasks": [sys.executable, "-m", "budget_tasks.cli", "fake-provider"],
+    "python -m": [sys.executable, "-m", "budget_tasks.testing"],
+}
+
+
+@pytest.mark.parametrize("command", FAKE_COMMANDS)
+def test_the_fake_sets_its_own_limits_from_the_command_line(command: str) -> None:
+    """``--limit VENDOR:MODEL:KIND=N[,KIND=N...]``, repeatable: several kinds of one model
+    at once, or apart; ``*`` for the vendor's other models; Anthropic's kinds with a
+    hyphen as the ledger's flags write them. The fake says what it holds, and holds it."""
+    server = subprocess.Popen(
+        [
+            *FAKE_COMMANDS[command],
+            "--port", "0",
+            "--limit", "openai:gpt-4o-mini:requests=2,tokens=60000",
+            "--limit", "anthropic:*:input-tokens=5000",
+            "--limit", "anthropic:*:requests=50",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        first = server.stdout.readline()
+        url = re.search(r"http://127\.0\.0\.1:\d+", first)
+        assert url, first
+        lines = [server.stdout.readline() for _ in range(4 if command == "budget-tasks" else 2)]
+        assert [line for line in lines if line.startswith("rate limit ")] == [
+            "rate limit openai gpt-4o-mini: requests 2, tokens 60,000 a minute\n",
+            "rate limit anthropic *: input_tokens 5,000, requests 50 a minute\n",
+        ]
+        with urllib.request.urlopen(f"{url.group()}/_fake/state", timeout=5) as response:
+            state = json.loads(response.read())
+        assert state["limits"] == [
+            {"vendor": "openai", "model": "gpt-4o-mini", "requests": 2, "tokens": 60000},
+            {"vendor": "anthropic", "model": "*", "input_tokens": 5000, "requests": 50},
+        ]
+        client = openai.OpenAI(base_url=f"{url.group()}/v1", api_key="sk-test", max_retries=0)
+        for _ in range(2):
+            client.chat.completions.create(**CHAT)
+        with pytest.raises(openai.RateLimitError):  # the third of 2 a minute
+            client.chat.completions.create(**CHAT)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("limit", "says"),
+    [
+        ("openai:gpt-4o-mini", "'openai:gpt-4o-mini' is not VENDOR:MODEL:KIND=N[,KIND=N...]"),
+        ("openai:gpt-4o-mini:requests=0", "requests=0 would admit nothing"),
+        ("openai:gpt-4o-mini:requests=lots", "requests=lots is not a whole number a minute"),
+        ("openai:gpt-4o-mini:tokens=1.5", "tokens=1.5 is not a whole number a minute"),
+        ("openai:gpt-4o-mini:requests=-3", "requests=-3 is not a whole number a minute"),
+        ("opnai:gpt-4o-mini:requests=5", "no vendor 'opnai' (one of openai, anthropic)"),
+        ("openai:gpt-4o-mini:input_tokens=5", "openai has no 'input_tokens' limit"),
+        ("openai:gpt-4o-mini:rpm=600", "openai has no 'rpm' limit (its limits: requests, tokens)"),
+        ("openai:gpt-4o-mini:requests", "'requests' is not KIND=N"),
+        ("openai:gpt-4o-mini:requests=5,requests=6", "requests is given twice"),
+        ("openai:gpt4o-mini:requests=5", "the fake serves no openai model 'gpt4o-mini'"),
+        ("anthropic:gpt-4o-mini:requests=5", "the fake serves no anthropic model 'gpt-4o-mini'"),
+    ],
+)
+def test_a_bad_limit_is_refused_saying_what_is_wrong(limit: str, says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        parse_limits([limit], default_prices())
+
+
+def test_a_model_limited_twice_on_the_command_line_is_refused_and_apart_is_one() -> None:
+    with pytest.raises(ValueError, match="openai gpt-4o-mini requests is given twice"):
+        parse_limits(["openai:gpt-4o-mini:requests=5", "openai:gpt-4o-mini:requests=6"])
+    # a fine-tuned model's name holds colons: the kinds are after the last one
+    tuned = "ft:gpt-4o-mini-2024-07-18:acme::x1"
+    assert parse_limits(
+        [f"openai:{tuned}:requests=5", f"openai:{tuned}:tokens=9_000"], default_prices()
+    ) == [LimitSpec("openai", tuned, {"requests": 5, "tokens": 9000})]
+
+
+@pytest.mark.parametrize("command", FAKE_COMMANDS)
+@pytest.mark.parametrize(
+    ("limit", "says"),
+    [
+        ("openai:gpt-4o-mini:requests=0", "requests=0 would admit nothing"),
+        ("openai:gpt-4o-mini:input_tokens=5", "openai has no 'input_tokens' limit"),
+    ],
+)
+def test_a_bad_limit_on_the_command_line_is_one_error_line_and_exit_2(
+    command: str, limit: str, says: str
+) -> None:
+    """Checked before the port is taken: nothing served, nothing printed but the error
+    (the good --limit beside it is not set either)."""
+    done = subprocess.run(
+        [
+            *FAKE_COMMANDS[command],
+            "--port", "0",
+            "--limit", "openai:*:tokens=5000",
+            "--limit", limit,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith("error: ") and "--limit" in line and says in line, line

@@ -3,17 +3,26 @@ public namespace of the package."""
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from celery import Celery
 
 import budget_tasks
-from budget_tasks import BudgetTask, configure
-from budget_tasks.wiring import BEAT_SCHEDULE, startup_problems
+from budget_tasks import BudgetTask, Ledger, configure, rate_limits
+from budget_tasks.providers import OpenAI, registry
+from budget_tasks.wiring import (
+    BEAT_SCHEDULE,
+    _set_at_start,
+    set_rate_limits,
+    startup_problems,
+    unknown_providers,
+)
 
 
 def test_the_schedule_is_merged_and_the_apps_own_entries_win() -> None:
@@ -117,6 +126,7 @@ def test_every_variable_the_readme_lists_sets_its_setting_in_any_app(
             '{"openai": {"*": {"requests": 600}}}',
             {"openai": {"*": {"requests": 600}}},
         ),
+        "BUDGET_TASKS_RATE_GATEWAYS": (" litellm, portkey ", ["litellm", "portkey"]),
         "BUDGET_TASKS_VISIBILITY_TIMEOUT": ("7200", None),
         "BUDGET_TASKS_RESTORE_INTERVAL": ("5", None),
     }
@@ -147,4 +157,85 @@ def test_every_variable_the_readme_lists_sets_its_setting_in_any_app(
     monkeypatch.setenv("BUDGET_TASKS_STALE_AFTER", "soon")
     with pytest.raises(ValueError, match="BUDGET_TASKS_STALE_AFTER='soon'"):
         configure(Celery("bad", set_as_current=False))
+    app.close()
+
+
+def rated_app(url: str, limits: dict[str, Any], gateways: Any = None) -> Celery:
+    """An app whose worker sets ``limits`` in the ledger at ``url`` as it starts."""
+    app = Celery("rated", set_as_current=False)
+    app.conf.budget_ledger_url = url
+    app.conf.budget_rate_limits = limits
+    if gateways is not None:
+        app.conf.budget_rate_gateways = gateways
+    return app
+
+
+def windows_of(url: str) -> list[tuple[str, str, str, int]]:
+    ledger = Ledger(url)
+    try:
+        return [(w.provider, w.scope, w.kind, w.per_minute) for w in ledger.rates.windows()]
+    finally:
+        ledger.dispose()
+
+
+#: One known vendor's limit, and one for a name no vendor has (a typo, or a gateway).
+MIXED = {"openai": {"gpt-4o-mini": {"requests": 600}}, "opnai": {"*": {"requests": 5}}}
+
+
+def test_configured_limits_naming_a_provider_no_vendor_has_set_none_and_say_why(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As ``limits set`` without ``--gateway``: a typo would hold nothing, so the
+    worker's start sets none of the limits and logs one error naming the provider and
+    the setting that would let it in."""
+    app = rated_app(sqlite_url, MIXED)
+    with pytest.raises(ValueError, match=r"names 'opnai', which no vendor known here has"):
+        set_rate_limits(app)
+    assert windows_of(sqlite_url) == []  # not even openai's
+    with caplog.at_level(logging.INFO, logger="budget_tasks"):
+        _set_at_start(app)  # what the worker_init handler runs
+    [record] = [r for r in caplog.records if r.name == "budget_tasks"]
+    assert record.levelno == logging.ERROR
+    said = record.getMessage()
+    assert "'opnai'" in said and "budget_rate_gateways" in said
+    assert "BUDGET_TASKS_RATE_GATEWAYS" in said and "no rate limit is set" in said
+    assert windows_of(sqlite_url) == []
+    app.close()
+
+
+@pytest.mark.parametrize("gateways", [["opnai"], "opnai", " litellm , opnai "])
+def test_a_gateway_named_in_budget_rate_gateways_has_its_limits_set(
+    sqlite_url: str, gateways: Any
+) -> None:
+    app = rated_app(sqlite_url, MIXED, gateways)
+    assert [limit.provider for limit in set_rate_limits(app)] == ["openai", "opnai"]
+    assert windows_of(sqlite_url) == [
+        ("openai", "gpt-4o-mini", "requests", 600),
+        ("opnai", "*", "requests", 5),
+    ]
+    app.close()
+
+
+def test_a_vendor_the_app_registers_needs_no_gateway_entry(sqlite_url: str) -> None:
+    """A gateway registered as a vendor of its own (before the worker starts, as an app
+    module does at import) is known: its calls take from its windows."""
+    registry.register(OpenAI("llm-gateway", hosts=[]))
+    try:
+        app = rated_app(sqlite_url, {"llm-gateway": {"*": {"tokens": 90_000}}})
+        assert len(set_rate_limits(app)) == 1
+        assert windows_of(sqlite_url) == [("llm-gateway", "*", "tokens", 90_000)]
+        app.close()
+    finally:
+        registry.unregister("llm-gateway")
+    assert unknown_providers(rate_limits.limits_of({"llm-gateway": {"*": {"tokens": 1}}}), ()) == [
+        "llm-gateway"
+    ]
+
+
+@pytest.mark.parametrize("bad", [{"opnai": True}, 5, ["opnai", 3], [""]])
+def test_budget_rate_gateways_is_a_list_of_names(sqlite_url: str, bad: Any) -> None:
+    app = rated_app(sqlite_url, MIXED, bad)
+    with pytest.raises(TypeError, match="budget_rate_gateways lists provider names"):
+        set_rate_limits(app)
+    assert windows_of(sqlite_url) == []
     app.close()
