@@ -16,7 +16,6 @@ import math
 import sys
 import uuid
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 from celery import Task, current_task
@@ -30,7 +29,8 @@ from .config import ledger_of
 from .delivery.fates import replayable
 from .delivery.flow import Delivery, OperationManager, RetryLater
 from .delivery.options import DeliveryOptions
-from .delivery.scope import AttemptScope, Call, current_scope, running, running_scopes
+from .delivery.scope import AttemptScope, current_scope, running, running_scopes
+from .delivery.spend import SpendBlock
 from .errors import (
     BudgetExceeded,
     BudgetFrozen,
@@ -48,6 +48,9 @@ _FUNCTION_OPTIONS = ("estimate_cost", "idempotency_key", "fingerprint", "budget"
 #: Celery's ``retry(max_retries=None)`` means "the task's default" (3), not "no limit":
 #: the retries that wait for the ledger, a lease, a rate limit or budget pass this.
 NO_RETRY_LIMIT = sys.maxsize
+#: The longest countdown a call waiting its turn in a rate window is handed (seconds):
+#: half an hour, well inside the Redis visibility timeout the start-up check asks for.
+RATE_COUNTDOWN_MOST = 1800.0
 
 
 def canonical_fingerprint(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -104,10 +107,11 @@ class BudgetTask(Task):  # type: ignore[misc]
     describe_call: ClassVar[Any] = None
     in_progress_countdown: ClassVar[float] = 5.0
     rate_limit_countdown: ClassVar[float] = 10.0
-    #: how long a call may wait in the worker process, in all, for its rate windows
-    #: (seconds); a longer wait brings the message back when the call's booking is
-    #: due, and no wait spends a retry of the task's ``max_retries``
-    rate_wait_in_process: ClassVar[float] = 5.0
+    #: how long a run's first call may wait in the worker process for its turn in its
+    #: rate windows' line (seconds of wall time, its turn read again as the windows
+    #: change); a turn further off brings the message back then, and no wait spends
+    #: a retry of the task's ``max_retries``
+    rate_wait_in_process: ClassVar[float] = 30.0
     ledger_unavailable_countdown: ClassVar[float] = 5.0
     price_version: ClassVar[str | None] = None
     idempotency_key: ClassVar[Any] = None
@@ -208,7 +212,10 @@ class BudgetTask(Task):  # type: ignore[misc]
         """How long the message waits before it comes back (seconds)."""
         cause = later.cause
         if isinstance(cause, RateWindowFull):
-            return cause.wait  # when its booking falls due
+            # its turn as the windows stood when it stopped waiting; a turn further
+            # off comes back sooner, reads its turn and goes back again: a countdown
+            # past the broker's visibility timeout would be delivered twice
+            return min(cause.wait, RATE_COUNTDOWN_MOST)
         if later.why == "rate_limited":
             # the provider's retry-after, where its 429 says (never shorter than asked)
             # (at least a second: a retry-after of 0 would send it again at once)
@@ -258,8 +265,10 @@ class BudgetTask(Task):  # type: ignore[misc]
 
     # -- several calls, and side effects -------------------------------------------------
 
-    def spend(self, amount: int, label: str) -> AbstractContextManager[Call]:
-        """Reserve and settle one labelled billable call of this task as its own attempt.
+    def spend(self, amount: int, label: str) -> SpendBlock:
+        """Reserve and settle one labelled billable call of this task as its own attempt:
+        ``with self.spend(...) as call:``, or ``async with`` in async code (its
+        admission then runs off the event loop).
 
         Replay-safe per label and sequence: on a redelivery, a call that completed before
         yields ``call.replayed = True`` and ``call.result``; do not call the provider
@@ -268,8 +277,9 @@ class BudgetTask(Task):  # type: ignore[misc]
         refusal) is sent again as a new attempt with its own hold.
         """
         scope = self.attempt
-        assert scope.manager is not None
-        return scope.manager.step(scope, amount, label)
+        manager = scope.manager
+        assert manager is not None
+        return SpendBlock(lambda: manager.step(scope, amount, label))
 
     def once(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` at most once per operation; on a redelivery,

@@ -10,6 +10,8 @@ does with an error: before ``run`` (the main call) the delivery ends its run; in
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -31,6 +33,9 @@ from .options import DeliveryOptions
 from .told import Told
 
 T = TypeVar("T")
+
+#: How often a call waiting its turn in a rate window's line reads its turn again.
+TURN_READ_SECONDS = 0.25
 
 #: Where a labelled call's answer is stored for replay (the main call's answer is the
 #: operation's result).
@@ -151,7 +156,7 @@ class CallPath:
             return made
 
         try:
-            return self.waiting(lambda: admission(plan), patience)
+            return self.waiting(lambda: admission(plan), patience, tell=tell)
         except (BudgetExceeded, BudgetFrozen) as exc:
             if tell:
                 self.told.denied(exc, amount)
@@ -161,23 +166,44 @@ class CallPath:
             # 0: the plan of a first delivery, made before its operation had an id
             raise GrantUnanswered(exc, operation_id or None, key) from exc
 
-    def waiting(self, admission: Callable[[], T], patience: float | None = None) -> T:
-        """``admission``, run again after each wait its rate windows book it for, while
-        those waits add up to no more than ``patience`` (default: the task's
-        ``rate_wait_in_process``); a longer one raises RateWindowFull (the message
-        comes back when it is due). A booked call comes back under the same key and
-        takes nothing again."""
-        waited = 0.0
+    def waiting(
+        self, admission: Callable[[], T], patience: float | None = None, *, tell: bool = True
+    ) -> T:
+        """``admission``, run again when the call's turn in its rate windows' line has
+        come, while the wait, in wall time, stays within ``patience`` (default: the
+        task's ``rate_wait_in_process``). Its turn is read again from the ledger as it
+        waits (a read: it takes nothing), so whatever changes the windows meanwhile
+        moves it. Past its patience, RateWindowFull is raised with the turn as it
+        stands then (the message comes back after that wait, under the same key,
+        taking nothing again). The wait is told to the hooks once (with ``tell``)."""
         most = self.options.rate_wait_in_process if patience is None else patience
+        began = time.monotonic()
+        told = False
         while True:
             try:
                 return admission()
             except RateWindowFull as full:
-                self.told.rate_waited(full)
-                if waited + full.wait > most:
-                    raise
-                waited += full.wait
-                time.sleep(full.wait)
+                if tell and not told:
+                    self.told.rate_waited(full)
+                    told = True
+                self._wait_turn(full, most - (time.monotonic() - began))
+
+    def _wait_turn(self, full: RateWindowFull, left: float) -> None:
+        """Wait in the process for the turn ``full`` told, reading it again every
+        :data:`TURN_READ_SECONDS`; raise RateWindowFull, as the turn stands, when it
+        is further off than ``left`` seconds."""
+        wait = full.wait
+        while wait > 0:
+            if wait > left:
+                raise dataclasses.replace(full, wait_ms=math.ceil(wait * 1000)) from None
+            nap = min(wait, TURN_READ_SECONDS)
+            began = time.monotonic()
+            time.sleep(nap)
+            left -= time.monotonic() - began
+            turn = None if full.key is None else self.ledger.rate_turn(full.key)
+            if turn is None:
+                return  # not booked any more (dropped, or never): ask again
+            wait = turn
 
     @staticmethod
     def _at_once(site: CallSite, here: CallAdmission) -> tuple[str, str] | None:

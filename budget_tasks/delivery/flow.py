@@ -268,6 +268,8 @@ class OperationManager:
         except (BudgetExceeded, BudgetFrozen) as exc:
             scope.refused_unadmitted = exc  # recorded pending with the refusal
             raise
+        except RateWindowFull:
+            raise  # its call waits its turn (see _open_call); the run is not admitted
         except Exception as exc:
             scope.stopped = exc
             raise _Stopped(exc) from None
@@ -380,7 +382,16 @@ class OperationManager:
 
         try:
             # with ``first``, a refusal is told by that call's own admission
-            return self.calls.admit(estimate or 0, site_of, admission, tell=first is None)
+            # a first call admitted with the run waits for its rate windows outside
+            # the run's admission (its own caller waits): a call of the run made
+            # meanwhile may admit the run with itself
+            return self.calls.admit(
+                estimate or 0,
+                site_of,
+                admission,
+                tell=first is None,
+                patience=None if first is None else 0.0,
+            )
         except (BudgetExceeded, BudgetFrozen) as exc:
             # Refused in the admission's transaction: the operation is pending again.
             if self.options.retry_when_budget_frees and first is None:
@@ -788,6 +799,14 @@ class OperationManager:
                 opened = self.calls.open(site_of(here), here, patience)
             except Moved:
                 continue
+            except RateWindowFull as full:
+                if scope.admitted:
+                    raise
+                # the run's first call waited past its patience before the run was
+                # admitted: nothing of it was written, and its message comes back
+                # when the call's turn comes
+                scope.stopped = full
+                raise _Stopped(full) from None
             except Unresolved as unresolved:
                 raise OutcomeUnknown(scope.operation_key, unresolved.attempt.key) from None
             except GrantUnanswered as lost:

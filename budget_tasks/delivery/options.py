@@ -20,8 +20,9 @@ class DeliveryOptions:
     #: nothing takes its lease with its first call's admission (not before ``run``),
     #: and each call's settlement waits for the run's next commit
     defer_writes: bool = True
-    #: how long a call may wait in the worker process for its rate windows, in all
-    #: (seconds); a longer wait brings the message back when its booking is due
-    rate_wait_in_process: float = 5.0
+    #: how long a call may wait in the worker process for its turn in its rate
+    #: windows' line (seconds of wall time); a turn further off brings the message
+    #: back then
+    rate_wait_in_process: float = 30.0
     #: exceptions out of ``run`` by which a task asks to run again later (Celery's Retry)
     retry_types: tuple[type[BaseException], ...] = ()

@@ -1,15 +1,21 @@
 """The guarded ``httpx2`` transport for the SDKs' async clients: the same flow as the
-sync one (:mod:`budget_tasks.transport.flow`), awaiting the network. The ledger's own
-writes are short and synchronous: they hold the event loop for their round trip."""
+sync one (:mod:`budget_tasks.transport.flow`), awaiting the network. A call's admission
+may wait its turn in its rate windows' line: it runs on a thread of its own, so the
+event loop goes on serving the run's other calls meanwhile. The settlement's writes
+are short and synchronous: they hold the loop for their round trip."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import httpx2
 
 from .. import bypass
+from .._off_loop import off_the_loop
 from ..providers.base import Kind
 from . import guard
 from .flow import Begun, StreamState, begin
@@ -39,7 +45,7 @@ class AsyncGuardedTransport(httpx2.AsyncBaseTransport):
         if route.kind is not Kind.METERED:
             return await self._pass(request)
         await request.aread()
-        begun = begin(route, request, self.options)
+        begun = await off_the_loop(partial(begin, route, request, self.options), _undo)
         if begun is None:
             return await self._pass(request)  # allowed outside a run
         try:
@@ -70,6 +76,15 @@ class AsyncGuardedTransport(httpx2.AsyncBaseTransport):
         full = await response.aread()  # decoded: real APIs compress
         await response.aclose()
         return begun.answered(response, full, request), False
+
+
+def _undo(begun: Begun | None) -> None:
+    """A call admitted for a task that was cancelled before it heard: nothing was
+    sent under it (its hold is given back)."""
+    if begun is not None:
+        # failed() raises what it was given back: the cancelled task is gone
+        with contextlib.suppress(asyncio.CancelledError):
+            begun.failed(asyncio.CancelledError())
 
 
 class _AsyncLiveStream(httpx2.AsyncByteStream):

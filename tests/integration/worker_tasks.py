@@ -465,3 +465,85 @@ def rated_claude(self: BudgetTask, n: int) -> int:
         extra_headers={"x-fake-output-tokens": "10"},
     )
     return int(answer.usage.output_tokens)
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    name="tests.rated_chat_patient",
+    budget=BUDGET,
+    idempotency_key=lambda n: f"patient:{n}",
+    estimate_cost=lambda n: 0,
+    max_retries=0,
+    rate_wait_in_process=120.0,
+)
+def rated_chat_patient(self: BudgetTask, n: int) -> int:
+    """``tests.rated_chat`` that waits up to two minutes in the process for its turn."""
+    return int(rated_chat.run(n))
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    name="tests.rated_async_pair",
+    budget=BUDGET,
+    idempotency_key=lambda n: f"pair:{n}",
+    estimate_cost=lambda n: 0,
+    max_retries=0,
+    rate_wait_in_process=60.0,
+)
+def rated_async_pair(self: BudgetTask, n: int) -> list[str]:
+    """Two calls of one run at once through the guarded async client: first one to a
+    model whose window is full (it waits its turn), then, a moment later, one to a
+    model with no limit. The labels, in the order their answers came."""
+    import asyncio
+
+    from budget_tasks.transport import call_label, guarded_async_openai_client
+
+    async def both() -> list[str]:
+        api = guarded_async_openai_client(
+            base_url=os.environ.get("OPENAI_BASE_URL"), api_key="sk-test", timeout=30.0
+        )
+        answered: list[str] = []
+
+        async def ask(label: str, model: str, after: float) -> None:
+            await asyncio.sleep(after)
+            with call_label(label):
+                await api.chat.completions.create(
+                    model=model,
+                    max_completion_tokens=8,
+                    messages=[{"role": "user", "content": f"{label} {n}"}],
+                )
+            answered.append(label)
+
+        await asyncio.gather(ask("limited", "gpt-4o-mini", 0), ask("free", "gpt-4.1-nano", 0.3))
+        await api.close()
+        return answered
+
+    return asyncio.run(both())
+
+
+@app.task(
+    base=BudgetTask,
+    bind=True,
+    name="tests.async_spend",
+    budget=BUDGET,
+    idempotency_key=lambda topic: f"async-spend:{topic}",
+    estimate_cost=lambda topic: 0,
+)
+def async_spend(self: BudgetTask, topic: str) -> list[str]:
+    """Two labelled calls in async code, each opened with ``async with self.spend``."""
+    import asyncio
+
+    async def steps() -> list[str]:
+        notes = []
+        for step in ("outline", "draft"):
+            request = {**fixed_request(0), "messages": [{"role": "user", "content": step}]}
+            async with self.spend(estimates.openai_chat(request).amount, step) as call:
+                if not call.replayed:
+                    openai_chat(client(), attempt=call, **request)
+                    call.result = f"{step} of {topic}"
+            notes.append(str(call.result))
+        return notes
+
+    return asyncio.run(steps())
