@@ -38,6 +38,9 @@ from typing import Any
 NOT_HERE = "BT001"
 #: PostgreSQL's SQLSTATE undefined_function: a database not yet migrated to 0016.
 UNDEFINED_FUNCTION = "42883"
+#: The class of SQLSTATEs a function's own text raises where it does not fit the schema
+#: (a column or table renamed under it): syntax error or access rule violation.
+BROKEN_TEXT = "42"
 
 #: The functions, by name: each one file of ``sql/``, kept as PostgreSQL reads it.
 FUNCTION_NAMES = ("budget_tasks_admit", "budget_tasks_finish")

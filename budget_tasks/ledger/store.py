@@ -498,6 +498,15 @@ class Store:
                     "the ledger's database lacks its functions: run `budget-tasks db upgrade`"
                 )
                 self.use_functions = False
+            elif declined.sqlstate.startswith(functions.BROKEN_TEXT):
+                # the statement path still decides every case, only slower: said loudly,
+                # for a function whose text names what the schema does not have
+                log.error(
+                    "a ledger function failed with SQLSTATE %s (its text does not fit this "
+                    "database's schema): the statements run instead; run `budget-tasks db "
+                    "upgrade`",
+                    declined.sqlstate,
+                )
             return None
         assert row is not None
         return row

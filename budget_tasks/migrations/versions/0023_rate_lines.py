@@ -157,7 +157,7 @@ BEGIN
             IF NOT FOUND THEN
                 RAISE EXCEPTION USING ERRCODE = 'BT001', MESSAGE = 'a rate window is short';
             END IF;
-            INSERT INTO rate_takes (key, window_id, taken, due_ms, own)
+            INSERT INTO rate_takes (key, window_id, taken, back_ms, own)
             VALUES (a_key, w.id, want, NULL, w.scope = ANY(r_own));
         END LOOP;
     END IF;
