@@ -148,3 +148,39 @@ def limits_list(ledger_url: str, as_json: bool) -> None:
     calls booked ahead) and how many calls are booked ahead on it."""
     windows = _common.open_ledger(ledger_url).rates.windows()
     _emit(as_json, windows, lambda: _windows_table(windows))
+
+
+class Weight(click.ParamType[int | None]):
+    """A tenant's weight in the rate windows it shares: 1 to 1000, or ``none``."""
+
+    name = "weight"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from ..ledger.budgets import MOST_RATE_WEIGHT
+
+        if value is None or isinstance(value, int):
+            return value
+        if str(value).strip().lower() == "none":
+            return None
+        text = str(value).strip()
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MOST_RATE_WEIGHT:
+            self.fail(
+                f"{value!r} is not a weight from 1 to {MOST_RATE_WEIGHT}, or none", param, ctx
+            )
+        return int(text)
+
+
+@limits.command("weight")
+@ledger_url_option
+@click.argument("budget")
+@click.argument("weight", type=Weight())
+@json_option
+def limits_weight(ledger_url: str, budget: str, weight: int | None, as_json: bool) -> None:
+    """Give BUDGET a WEIGHT (1 to 1000, or none) in the rate windows its calls share:
+    where tenants' calls wait in one window's line, each gets its weight's part while
+    the others wait. The budgets under it that have no weight of their own are part of
+    it; a budget with none anywhere above it is a tenant of weight 1."""
+    _common.open_ledger(ledger_url).rates.set_weight(budget, weight)
+    data = {"budget": budget, "rate_weight": weight}
+    said = f"weight {weight}" if weight is not None else "no weight of its own"
+    _emit(as_json, data, lambda: f"{budget}: {said} in the rate windows its calls share")

@@ -213,3 +213,23 @@ def test_list_shows_what_each_window_holds_after_known_takes_and_a_booking(
     # a fifth of a second later: a refill of 3 a minute shows in thousandths
     clock.advance(seconds=0.2)
     assert run("limits", "list").splitlines()[2].split()[4] == "-0.99"
+
+
+def test_a_tenants_weight_is_set_from_the_command_line_and_a_bad_one_sets_nothing(
+    pg_url: str, pg_ledger: Ledger
+) -> None:
+    pg_ledger.create_budget("acme", 1_000)
+    said = ok(pg_url, "limits", "weight", "acme", "3")
+    assert said == "acme: weight 3 in the rate windows its calls share\n"
+    assert [b.rate_weight for b in pg_ledger.budgets() if b.name == "acme"] == [3]
+    for bad in ("0", "1001", "1.5", "heavy", "\uff11\uff10"):  # full-width 10
+        done = cli(pg_url, "limits", "weight", "acme", bad)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("error: ") and "is not a weight from 1 to 1000" in done.stderr
+    unknown = cli(pg_url, "limits", "weight", "nobody", "2")
+    assert unknown.returncode != 0 and "unknown budget 'nobody'" in unknown.stderr
+    assert as_json(pg_url, "limits", "weight", "acme", "none") == {
+        "budget": "acme",
+        "rate_weight": None,
+    }
+    assert [b.rate_weight for b in pg_ledger.budgets() if b.name == "acme"] == [None]
