@@ -90,9 +90,8 @@ def take_in(
             raise RateAskTooLarge(claim.provider, scope, kind, ask.of(kind), per_minute)
     taken = cur.all(sql.RATE_TAKEN, {"key": key})
     if taken:
-        held = {int(window_id): int(units) for window_id, units, back in taken if back is not None}
-        if held and all(held.get(w[0]) == ask.of(w[2]) for w in windows):
-            _lock(cur, sorted(held))
+        if _booked_for(windows, ask, taken):
+            _lock(cur, sorted(int(window_id) for window_id, _, _ in taken))
             turn = turn_in(cur, key, now_ms)
             if turn is not None and turn.wait_ms > 0:
                 raise RateShort(claim, key, budgets, turn)
@@ -142,7 +141,8 @@ def book_in(
 ) -> Turn:
     """Book ``claim`` for attempt ``key`` in the line of each of its windows (it was
     short), in the caller's transaction, and say when its turn comes. A booking of
-    ``key`` already made keeps its place.
+    ``key`` already made for this ask keeps its place; one for another ask is dropped,
+    and the call joins the line anew.
 
     Each window's level goes below 0 by the ask (at most :data:`BOOKED_MINUTES` of its
     limit: :class:`Unbooked`), and the call takes its place in the window's line:
@@ -151,13 +151,15 @@ def book_in(
     tenants who keep asking share the window by their weights, in order of arrival
     within each."""
     taken = cur.all(sql.RATE_TAKEN, {"key": key})
-    if any(back is not None for _, _, back in taken):
+    if _booked_for(claimed(cur, claim), claim.ask, taken):
         _lock(cur, sorted(int(window_id) for window_id, _, _ in taken))
         turn = turn_in(cur, key, now_ms)
         assert turn is not None
         cur.run(sql.SET_RATE_BACK, {"key": key, "back_ms": now_ms + turn.wait_ms})
         return turn
     if taken:
+        # booked for another ask (the request changed), or left by an attempt never
+        # sent: dropped whole, and the call joins the line anew
         unbooked(cur, key, taken, now_ms)
     share, weight = share_of(cur, budgets)
     for window_id, scope, kind, per_minute in claimed(cur, claim):
@@ -193,6 +195,12 @@ def book_in(
         return Turn(claim.scopes[0], "requests", 0)
     cur.run(sql.SET_RATE_BACK, {"key": key, "back_ms": now_ms + turn.wait_ms})
     return turn
+
+
+def _booked_for(windows: list[Window], ask: RateAsk, taken: list[tuple[Any, ...]]) -> bool:
+    """Whether ``taken`` is a booking of ``ask`` on every one of ``windows``."""
+    held = {int(window_id): int(units) for window_id, units, back in taken if back is not None}
+    return bool(held) and all(held.get(w[0]) == ask.of(w[2]) for w in windows)
 
 
 def share_of(cur: Cursor, budgets: tuple[int, ...]) -> tuple[int, int]:

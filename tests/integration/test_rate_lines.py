@@ -188,14 +188,17 @@ def test_an_answer_stating_a_higher_limit_or_none_never_raises_a_window(
     rated.rates.set_limit("openai", "gpt-4o-mini", "requests", 60)
     for key in ("a", "b", "c"):
         send(rated, key)
-    higher = RateSeen(now_ms(rated), requests=57, requests_limit=10_000)
+    # each answer says fewer remain than the window holds (57): the window narrows,
+    # and its limit is what is in question
+    higher = RateSeen(now_ms(rated), requests=50, requests_limit=10_000)
     rated.calls.settle("a", 1, answered=Answered(counted=RateAsk(1, 0), seen=higher))
-    none_stated = RateSeen(now_ms(rated), requests=57)
+    assert [(w.per_minute, w.available) for w in rated.rates.windows()] == [(60, 50)]
+    none_stated = RateSeen(now_ms(rated), requests=40)
     rated.calls.settle("b", 1, answered=Answered(counted=RateAsk(1, 0), seen=none_stated))
-    lower = RateSeen(now_ms(rated), requests=57, requests_limit=30)
-    assert [w.per_minute for w in rated.rates.windows()] == [60]
+    assert [(w.per_minute, w.available) for w in rated.rates.windows()] == [(60, 40)]
+    lower = RateSeen(now_ms(rated), requests=30, requests_limit=30)
     rated.calls.settle("c", 1, answered=Answered(counted=RateAsk(1, 0), seen=lower))
-    assert [w.per_minute for w in rated.rates.windows()] == [30]
+    assert [(w.per_minute, w.available) for w in rated.rates.windows()] == [(30, 30)]
 
 
 def book_as(ledger: Ledger, budget: str, key: str) -> int:
@@ -262,3 +265,36 @@ def test_a_flooding_tenant_takes_no_more_than_its_share_from_one_that_keeps_aski
     assert len(sent) == 40
     assert sum(key.startswith("a") for key in sent) == sent_by_a
     assert [k for k in sent if k.startswith("a")] == [f"a{n}" for n in range(sent_by_a)]
+
+
+def test_a_tenant_back_from_idling_hoards_no_place_in_the_line(rated: Ledger) -> None:
+    """Tenant a has 40 calls in line; 20 of them are sent; tenant b, idle all along,
+    then comes with 10: its calls take turns with a's from where the line stands, not
+    all ten ahead of a's next call as if b had been in line since the start."""
+    fill(rated, 60)
+    rated.create_budget("a", 1_000_000)
+    rated.create_budget("b", 1_000_000)
+    for n in range(40):
+        book_as(rated, "a", f"a{n}")
+    advance(rated, 20)
+    assert sent_now(rated, [f"a{n}" for n in range(40)], budget="a") == [f"a{n}" for n in range(20)]
+    turns = {f"b{n}": book_as(rated, "b", f"b{n}") for n in range(10)}
+    turns |= {f"a{n}": turn_ms(rated, f"a{n}") for n in range(20, 40)}
+    first = sorted(turns, key=turns.__getitem__)[:10]
+    assert sum(key.startswith("b") for key in first) == 5
+
+
+def test_a_booked_call_that_asks_anew_leaves_its_place_and_the_line_moves_up(
+    rated: Ledger,
+) -> None:
+    """A call that comes back asking something else than it booked (its request
+    changed) gives its booking back whole and joins the line at its end: the calls
+    behind it move up by what it had booked."""
+    rated.rates.set_limit("openai", "*", "tokens", 6_000)
+    send(rated, "first", claim=RateClaim("openai", ("gpt-4o-mini", "*"), RateAsk(1, 6_000)))
+    sizes = {"b1": 3_000, "b2": 1_000, "b3": 1_000}
+    claims = {k: RateClaim("openai", ("gpt-4o-mini", "*"), RateAsk(1, n)) for k, n in sizes.items()}
+    assert [booked(rated, k, claims[k]) for k in sizes] == [30_000, 40_000, 50_000]
+    other = RateClaim("openai", ("gpt-4o-mini", "*"), RateAsk(1, 2_000))
+    assert booked(rated, "b1", other) == 40_000  # behind b2 and b3 now
+    assert [turn_ms(rated, k) for k in ("b2", "b3", "b1")] == [10_000, 20_000, 40_000]

@@ -345,6 +345,14 @@ class RateRules:
                 longest = RateWindowFull(w.scope, w.kind, wait)
         return longest
 
+    def _booked_for(self, key: str, windows: list[RateWindow], ask: dict[str, int]) -> bool:
+        """Rule (a booking is of its ask): ``key`` is booked for ``ask`` on every one of
+        ``windows``; a booking for another ask (a changed request) is dropped whole."""
+        booked = self._booked_rows(key)
+        return bool(booked) and all(
+            w.id in booked and booked[w.id].taken == ask[w.kind] for w in windows
+        )
+
     def _unbook(self, key: str) -> None:
         """Drop what ``key`` booked or took (never sent): all of it back."""
         for window_id, t in self.rate_takes.pop(key, {}).items():
@@ -378,9 +386,7 @@ class RateRules:
         taken = self.rate_takes.get(key)
         if taken:
             booked = self._booked_rows(key)
-            if booked and all(
-                w.id in booked and booked[w.id].taken == ask[w.kind] for w in windows
-            ):
+            if self._booked_for(key, windows, ask):
                 turn = self.turn(key)
                 if turn is not None and turn.wait_ms > 0:
                     return False
@@ -421,7 +427,7 @@ class RateRules:
         booked, and it is told when there would be room in the line). Its place: its
         tenant's last place there, or the line's present if later; each booking moves
         its tenant on by its ask times WEIGHT_SCALE over its weight."""
-        if self._booked_rows(key):
+        if self._booked_for(key, self._claimed(provider, scopes, ask), ask):
             turn = self.turn(key)
             assert turn is not None
             self._told(key, turn.wait_ms)
