@@ -62,13 +62,14 @@ class Services:
     log_dir: Path
     workers: list[Worker] = field(default_factory=list)
 
-    def start_worker(self, name: str, concurrency: int) -> Worker:
+    def start_worker(self, name: str, concurrency: int, queues: Sequence[str] = ()) -> Worker:
         worker = Worker(
             self.env,
             f"{name}-{uuid.uuid4().hex[:6]}",
             self.log_dir,
             concurrency,
             include="benchmarks.bench_tasks",
+            queues=queues,
         )
         self.workers.append(worker)
         return worker.wait_ready()

@@ -68,7 +68,8 @@ class Worker:
     ``pool`` is Celery's ``--pool`` (prefork, threads, solo) and ``max_tasks_per_child``
     its ``--max-tasks-per-child``; ``prefix`` runs it under another command (``unshare
     ... sh -c ...``: a host of its own) that ends by running what follows it; ``command``
-    is ``worker`` or ``beat``.
+    is ``worker`` or ``beat``; ``queues`` the queues it consumes (``-Q``; none: the
+    default one).
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class Worker:
         max_tasks_per_child: int | None = None,
         prefix: Sequence[str] = (),
         command: str = "worker",
+        queues: Sequence[str] = (),
     ):
         self.log_path = log_dir / f"{name}.log"
         self.log = self.log_path.open("w")
@@ -96,6 +98,8 @@ class Worker:
             args += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
             if include:
                 args += ["-I", include]
+            if queues:
+                args += ["-Q", ",".join(queues)]
         else:
             args += ["--schedule", str(log_dir / f"{name}.schedule")]
         self.proc = subprocess.Popen(

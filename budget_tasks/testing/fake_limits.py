@@ -301,6 +301,32 @@ class Limiter:
             buckets = {kind: Bucket(value, now) for kind, value in limits.items()}
             self._scopes[(vendor, model)] = Scope(vendor, model, limits, buckets)
 
+    def change(self, vendor: str, model: str = ANY_MODEL, **limits: int) -> None:
+        """Change limits of ``vendor``'s ``model`` that are set, as a provider changing
+        an account's tier does: each bucket keeps what it holds (never more than its new
+        limit) and refills at the new rate from now."""
+        with self._lock:
+            scope = self._scopes[(vendor, model)]
+            now = self.clock()
+            for kind, value in limits.items():
+                bucket = scope.buckets[kind]
+                bucket.refill(now)
+                bucket.capacity = value
+                bucket.level = min(bucket.level, float(value))
+                scope.limits[kind] = value
+
+    def spend(self, vendor: str, model: str = ANY_MODEL, **amounts: int) -> None:
+        """What other software sharing the quota sent past this client: taken from the
+        buckets of ``vendor``'s ``model`` (they may go below 0: the next request waits
+        for the refill)."""
+        with self._lock:
+            scope = self._scopes[(vendor, model)]
+            now = self.clock()
+            for kind, amount in amounts.items():
+                bucket = scope.buckets[kind]
+                bucket.refill(now)
+                bucket.level -= amount
+
     def clear(self) -> None:
         """Remove every limit."""
         with self._lock:
