@@ -1,14 +1,16 @@
-"""Plant faults in the ledger's server-side functions, one at a time, and run the
-tests that should catch each: the audit behind ``docs/mutations.md``'s second table.
+"""Plant faults in the ledger's server-side functions and its rate windows' rules, one at
+a time, and run the tests that should catch each: the audit behind
+``docs/mutations.md``'s second and later tables.
 
     .venv/bin/python -m tests.model.plant_faults [NUMBER ...]
 
-Each fault is one string replacement in a function's text (``budget_tasks/ledger/sql/``),
-where two or more features meet. The file is restored after each run, also on an interrupt. A
-fault is caught when the tests named beside it fail; the test that freezes the
-functions' text (``test_migrations``) is not among them: it would catch every change
-without saying which rule broke. Prints one line a fault, and exits 1 if one survived.
-Do not run it beside another test run of this checkout: it edits the source.
+Each fault is one string replacement in a function's text (``budget_tasks/ledger/sql/``)
+or in the file it names, where two or more features meet. The file is restored after
+each run, also on an interrupt. A fault is caught when the tests named beside it fail;
+the test that freezes the functions' text (``test_migrations``) is not among them: it
+would catch every change without saying which rule broke. Prints one line a fault, and
+exits 1 if one survived. Do not run it beside another test run of this checkout: it
+edits the source.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ SQL = ROOT / "budget_tasks" / "ledger" / "sql"
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", "--timeout=0"]
 #: The PostgreSQL function path of the tests that run on every path.
 ON_FUNCTIONS = "pg-functions or postgres or not (pg-statements or sqlite)"
+STATEMENTS = "budget_tasks/ledger/statements.py"
+LINES = "tests/integration/test_rate_lines.py"
+ADMISSION = "tests/integration/test_rate_admission.py"
+MODEL = "tests/integration/test_model_stateful.py"
+
+
+#: The statement paths (PostgreSQL's statements, SQLite) of the tests that run on every
+#: path, and those that run on one database only.
+ON_STATEMENTS = "pg-statements or sqlite or not (pg-function or pg-functions or postgres)"
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,10 @@ class Fault:
     tests: tuple[str, ...]
     #: how often the text occurs: the escrowed take is written twice, before and after a draw
     times: int = 1
+    #: the file it is planted in (from the project's root); none: a function of ``sql/``
+    path: str = ""
+    #: which tests of ``tests`` run (``-k``): a function's, its path's
+    select: str = ON_FUNCTIONS
 
 
 FAULTS = (
@@ -118,20 +133,114 @@ FAULTS = (
         "overrun = overrun",
         ("tests/integration/test_features_combined.py", "tests/integration/test_model_stateful.py"),
     ),
+    # -- issue 54: rate windows' lines when the world changes ---------------------------
+    Fault(
+        25,
+        "An answer's headers narrow a window as if no call waited in its line (statement"
+        " path): the calls in line go out into the provider's 429",
+        'ELSE {_SEEN_CAP} END) - booked)"""',
+        'ELSE {_SEEN_CAP} END))"""',
+        (LINES, ADMISSION, MODEL),
+        path=STATEMENTS,
+        select=ON_STATEMENTS,
+    ),
+    Fault(
+        26,
+        "The same in the settlement function",
+        "END) - booked)",
+        "END))",
+        (LINES, MODEL),
+        times=9,
+    ),
+    Fault(
+        27,
+        "A booked call's turn counts only its own ask, not the calls ahead of it in line",
+        "(o.tag < t.tag OR (o.tag = t.tag AND o.arrival <= t.arrival))",
+        "o.key = t.key",
+        (LINES, ADMISSION, MODEL),
+        path=STATEMENTS,
+        select=ON_STATEMENTS,
+    ),
+    Fault(
+        28,
+        "Every call shares its windows as one tenant (a flooding tenant's line first)",
+        "    return (budgets[0] if budgets else 0), DEFAULT_WEIGHT",
+        "    return 0, DEFAULT_WEIGHT",
+        (LINES, ADMISSION),
+        path="budget_tasks/ledger/rate_takes.py",
+        select=ON_STATEMENTS,
+    ),
+    Fault(
+        29,
+        "A booking sent leaves the line's present where it was (a tenant back from idling"
+        " goes ahead of the whole line)",
+        "vtime = CASE WHEN CAST(:tag AS BIGINT) > vtime THEN CAST(:tag AS BIGINT) ELSE vtime END",
+        "vtime = vtime",
+        (LINES, MODEL),
+        path=STATEMENTS,
+        select=ON_STATEMENTS,
+    ),
+    Fault(
+        30,
+        "A booking dropped stays counted in its window's line (the calls behind it are"
+        " told their turns too early)",
+        "    booked = booked - {_BACK}\nWHERE id = :id",
+        "    booked = booked\nWHERE id = :id",
+        (LINES, ADMISSION, MODEL),
+        path=STATEMENTS,
+        select=ON_STATEMENTS,
+    ),
+    Fault(
+        31,
+        "A lowered limit keeps at most an hour of its line (as before issue 54): the rest"
+        " of the calls in line are told turns that never come",
+        "< -excluded.per_minute * 2880000\n        THEN -excluded.per_minute * 2880000 ELSE",
+        "< -excluded.per_minute * 60000\n        THEN -excluded.per_minute * 60000 ELSE",
+        (LINES, ADMISSION, MODEL),
+        path=STATEMENTS,
+        select=ON_STATEMENTS,
+    ),
+    Fault(
+        32,
+        "An answer stating a limit above the window's raises it (settlement function)",
+        "took.own AND stated < per_minute",
+        "took.own AND stated IS NOT NULL",
+        (LINES,),
+        times=12,
+    ),
+    Fault(
+        33,
+        "The same on the statement path",
+        "CAST(:limit AS BIGINT) < per_minute",
+        "CAST(:limit AS BIGINT) IS NOT NULL",
+        (LINES, ADMISSION),
+        path=STATEMENTS,
+        select=ON_STATEMENTS,
+    ),
+    Fault(
+        34,
+        "An answer's rate headers are read at this host's clock, not the ledger's",
+        "            return self.scoped.scope.ledger.now()\n",
+        "            return datetime.now(UTC)\n",
+        ("tests/integration/test_rate_headers_clock.py",),
+        path="budget_tasks/transport/flow.py",
+        select="sqlite or postgres",
+    ),
 )
 
 
 def plant(fault: Fault) -> bool:
-    """Plant one fault, run its tests on the function path; True if they caught it."""
-    holding = [f for f in sorted(SQL.glob("*.sql")) if fault.old in f.read_text()]
+    """Plant one fault, run its tests on its path; True if they caught it."""
+    files = [ROOT / fault.path] if fault.path else sorted(SQL.glob("*.sql"))
+    holding = [f for f in files if fault.old in f.read_text()]
     if len(holding) != 1 or holding[0].read_text().count(fault.old) != fault.times:
-        raise SystemExit(f"fault {fault.number}: its text is not in one function {fault.times}x")
+        raise SystemExit(f"fault {fault.number}: its text is not in one file {fault.times}x")
     (target,) = holding
     original = target.read_text()
     try:
         target.write_text(original.replace(fault.old, fault.new))
         run = subprocess.run(
-            [*PYTEST, "-k", ON_FUNCTIONS, *fault.tests],
+            [*PYTEST, "-k", fault.select, *fault.tests],
             cwd=ROOT,
             capture_output=True,
             text=True,
