@@ -119,7 +119,7 @@ class WorldShape:
 
 
 WORLD_FULL = WorldShape(tasks=220, requests=120, lower_at=20, spend_at=45, spent=30)
-WORLD_QUICK = WorldShape(tasks=70, requests=60, lower_at=4, spend_at=8, spent=5)
+WORLD_QUICK = WorldShape(tasks=66, requests=60, lower_at=3, spend_at=6, spent=4)
 
 
 @dataclass
@@ -348,7 +348,7 @@ class ShareShape:
 
 
 SHARE_FULL = ShareShape(tasks=40, requests=120)
-SHARE_QUICK = ShareShape(tasks=6, requests=60, weights=((1, 1),))
+SHARE_QUICK = ShareShape(tasks=4, requests=60, processes=2, weights=((1, 1),))
 
 
 @dataclass
